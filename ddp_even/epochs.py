@@ -1,0 +1,229 @@
+"""How one epoch runs on one rank, in each of its three shapes.
+
+* ``run_windows``: truncate/cycle; ranks agree once per window of ``sync_every`` batches. The
+  agreement for the next window is started before the last batch of the current one is
+  handed out, so its latency hides behind the training step.
+* ``run_known_lengths``: truncate/cycle when every rank knows its batch count; one agreement
+  at the start of the epoch and none after.
+* ``run_join``: join; each rank hands out all its batches inside ``torch``'s ``Join``, and the
+  loader itself is the first joinable so that ranks that have joined still take part in
+  every window's agreement (errors and mismatches reach them too).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from ddp_even.errors import EmptyShardError, PeerSourceError, RankMismatchError
+from ddp_even.feed import FedBatch, ShardFeed
+from ddp_even.policies import Mode, decide_window
+from ddp_even.protocol import Agreement, Agreer, PendingAgreement, Report
+
+logger = logging.getLogger("ddp_even")
+
+BatchT = TypeVar("BatchT")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every rank must agree on before the first step."""
+
+    mode: Mode
+    steps_per_epoch: int | None
+    # Batches per agreement; None: the whole epoch (known lengths).
+    sync_every: int | None
+
+    def describe(self) -> str:
+        return (
+            f"mode={self.mode.value} steps_per_epoch={self.steps_per_epoch} "
+            f"sync_every={self.sync_every if self.sync_every is not None else 'epoch'}"
+        )
+
+    @property
+    def fingerprint(self) -> int:
+        digest = hashlib.blake2b(self.describe().encode(), digest_size=7).digest()
+        return int.from_bytes(digest, "big")
+
+    def window(self, steps_done: int) -> int | None:
+        """The most batches any rank offers in the next agreement."""
+        remaining = None if self.steps_per_epoch is None else self.steps_per_epoch - steps_done
+        if self.sync_every is None:
+            return remaining
+        return self.sync_every if remaining is None else min(self.sync_every, remaining)
+
+
+@dataclass
+class EpochRun(Generic[BatchT]):
+    """Everything one rank's epoch needs: who to agree with, what to read, how to hand out."""
+
+    settings: Settings
+    agreer: Agreer
+    feed: ShardFeed[BatchT]
+    epoch: int
+    # Counts a batch and marks the loader as repeating or not; returns the batch.
+    hand_out: Callable[[FedBatch[BatchT]], BatchT]
+    steps_done: int = 0
+    # The epoch's step count, once it is known up front (known lengths).
+    agreed_steps: int | None = None
+
+    def report(self, available: int, own_available: int) -> Report:
+        failure = self.feed.failure
+        return Report(
+            rank=self.agreer.rank,
+            epoch=self.epoch,
+            fingerprint=self.settings.fingerprint,
+            settings=self.settings.describe(),
+            available=available,
+            own_available=own_available,
+            empty_shard=self.settings.mode.restarts_short_shards and self.feed.empty_shard,
+            failed=failure is not None,
+            failure=None if failure is None else (type(failure).__name__, str(failure)),
+        )
+
+    def offer_buffered(self, window: int) -> tuple[Report, PendingAgreement]:
+        self.feed.fill(window)
+        report = self.report(self.feed.buffered, self.feed.own_buffered)
+        return report, self.agreer.start(report)
+
+    def check(self, report: Report, agreement: Agreement) -> None:
+        """Raise the same error on every rank when the agreement carries a problem."""
+        if not agreement.has_problem:
+            return
+        reports = self.agreer.gather_reports(report)
+        if agreement.epochs_differ or agreement.settings_differ:
+            described = "; ".join(
+                f"rank {peer.rank}: epoch {peer.epoch}, {peer.settings}" for peer in reports
+            )
+            raise RankMismatchError(
+                "ranks are not running the same loop; construct EvenLoader with the same mode, "
+                f"steps_per_epoch and sync_every on every rank and iterate it once per epoch "
+                f"everywhere ({described})"
+            )
+        if agreement.failed_rank is not None:
+            if self.feed.failure is not None:
+                raise self.feed.failure
+            failed = next(peer for peer in reports if peer.failed)
+            assert failed.failure is not None
+            raise PeerSourceError(failed.rank, *failed.failure, step=self.steps_done)
+        raise EmptyShardError(tuple(peer.rank for peer in reports if peer.empty_shard))
+
+
+def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
+    window = run.settings.window(0)
+    assert window is not None
+    report, first = run.offer_buffered(window)
+    pending: PendingAgreement | None = first
+    try:
+        while pending is not None:
+            agreement = pending.wait()
+            pending = None
+            run.check(report, agreement)
+            decision = decide_window(
+                run.settings.mode, agreement, window, run.steps_done, run.settings.steps_per_epoch
+            )
+            batches = run.feed.take(decision.steps)
+            run.steps_done += decision.steps
+            for index, fed in enumerate(batches):
+                if index == len(batches) - 1 and not decision.last:
+                    window = run.settings.window(run.steps_done)
+                    assert window is not None
+                    report, pending = run.offer_buffered(window)
+                yield run.hand_out(fed)
+            if decision.last:
+                return
+    finally:
+        if pending is not None:
+            # Every rank started this agreement, so it completes; waiting leaves nothing
+            # in flight when the consumer stops early on every rank.
+            pending.wait()
+
+
+def run_known_lengths(run: EpochRun[BatchT], own_batches: int) -> Iterator[BatchT]:
+    window = run.settings.window(0)
+    report = run.report(own_batches, own_batches)
+    agreement = run.agreer.start(report).wait()
+    run.check(report, agreement)
+    decision = decide_window(run.settings.mode, agreement, window, 0, run.settings.steps_per_epoch)
+    run.agreed_steps = decision.steps
+    logger.debug("epoch %d: %d steps agreed from known lengths", run.epoch, decision.steps)
+    for _ in range(decision.steps):
+        run.steps_done += 1
+        yield run.hand_out(run.feed.take_one_now())
+
+
+class _LoaderJoinable(Joinable):
+    """The loader's place in ``Join``: first, so its per-window agreement is shadowed too."""
+
+    def __init__(
+        self, device: torch.device, process_group: Any, shadow_step: Callable[[], None]
+    ) -> None:
+        super().__init__()
+        self._device = device
+        self._process_group = process_group
+        self._shadow_step = shadow_step
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _ShadowHook(self._shadow_step)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._process_group
+
+
+class _ShadowHook(JoinHook):
+    def __init__(self, shadow_step: Callable[[], None]) -> None:
+        self._shadow_step = shadow_step
+
+    def main_hook(self) -> None:
+        self._shadow_step()
+
+
+def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[BatchT]:
+    window = run.settings.sync_every
+    assert window is not None
+
+    def shadow_step() -> None:
+        # This rank has joined; it still takes part in the agreements of the ranks that
+        # have not, at the same steps they hold them.
+        if run.steps_done % window == 0:
+            report = run.report(0, 0)
+            run.check(report, run.agreer.start(report).wait())
+        run.steps_done += 1
+
+    loader_joinable = _LoaderJoinable(
+        joinables[0].join_device, joinables[0].join_process_group, shadow_step
+    )
+    with Join([loader_joinable, *joinables]):
+        try:
+            while True:
+                run.feed.fill(window)
+                if run.feed.buffered == 0 and run.feed.failure is None:
+                    break
+                Join.notify_join_context(loader_joinable)
+                report = run.report(run.feed.buffered, run.feed.own_buffered)
+                run.check(report, run.agreer.start(report).wait())
+                batches = run.feed.take(run.feed.buffered)
+                for index, fed in enumerate(batches):
+                    if index > 0:
+                        Join.notify_join_context(loader_joinable)
+                    run.steps_done += 1
+                    yield run.hand_out(fed)
+                if len(batches) < window:
+                    break
+        except GeneratorExit:
+            # The consumer stopped (a `break` on every rank at the same step): leave through
+            # Join's normal exit below, which releases the ranks that joined earlier.
+            if sys.is_finalizing():
+                raise

@@ -1,0 +1,150 @@
+"""One rank's reading of its shard during one epoch: look-ahead buffer, restarts, failures.
+
+The feed reads ahead (up to one window) so that, before a window's agreement, a rank knows
+how many batches it can hand out; a source that raises is caught here and reported at the
+agreement instead of leaving the other ranks waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from ddp_even.errors import EvenLoaderError
+from ddp_even.sources import ShardPass, ShardSource
+
+logger = logging.getLogger("ddp_even")
+
+BatchT = TypeVar("BatchT")
+
+
+@dataclass(frozen=True)
+class FedBatch(Generic[BatchT]):
+    batch: BatchT
+    # Which pass over the shard it came from: 1 for the rank's own data, more for repeats.
+    pass_number: int
+    count_samples: Callable[[BatchT], int | None]
+
+    @property
+    def repeated(self) -> bool:
+        return self.pass_number > 1
+
+
+class _ShardEnded(Exception):
+    pass
+
+
+class ShardFeed(Generic[BatchT]):
+    """Batches of one rank's shard for one epoch, read ahead into a buffer."""
+
+    def __init__(self, source: ShardSource[BatchT], restarts: bool) -> None:
+        self._source = source
+        self._restarts = restarts
+        self._pass: ShardPass[BatchT] | None = None
+        # Passes started; at the end of a cycle epoch the last one may go unused, since
+        # ranks read ahead before they know that the epoch ends.
+        self.passes_started = 0
+        self._batches_in_pass = 0
+        self._buffer: deque[FedBatch[BatchT]] = deque()
+        # Batches read from the first pass so far, and whether that pass has ended.
+        self.own_read = 0
+        self.own_ended = False
+        # The exception the source raised, kept until every rank has heard of it.
+        self.failure: BaseException | None = None
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    @property
+    def own_buffered(self) -> int:
+        return sum(1 for item in self._buffer if not item.repeated)
+
+    @property
+    def empty_shard(self) -> bool:
+        return self.own_ended and self.own_read == 0
+
+    def fill(self, target: int) -> None:
+        """Read until ``target`` batches are buffered, the shard ends, or the source raises."""
+        while len(self._buffer) < target and self.failure is None:
+            try:
+                self._buffer.append(self._read_one())
+            except _ShardEnded:
+                return
+            except Exception as error:  # any failure of user code must reach every rank
+                logger.debug("the data source raised %r", error)
+                self.failure = error
+
+    def take(self, count: int) -> list[FedBatch[BatchT]]:
+        return [self._buffer.popleft() for _ in range(count)]
+
+    def take_one_now(self) -> FedBatch[BatchT]:
+        """Read one batch with no agreement to report to: raise what the source raises."""
+        self.fill(1)
+        if self.failure is not None:
+            raise self.failure
+        if not self._buffer:
+            raise EvenLoaderError(
+                "the source ended before the number of batches its length promised; set "
+                "sync_every=1 (or more) so that ranks agree as they go instead of trusting len()"
+            )
+        return self._buffer.popleft()
+
+    def had_more_own_data(self) -> bool:
+        """Whether the first pass still had batches when the epoch stopped (reads one to check)."""
+        if any(not item.repeated for item in self._buffer):
+            return True
+        if self.own_ended or self.failure is not None or self.passes_started != 1:
+            return False
+        try:
+            self._buffer.append(self._read_one())
+        except _ShardEnded:
+            return False
+        except Exception as error:
+            logger.warning("reading past the end of the epoch raised %r", error)
+            return False
+        return True
+
+    def close(self) -> None:
+        if self._pass is not None:
+            self._pass.close()
+            self._pass = None
+        self._buffer.clear()
+
+    def _read_one(self) -> FedBatch[BatchT]:
+        while True:
+            if self._pass is None:
+                self._open_pass()
+            assert self._pass is not None
+            try:
+                batch = next(self._pass)
+            except StopIteration:
+                self._end_pass()
+                continue
+            self._batches_in_pass += 1
+            if self.passes_started == 1:
+                self.own_read += 1
+            return FedBatch(batch, self.passes_started, self._pass.count_samples)
+
+    def _open_pass(self) -> None:
+        if self.passes_started >= 1 and not (self._restarts and self.own_read > 0):
+            raise _ShardEnded
+        self._pass = self._source.open_pass()
+        self.passes_started += 1
+        self._batches_in_pass = 0
+
+    def _end_pass(self) -> None:
+        assert self._pass is not None
+        self._pass.close()
+        self._pass = None
+        if self.passes_started == 1:
+            self.own_ended = True
+        elif self._batches_in_pass == 0:
+            raise EvenLoaderError(
+                f"pass {self.passes_started} over this rank's shard yielded nothing although the "
+                f"first pass yielded {self.own_read} batch(es): the source must give the same "
+                "data on every pass to be cycled"
+            )

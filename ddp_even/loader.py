@@ -1,0 +1,222 @@
+"""``EvenLoader``: the loader the user already has, with the same number of steps on every rank."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable
+
+from ddp_even.epochs import EpochRun, Settings, run_join, run_known_lengths, run_windows
+from ddp_even.feed import FedBatch, ShardFeed
+from ddp_even.policies import Mode
+from ddp_even.protocol import Agreer, CollectiveAgreer, SoloAgreer, control_group_for
+from ddp_even.sources import as_source
+from ddp_even.stats import EpochStats, RankCounts, gather_epoch_stats
+
+logger = logging.getLogger("ddp_even")
+
+BatchT = TypeVar("BatchT")
+
+DEFAULT_TIMEOUT_SECONDS = 300.0
+
+
+class EvenLoader(Generic[BatchT]):
+    r"""Wraps a rank's data loader so that every DDP rank takes the same number of steps.
+
+    Each ``for`` over the loader is one epoch. Before handing out batches, the ranks agree
+    (one small all-reduce on a CPU gloo group, overlapped with the training step) on how many
+    steps to take, so no rank ever waits in a collective the others will not enter.
+
+    Args:
+        source: this rank's data: a ``petastorm.pytorch.DataLoader`` or ``BatchedDataLoader``,
+            a petastorm reader (``make_reader`` / ``make_batch_reader``), any re-iterable
+            iterable (a list, a ``torch.utils.data.DataLoader``), a one-shot iterator
+            (truncate and join, one epoch), or a factory returning a fresh iterable for one
+            pass over the shard. Each epoch starts the source afresh.
+        mode: ``"truncate"`` (every rank stops where the shortest shard ends), ``"cycle"``
+            (short shards start again until the longest ends, or for ``steps_per_epoch``
+            steps) or ``"join"`` (every rank yields all its batches; ranks that finish early
+            shadow the others' DDP all-reduces through ``torch``'s ``Join``).
+        steps_per_epoch: a cap on the steps of an epoch (truncate) or the exact number of
+            steps (cycle). Not allowed in join mode.
+        sync_every: batches per agreement. ``None`` (default): agree once per epoch when the
+            source's length is known (a list, a map-style ``DataLoader``), else every batch.
+            ``K > 1`` reads up to ``K`` batches ahead and agrees once per ``K`` steps.
+        group: the training's process group (default: the world group).
+        joinables: join mode only, and required there: the DDP model and any other
+            :class:`~torch.distributed.algorithms.join.Joinable` (e.g. a
+            ``ZeroRedundancyOptimizer``) whose collectives joined ranks must shadow.
+        timeout: seconds a rank waits for the others at an agreement before raising
+            :class:`~ddp_even.PeerTimeoutError`.
+
+    Attributes:
+        stats: the :class:`EpochStats` of the last epoch that ran to its end.
+        history: the stats of every such epoch, in order.
+        repeating: True while the batch last handed out comes from a restarted pass (cycle).
+
+    Example, run on every rank (``examples/train.py`` is the whole script)::
+
+        def one_pass():
+            reader = make_reader(url, num_epochs=1, cur_shard=rank, shard_count=world_size)
+            return DataLoader(reader, batch_size=64)
+
+        loader = EvenLoader(one_pass, mode="cycle")
+        for epoch in range(3):
+            for batch in loader:
+                loss = ddp_model(batch["x"]).sum()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            print(loader.stats.summary())
+
+    Without a process group (or with one rank) it passes batches through and still counts::
+
+        >>> loader = EvenLoader([[1, 2], [3], [4, 5]], mode="cycle", steps_per_epoch=5)
+        >>> [batch for batch in loader]
+        [[1, 2], [3], [4, 5], [1, 2], [3]]
+        >>> loader.stats.repeated_batches, loader.stats.samples
+        ((2,), (8,))
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        mode: str = "truncate",
+        *,
+        steps_per_epoch: int | None = None,
+        sync_every: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        joinables: Sequence[Joinable] = (),
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    ) -> None:
+        self.mode = Mode.parse(mode)
+        _check_positive_int("steps_per_epoch", steps_per_epoch)
+        _check_positive_int("sync_every", sync_every)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup, got {group!r}")
+        joinables = tuple(joinables)
+        for joinable in joinables:
+            if not isinstance(joinable, Joinable):
+                raise TypeError(
+                    f"joinables must be torch Joinable objects (a DDP model, a "
+                    f"ZeroRedundancyOptimizer), got {type(joinable).__name__}"
+                )
+        if self.mode is Mode.JOIN:
+            if steps_per_epoch is not None:
+                raise ValueError(
+                    "join mode yields every batch of every rank, so it takes no steps_per_epoch; "
+                    "use mode='truncate' or mode='cycle' for a fixed number of steps"
+                )
+            if not joinables:
+                raise ValueError(
+                    "join mode needs joinables=[ddp_model, ...]: the DDP model (and e.g. a "
+                    "ZeroRedundancyOptimizer) whose all-reduces ranks that finish early shadow"
+                )
+        elif joinables:
+            raise ValueError(f"joinables are only used in join mode, not in {self.mode.value!r}")
+        self._source = as_source(source)
+        if self.mode.restarts_short_shards and not self._source.restartable:
+            raise TypeError(
+                "cycle mode starts short shards again, which a one-shot iterator cannot do; "
+                "pass a factory instead, e.g. lambda: DataLoader(make_reader(url, num_epochs=1, "
+                "cur_shard=rank, shard_count=world_size), batch_size=64)"
+            )
+        self._steps_per_epoch = steps_per_epoch
+        self._sync_every = sync_every
+        self._group = group
+        self._joinables = joinables
+        self._timeout = float(timeout)
+        self._agreer: Agreer | None = None
+        self._next_epoch = 0
+        self._running: Generator[BatchT, None, None] | None = None
+        self._current_run: EpochRun[BatchT] | None = None
+        self.history: list[EpochStats] = []
+        self.repeating = False
+
+    @property
+    def stats(self) -> EpochStats:
+        if not self.history:
+            raise RuntimeError("no epoch has run to its end yet: iterate the loader first")
+        return self.history[-1]
+
+    def __len__(self) -> int:
+        steps = None if self._current_run is None else self._current_run.agreed_steps
+        if steps is None:
+            raise TypeError(
+                "the number of steps is known only when every rank's source has a known "
+                "length (a list, a map-style DataLoader), once the epoch has started"
+            )
+        return steps
+
+    def __iter__(self) -> Iterator[BatchT]:
+        if self._running is not None:
+            # An epoch left unfinished (a break, an exception) is closed before the next.
+            self._running.close()
+        epoch = self._next_epoch
+        self._next_epoch += 1
+        self._running = self._run_epoch(epoch)
+        return self._running
+
+    def _run_epoch(self, epoch: int) -> Generator[BatchT, None, None]:
+        agreer = self._agreer_for_this_process()
+        counts = RankCounts()
+        feed: ShardFeed[BatchT] = ShardFeed(self._source, self.mode.restarts_short_shards)
+        known_batches = self._known_batches()
+        settings = Settings(
+            self.mode,
+            self._steps_per_epoch,
+            None if known_batches is not None else (self._sync_every or 1),
+        )
+
+        def hand_out(fed: FedBatch[BatchT]) -> BatchT:
+            counts.count_batch(fed.pass_number, fed.count_samples(fed.batch))
+            self.repeating = fed.repeated
+            return fed.batch
+
+        run = EpochRun(settings, agreer, feed, epoch, hand_out)
+        self._current_run = run
+        try:
+            if known_batches is not None:
+                yield from run_known_lengths(run, known_batches)
+                counts.truncated = known_batches > counts.own_batches
+            elif self.mode is Mode.JOIN and agreer.world_size > 1:
+                yield from run_join(run, self._joinables)
+            else:
+                yield from run_windows(run)
+                counts.truncated = feed.had_more_own_data()
+            counts.passes = max(counts.passes, min(feed.passes_started, 1))
+            self.history.append(gather_epoch_stats(agreer, counts, epoch, self.mode.value))
+        finally:
+            self.repeating = False
+            feed.close()
+
+    def _known_batches(self) -> int | None:
+        if self._sync_every is not None or self.mode is Mode.JOIN:
+            return None
+        return self._source.known_batches()
+
+    def _agreer_for_this_process(self) -> Agreer:
+        if self._agreer is None:
+            if (
+                not (dist.is_available() and dist.is_initialized())
+                or dist.get_world_size(self._group) == 1
+            ):
+                self._agreer = SoloAgreer()
+            else:
+                control = control_group_for(self._group, self._timeout)
+                self._agreer = CollectiveAgreer(control, self._timeout)
+        return self._agreer
+
+
+def _check_positive_int(name: str, value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int or None, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
