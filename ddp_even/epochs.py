@@ -26,6 +26,7 @@ from ddp_even.errors import EmptyShardError, PeerSourceError, RankMismatchError
 from ddp_even.feed import FedBatch, ShardFeed
 from ddp_even.policies import Mode, decide_window
 from ddp_even.protocol import Agreement, Agreer, PendingAgreement, Report
+from ddp_even.stats import EpochStats, RankCounts, gather_epoch_stats
 
 logger = logging.getLogger("ddp_even")
 
@@ -68,11 +69,27 @@ class EpochRun(Generic[BatchT]):
     agreer: Agreer
     feed: ShardFeed[BatchT]
     epoch: int
-    # Counts a batch and marks the loader as repeating or not; returns the batch.
-    hand_out: Callable[[FedBatch[BatchT]], BatchT]
+    counts: RankCounts
+    # Tells the loader whether the batch being handed out is a repeat.
+    mark_repeating: Callable[[bool], None]
+    # Keeps the gathered statistics of a finished epoch.
+    record: Callable[[EpochStats], None]
     steps_done: int = 0
     # The epoch's step count, once it is known up front (known lengths).
     agreed_steps: int | None = None
+
+    def hand_out(self, fed: FedBatch[BatchT]) -> BatchT:
+        self.counts.count_batch(fed.pass_number, fed.count_samples(fed.batch))
+        self.mark_repeating(fed.repeated)
+        return fed.batch
+
+    def finish(self, had_more_own_data: bool) -> None:
+        """Gather the statistics; called at a point every rank reaches."""
+        self.counts.truncated = had_more_own_data
+        # A rank that handed out nothing still started its source once.
+        self.counts.passes = max(self.counts.passes, min(self.feed.passes_started, 1))
+        mode = self.settings.mode.value
+        self.record(gather_epoch_stats(self.agreer, self.counts, self.epoch, mode))
 
     def report(self, available: int, own_available: int) -> Report:
         failure = self.feed.failure
@@ -138,6 +155,7 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
                     report, pending = run.offer_buffered(window)
                 yield run.hand_out(fed)
             if decision.last:
+                run.finish(run.feed.had_more_own_data())
                 return
     finally:
         if pending is not None:
@@ -157,6 +175,7 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int) -> Iterator[Batch
     for _ in range(decision.steps):
         run.steps_done += 1
         yield run.hand_out(run.feed.take_one_now())
+    run.finish(own_batches > run.counts.own_batches)
 
 
 class _LoaderJoinable(Joinable):
@@ -224,6 +243,8 @@ def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[B
                     break
         except GeneratorExit:
             # The consumer stopped (a `break` on every rank at the same step): leave through
-            # Join's normal exit below, which releases the ranks that joined earlier.
+            # Join's normal exit below, which releases the ranks that joined earlier; they
+            # then gather the statistics, so this rank does too.
             if sys.is_finalizing():
                 raise
+    run.finish(run.feed.had_more_own_data())

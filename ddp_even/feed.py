@@ -100,7 +100,7 @@ class ShardFeed(Generic[BatchT]):
         if self.own_ended or self.failure is not None or self.passes_started != 1:
             return False
         try:
-            self._buffer.append(self._read_one())
+            self._buffer.append(self._read_one(may_restart=False))
         except _ShardEnded:
             return False
         except Exception as error:
@@ -114,10 +114,10 @@ class ShardFeed(Generic[BatchT]):
             self._pass = None
         self._buffer.clear()
 
-    def _read_one(self) -> FedBatch[BatchT]:
+    def _read_one(self, may_restart: bool = True) -> FedBatch[BatchT]:
         while True:
             if self._pass is None:
-                self._open_pass()
+                self._open_pass(may_restart)
             assert self._pass is not None
             try:
                 batch = next(self._pass)
@@ -129,8 +129,9 @@ class ShardFeed(Generic[BatchT]):
                 self.own_read += 1
             return FedBatch(batch, self.passes_started, self._pass.count_samples)
 
-    def _open_pass(self) -> None:
-        if self.passes_started >= 1 and not (self._restarts and self.own_read > 0):
+    def _open_pass(self, may_restart: bool) -> None:
+        restart_allowed = may_restart and self._restarts and self.own_read > 0
+        if self.passes_started >= 1 and not restart_allowed:
             raise _ShardEnded
         self._pass = self._source.open_pass()
         self.passes_started += 1

@@ -10,11 +10,11 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
 from ddp_even.epochs import EpochRun, Settings, run_join, run_known_lengths, run_windows
-from ddp_even.feed import FedBatch, ShardFeed
+from ddp_even.feed import ShardFeed
 from ddp_even.policies import Mode
 from ddp_even.protocol import Agreer, CollectiveAgreer, SoloAgreer, control_group_for
 from ddp_even.sources import as_source
-from ddp_even.stats import EpochStats, RankCounts, gather_epoch_stats
+from ddp_even.stats import EpochStats, RankCounts
 
 logger = logging.getLogger("ddp_even")
 
@@ -163,37 +163,32 @@ class EvenLoader(Generic[BatchT]):
         return self._running
 
     def _run_epoch(self, epoch: int) -> Generator[BatchT, None, None]:
-        agreer = self._agreer_for_this_process()
-        counts = RankCounts()
         feed: ShardFeed[BatchT] = ShardFeed(self._source, self.mode.restarts_short_shards)
         known_batches = self._known_batches()
-        settings = Settings(
-            self.mode,
-            self._steps_per_epoch,
-            None if known_batches is not None else (self._sync_every or 1),
+        sync_every = None if known_batches is not None else (self._sync_every or 1)
+        run = EpochRun(
+            settings=Settings(self.mode, self._steps_per_epoch, sync_every),
+            agreer=self._agreer_for_this_process(),
+            feed=feed,
+            epoch=epoch,
+            counts=RankCounts(),
+            mark_repeating=self._mark_repeating,
+            record=self.history.append,
         )
-
-        def hand_out(fed: FedBatch[BatchT]) -> BatchT:
-            counts.count_batch(fed.pass_number, fed.count_samples(fed.batch))
-            self.repeating = fed.repeated
-            return fed.batch
-
-        run = EpochRun(settings, agreer, feed, epoch, hand_out)
         self._current_run = run
         try:
             if known_batches is not None:
                 yield from run_known_lengths(run, known_batches)
-                counts.truncated = known_batches > counts.own_batches
-            elif self.mode is Mode.JOIN and agreer.world_size > 1:
+            elif self.mode is Mode.JOIN and run.agreer.world_size > 1:
                 yield from run_join(run, self._joinables)
             else:
                 yield from run_windows(run)
-                counts.truncated = feed.had_more_own_data()
-            counts.passes = max(counts.passes, min(feed.passes_started, 1))
-            self.history.append(gather_epoch_stats(agreer, counts, epoch, self.mode.value))
         finally:
             self.repeating = False
             feed.close()
+
+    def _mark_repeating(self, repeating: bool) -> None:
+        self.repeating = repeating
 
     def _known_batches(self) -> int | None:
         if self._sync_every is not None or self.mode is Mode.JOIN:

@@ -47,9 +47,7 @@ def expected_batches(scenario: Scenario, rank: int) -> list[list[int]]:
         if scenario.steps_per_epoch is not None:
             steps = min(steps, scenario.steps_per_epoch)
         return own[:steps]
-    steps = (
-        max(scenario.lengths) if scenario.steps_per_epoch is None else scenario.steps_per_epoch
-    )
+    steps = max(scenario.lengths) if scenario.steps_per_epoch is None else scenario.steps_per_epoch
     return [own[index % len(own)] for index in range(steps)] if own else []
 
 
@@ -89,7 +87,7 @@ class Outcome:
 
 
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
-    inputs = torch.tensor(batch, dtype=torch.float32).reshape(-1, 1)
+    inputs = torch.tensor(batch, dtype=torch.float32).reshape(-1, 1) / 1000
     loss = model(inputs).pow(2).mean()
     optimizer.zero_grad()
     loss.backward()
@@ -122,8 +120,10 @@ def run_scenario(scenario: Scenario, rank: int) -> Outcome:
                     break
             outcome.epochs.append(seen)
             outcome.repeating.append(flags)
-            finished = len(loader.history) > len(outcome.stats)
-            outcome.stats.append(dataclasses.asdict(loader.stats) if finished else {})
+        # An epoch left early is closed when the next one starts; only then (and only in
+        # join mode) are its statistics gathered.
+        gathered = {stats.epoch: dataclasses.asdict(stats) for stats in loader.history}
+        outcome.stats = [gathered.get(epoch, {}) for epoch in range(scenario.epochs)]
     except (EvenLoaderError, OSError, TypeError, ValueError) as error:
         outcome.error = (type(error).__name__, str(error))
     outcome.final_weight = [param.item() for param in model.module.parameters()]
