@@ -41,12 +41,18 @@ class Settings:
     steps_per_epoch: int | None
     # Batches per agreement; None: the whole epoch (known lengths).
     sync_every: int | None
+    # Every rank's planned batches, when the loader has a shard plan.
+    planned_batches: tuple[int, ...] | None = None
 
     def describe(self) -> str:
-        return (
+        described = (
             f"mode={self.mode.value} steps_per_epoch={self.steps_per_epoch} "
             f"sync_every={self.sync_every if self.sync_every is not None else 'epoch'}"
         )
+        if self.planned_batches is not None:
+            digest = hashlib.blake2b(repr(self.planned_batches).encode(), digest_size=4)
+            described += f" plan={digest.hexdigest()}"
+        return described
 
     @property
     def fingerprint(self) -> int:

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Iterator, Sequence
-from typing import Any, Generic, TypeVar
+import os
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
 from ddp_even.epochs import EpochRun, Settings, run_join, run_known_lengths, run_windows
 from ddp_even.feed import ShardFeed
-from ddp_even.policies import Mode
-from ddp_even.protocol import Agreer, CollectiveAgreer, SoloAgreer, control_group_for
+from ddp_even.policies import Mode, decide_window
+from ddp_even.protocol import Agreement, Agreer, CollectiveAgreer, SoloAgreer, control_group_for
 from ddp_even.sources import as_source
 from ddp_even.stats import EpochStats, RankCounts
+
+if TYPE_CHECKING:
+    from ddp_even.plan import ShardPlan
 
 logger = logging.getLogger("ddp_even")
 
@@ -51,6 +55,10 @@ class EvenLoader(Generic[BatchT]):
             ``ZeroRedundancyOptimizer``) whose collectives joined ranks must shadow.
         timeout: seconds a rank waits for the others at an agreement before raising
             :class:`~ddp_even.PeerTimeoutError`.
+        plan: a :class:`~ddp_even.plan.ShardPlan` of the dataset this rank reads (from
+            :func:`~ddp_even.plan.plan_for_dataset`, no row predicate): every rank's batch
+            count is then known up front, ``len()`` answers before the first step, and the
+            rows read are checked against the plan after each epoch.
 
     Attributes:
         stats: the :class:`EpochStats` of the last epoch that ran to its end.
@@ -91,6 +99,7 @@ class EvenLoader(Generic[BatchT]):
         group: dist.ProcessGroup | None = None,
         joinables: Sequence[Joinable] = (),
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        plan: ShardPlan | None = None,
     ) -> None:
         self.mode = Mode.parse(mode)
         _check_positive_int("steps_per_epoch", steps_per_epoch)
@@ -119,6 +128,8 @@ class EvenLoader(Generic[BatchT]):
                 )
         elif joinables:
             raise ValueError(f"joinables are only used in join mode, not in {self.mode.value!r}")
+        if plan is not None and not hasattr(plan, "batches_per_rank"):
+            raise TypeError(f"plan must be a ddp_even.plan.ShardPlan, got {type(plan).__name__}")
         self._source = as_source(source)
         if self.mode.restarts_short_shards and not self._source.restartable:
             raise TypeError(
@@ -131,12 +142,82 @@ class EvenLoader(Generic[BatchT]):
         self._group = group
         self._joinables = joinables
         self._timeout = float(timeout)
+        self._plan = plan
         self._agreer: Agreer | None = None
         self._next_epoch = 0
         self._running: Generator[BatchT, None, None] | None = None
         self._current_run: EpochRun[BatchT] | None = None
         self.history: list[EpochStats] = []
         self.repeating = False
+
+    @classmethod
+    def from_parquet(
+        cls,
+        dataset: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        batch_size: int,
+        mode: str = "truncate",
+        *,
+        balanced: bool = False,
+        loader: Literal["batched_dataloader", "dataloader"] = "batched_dataloader",
+        reader: Literal["batch", "row"] = "batch",
+        reader_kwargs: Mapping[str, Any] | None = None,
+        loader_kwargs: Mapping[str, Any] | None = None,
+        steps_per_epoch: int | None = None,
+        sync_every: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        joinables: Sequence[Joinable] = (),
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    ) -> EvenLoader[Any]:
+        """One line for the common case: this rank's petastorm loader, planned from footers.
+
+        Plans the shards from the Parquet footers (no data read), builds a fresh petastorm
+        reader (``make_batch_reader``, or ``make_reader`` with ``reader="row"``) and
+        ``BatchedDataLoader`` (or ``DataLoader``) for each pass over this rank's shard, and
+        knows every rank's batch count up front: no per-step collective, ``len()`` answers
+        before the first step, and :class:`EpochStats` says exactly what each rank dropped.
+        ``balanced=True`` assigns whole row groups so that rows per rank are as even as row
+        groups allow, instead of petastorm's round robin. Rank and world size come from the
+        process group. Row predicates are refused: they make counts unknowable up front (wrap
+        your own reader factory in :class:`EvenLoader` instead).
+
+        Example, on every rank::
+
+            loader = EvenLoader.from_parquet("file:///data/train", batch_size=64,
+                                             mode="truncate", balanced=True,
+                                             reader_kwargs={"workers_count": 4})
+            print(len(loader))          # steps per epoch, the same on every rank
+            for batch in loader:
+                ...
+        """
+        if loader not in ("batched_dataloader", "dataloader"):
+            raise ValueError(
+                f"loader must be 'batched_dataloader' or 'dataloader', got {loader!r}: "
+                "EvenLoader counts batches, so the rows must be batched"
+            )
+        from ddp_even.petastorm_readers import make_shard_factory
+
+        rank, world_size = _rank_and_world_size(group)
+        plan, factory = make_shard_factory(
+            dataset,
+            rank,
+            world_size,
+            batch_size,
+            balanced=balanced,
+            loader=loader,
+            reader=reader,
+            reader_kwargs=reader_kwargs,
+            loader_kwargs=loader_kwargs,
+        )
+        return cls(
+            factory,
+            mode,
+            steps_per_epoch=steps_per_epoch,
+            sync_every=sync_every,
+            group=group,
+            joinables=joinables,
+            timeout=timeout,
+            plan=plan,
+        )
 
     @property
     def stats(self) -> EpochStats:
@@ -145,13 +226,45 @@ class EvenLoader(Generic[BatchT]):
         return self.history[-1]
 
     def __len__(self) -> int:
+        if self._plan is not None:
+            return self._planned_steps(self._plan)
         steps = None if self._current_run is None else self._current_run.agreed_steps
         if steps is None:
             raise TypeError(
-                "the number of steps is known only when every rank's source has a known "
-                "length (a list, a map-style DataLoader), once the epoch has started"
+                "the number of steps is known only with a shard plan (plan=..., from_parquet), "
+                "or once an epoch has started when every rank's source has a known length "
+                "(a list, a map-style DataLoader)"
             )
         return steps
+
+    def _planned_steps(self, plan: ShardPlan) -> int:
+        """This rank's steps per epoch from the plan alone, by the rule the epoch applies."""
+        rank = self._rank_for_plan(plan)
+        if self.mode is Mode.JOIN:
+            return plan.batches_per_rank[rank]
+        batches = plan.batches_per_rank
+        everyone = Agreement(
+            min_available=min(batches),
+            max_available=max(batches),
+            max_own_available=max(batches),
+            epochs_differ=False,
+            settings_differ=False,
+            failed_rank=None,
+            empty_rank=None,
+        )
+        settings = self._settings(sync_every=None)
+        return decide_window(
+            self.mode, everyone, settings.window(0), 0, self._steps_per_epoch
+        ).steps
+
+    def _rank_for_plan(self, plan: ShardPlan) -> int:
+        rank, world_size = _rank_and_world_size(self._group)
+        if plan.world_size != world_size:
+            raise ValueError(
+                f"the shard plan is for {plan.world_size} ranks but the process group has "
+                f"{world_size}; plan with world_size={world_size}"
+            )
+        return rank
 
     def __iter__(self) -> Iterator[BatchT]:
         if self._running is not None:
@@ -164,14 +277,22 @@ class EvenLoader(Generic[BatchT]):
 
     def _run_epoch(self, epoch: int) -> Generator[BatchT, None, None]:
         feed: ShardFeed[BatchT] = ShardFeed(self._source, self.mode.restarts_short_shards)
-        known_batches = self._known_batches()
+        counts = RankCounts()
+        known_batches = self._source.known_batches()
+        if self._plan is not None:
+            rank = self._rank_for_plan(self._plan)
+            known_batches = counts.planned_batches = self._plan.batches_per_rank[rank]
+            counts.planned_rows = self._plan.rows_per_rank[rank]
+        if self._sync_every is not None or self.mode is Mode.JOIN:
+            # An explicit window, and join (which shares no step count), agree as they go.
+            known_batches = None
         sync_every = None if known_batches is not None else (self._sync_every or 1)
         run = EpochRun(
-            settings=Settings(self.mode, self._steps_per_epoch, sync_every),
+            settings=self._settings(sync_every),
             agreer=self._agreer_for_this_process(),
             feed=feed,
             epoch=epoch,
-            counts=RankCounts(),
+            counts=counts,
             mark_repeating=self._mark_repeating,
             record=self.history.append,
         )
@@ -190,10 +311,9 @@ class EvenLoader(Generic[BatchT]):
     def _mark_repeating(self, repeating: bool) -> None:
         self.repeating = repeating
 
-    def _known_batches(self) -> int | None:
-        if self._sync_every is not None or self.mode is Mode.JOIN:
-            return None
-        return self._source.known_batches()
+    def _settings(self, sync_every: int | None) -> Settings:
+        plan_digest = None if self._plan is None else self._plan.batches_per_rank
+        return Settings(self.mode, self._steps_per_epoch, sync_every, plan_digest)
 
     def _agreer_for_this_process(self) -> Agreer:
         if self._agreer is None:
@@ -206,6 +326,12 @@ class EvenLoader(Generic[BatchT]):
                 control = control_group_for(self._group, self._timeout)
                 self._agreer = CollectiveAgreer(control, self._timeout)
         return self._agreer
+
+
+def _rank_and_world_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
 
 
 def _check_positive_int(name: str, value: int | None) -> None:

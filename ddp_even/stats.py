@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ddp_even.protocol import Agreer
@@ -23,7 +24,12 @@ class RankCounts:
     passes: int = 0
     # None once a batch's size could not be read.
     samples: int | None = 0
+    # Rows of the first pass handed out.
+    own_samples: int | None = 0
     truncated: bool = False
+    # This rank's batches and rows according to a shard plan, when there is one.
+    planned_batches: int | None = None
+    planned_rows: int | None = None
 
     def count_batch(self, pass_number: int, rows: int | None) -> None:
         self.steps += 1
@@ -31,19 +37,34 @@ class RankCounts:
             self.repeated_batches += 1
         else:
             self.own_batches += 1
+            self.own_samples = _add(self.own_samples, rows)
         self.passes = max(self.passes, pass_number)
-        self.samples = None if self.samples is None or rows is None else self.samples + rows
+        self.samples = _add(self.samples, rows)
 
     def as_vector(self) -> list[int]:
-        samples = _UNKNOWN if self.samples is None else self.samples
         return [
             self.steps,
             self.own_batches,
             self.repeated_batches,
             self.passes,
-            samples,
+            _encode(self.samples),
+            _encode(self.own_samples),
             int(self.truncated),
+            _encode(self.planned_batches),
+            _encode(self.planned_rows),
         ]
+
+
+def _add(total: int | None, rows: int | None) -> int | None:
+    return None if total is None or rows is None else total + rows
+
+
+def _encode(value: int | None) -> int:
+    return _UNKNOWN if value is None else value
+
+
+def _decode(value: int) -> int | None:
+    return None if value == _UNKNOWN else value
 
 
 @dataclass(frozen=True)
@@ -63,6 +84,9 @@ class EpochStats:
             it had none; a pass started by the read-ahead and never used is not counted).
         samples: rows each rank yielded, or None where a batch's size could not be read.
         truncated: whether each rank still had data when the epoch stopped.
+        dropped_batches: batches of its shard each rank did not hand out, known when the loader
+            has a shard plan (``EvenLoader(..., plan=...)`` or ``from_parquet``); else None.
+        dropped_rows: the same in rows; None without a plan or where a batch's size is unknown.
         oversampling: ``sum(repeated_batches) / sum(own_batches)`` (0.0 without own batches).
 
     Example::
@@ -84,6 +108,8 @@ class EpochStats:
     passes: tuple[int, ...]
     samples: tuple[int | None, ...]
     truncated: tuple[bool, ...]
+    dropped_batches: tuple[int, ...] | None = None
+    dropped_rows: tuple[int, ...] | None = None
     oversampling: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +146,11 @@ def gather_epoch_stats(agreer: Agreer, counts: RankCounts, epoch: int, mode: str
     """Collect every rank's counts with one all-gather that every rank reaches."""
     rows = agreer.gather_counts(counts.as_vector())
     columns = list(zip(*rows, strict=True))
+    own_samples = [_decode(value) for value in columns[5]]
+    planned_batches = [_decode(value) for value in columns[7]]
+    planned_rows = [_decode(value) for value in columns[8]]
+    dropped_batches = _shortfall(planned_batches, columns[1])
+    dropped_rows = None if dropped_batches is None else _shortfall(planned_rows, own_samples)
     stats = EpochStats(
         epoch=epoch,
         mode=mode,
@@ -128,9 +159,60 @@ def gather_epoch_stats(agreer: Agreer, counts: RankCounts, epoch: int, mode: str
         own_batches=tuple(columns[1]),
         repeated_batches=tuple(columns[2]),
         passes=tuple(columns[3]),
-        samples=tuple(None if value == _UNKNOWN else value for value in columns[4]),
-        truncated=tuple(bool(value) for value in columns[5]),
+        samples=tuple(_decode(value) for value in columns[4]),
+        truncated=tuple(bool(value) for value in columns[6]),
+        dropped_batches=dropped_batches,
+        dropped_rows=dropped_rows,
     )
     if agreer.rank == 0:
         logger.info("%s", stats.summary())
+        for rank in range(agreer.world_size):
+            _warn_if_off_plan(
+                rank, stats, own_samples[rank], planned_batches[rank], planned_rows[rank]
+            )
     return stats
+
+
+def _shortfall(planned: Sequence[int | None], got: Sequence[int | None]) -> tuple[int, ...] | None:
+    """What each rank did not hand out of its plan; None unless every number is known."""
+    pairs = list(zip(planned, got, strict=True))
+    if any(wanted is None or have is None for wanted, have in pairs):
+        return None
+    return tuple(
+        max(0, wanted - have) for wanted, have in pairs if wanted is not None and have is not None
+    )
+
+
+def _warn_if_off_plan(
+    rank: int,
+    stats: EpochStats,
+    own_rows: int | None,
+    planned_batches: int | None,
+    planned_rows: int | None,
+) -> None:
+    """Say loudly when a rank's first pass did not deliver what the Parquet footers promise."""
+    if planned_batches is None or planned_rows is None or own_rows is None:
+        return
+    read_whole_shard = not stats.truncated[rank]
+    own_batches = stats.own_batches[rank]
+    if read_whole_shard and (own_batches, own_rows) != (planned_batches, planned_rows):
+        logger.warning(
+            "epoch %d: rank %d read %d batches / %d rows from its shard, but the shard plan "
+            "(from the Parquet footers) says %d batches / %d rows: its reader lost or added rows "
+            "(petastorm 0.13.x drops row groups; a predicate or transform must not be planned)",
+            stats.epoch,
+            rank,
+            own_batches,
+            own_rows,
+            planned_batches,
+            planned_rows,
+        )
+    elif own_batches > planned_batches:
+        logger.warning(
+            "epoch %d: rank %d handed out %d batches of its own shard, more than the %d its "
+            "shard plan has",
+            stats.epoch,
+            rank,
+            own_batches,
+            planned_batches,
+        )

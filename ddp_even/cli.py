@@ -1,0 +1,238 @@
+"""``ddp-even``: see how a dataset's shards come out before training.
+
+``ddp-even plan URL --world-size N --batch-size B [--balanced] [--json] [--all-ranks]``
+prints one table of ranks (row groups, rows, batches) and one of modes (steps, dropped,
+repeated, waste), from Parquet metadata only. With ``--balanced`` it plans balanced shards and
+compares them with petastorm's round robin. ``--json`` prints the same for scripts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ddp_even.plan import MODES, ShardPlan, plan_shards
+from ddp_even.row_groups import DatasetError, RowGroups, read_row_groups
+
+__all__ = ["main"]
+
+# Beyond this many ranks the rank table shows a summary unless --all-ranks is given.
+_MAX_LISTED_RANKS = 32
+_BAR_WIDTH = 20
+
+
+@click.group()
+def main() -> None:
+    """ddp_even: equal steps on every DDP rank over uneven Petastorm/Parquet shards.
+
+    \b
+    Example:
+      ddp-even plan file:///data/train --world-size 8 --batch-size 256
+    """
+
+
+@main.command("plan")
+@click.argument("dataset", nargs=-1, required=True)
+@click.option(
+    "--world-size", "-w", type=click.IntRange(min=1), required=True, help="Number of DDP ranks."
+)
+@click.option(
+    "--batch-size", "-b", type=click.IntRange(min=1), required=True, help="Rows per batch."
+)
+@click.option(
+    "--balanced", is_flag=True, help="Plan balanced shards and compare with the round robin."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.option("--all-ranks", is_flag=True, help=f"List every rank even beyond {_MAX_LISTED_RANKS}.")
+def plan_command(
+    dataset: tuple[str, ...],
+    world_size: int,
+    batch_size: int,
+    balanced: bool,
+    as_json: bool,
+    all_ranks: bool,
+) -> None:
+    """Show each rank's rows and batches and each mode's epoch for DATASET.
+
+    DATASET is a file:// URL or a path to a dataset directory or Parquet file, or several
+    Parquet files (read in the order given, as petastorm does). Only metadata is read.
+
+    \b
+    Example:
+      ddp-even plan file:///data/train --world-size 8 --batch-size 256 --balanced
+    """
+    location: str | list[str] = dataset[0] if len(dataset) == 1 else list(dataset)
+    try:
+        row_groups = read_row_groups(location)
+    except DatasetError as error:
+        raise click.ClickException(str(error)) from error
+    round_robin = plan_shards(row_groups, world_size, batch_size)
+    too_many = round_robin.describe_too_many_ranks()
+    if too_many is not None:
+        raise click.ClickException(
+            f"{too_many}. Use --world-size {len(row_groups)} or less, or write the dataset "
+            f"with at least {world_size} row groups"
+        )
+    plan = (
+        plan_shards(row_groups, world_size, batch_size, balanced=True) if balanced else round_robin
+    )
+    if as_json:
+        click.echo(json.dumps(_as_json(location, row_groups, plan, round_robin), indent=2))
+        return
+    console = Console(highlight=False)
+    console.print(_header(location, row_groups, plan))
+    console.print(_rank_table(plan, all_ranks))
+    console.print(_mode_table(plan))
+    if balanced:
+        console.print(_comparison_table(round_robin, plan))
+
+
+def _as_json(
+    location: str | list[str], row_groups: RowGroups, plan: ShardPlan, round_robin: ShardPlan
+) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "dataset": location,
+        "metadata_source": row_groups.source,
+        "num_files": len(row_groups.files),
+        "plan": plan.to_dict(),
+    }
+    if plan.balanced:
+        document["round_robin"] = round_robin.to_dict()
+    return document
+
+
+def _header(location: str | Sequence[str], row_groups: RowGroups, plan: ShardPlan) -> Text:
+    name = location if isinstance(location, str) else f"{len(location)} files"
+    sharding = "balanced" if plan.balanced else "petastorm round robin"
+    return Text.assemble(
+        (str(name), "bold"),
+        f"\n{plan.num_row_groups:,} row groups in {len(row_groups.files):,} file(s) "
+        f"(from {row_groups.source}), {plan.total_rows:,} rows; "
+        f"{plan.world_size} ranks, batch size {plan.batch_size:,}; {sharding}",
+    )
+
+
+def _rank_table(plan: ShardPlan, all_ranks: bool) -> Table:
+    if plan.world_size > _MAX_LISTED_RANKS and not all_ranks:
+        return _rank_summary_table(plan)
+    fewest, most = min(plan.rows_per_rank), max(plan.rows_per_rank)
+    table = Table(title="Ranks", title_justify="left")
+    for column in ("rank", "row groups", "rows", "batches"):
+        table.add_column(column, justify="right")
+    table.add_column("rows (bar = most)", justify="left")
+    for rank in range(plan.world_size):
+        rows = plan.rows_per_rank[rank]
+        style = "red" if rows == fewest and fewest != most else ""
+        style = "yellow" if rows == most and fewest != most else style
+        table.add_row(
+            str(rank),
+            f"{plan.row_group_counts[rank]:,}",
+            f"{rows:,}",
+            f"{plan.batches_per_rank[rank]:,}",
+            _bar(rows, most),
+            style=style,
+        )
+    table.caption = (
+        f"spread {plan.spread_rows:,} rows; lower bound for the fullest rank "
+        f"{plan.lower_bound_rows:,} rows (red: fewest, yellow: most)"
+    )
+    return table
+
+
+def _rank_summary_table(plan: ShardPlan) -> Table:
+    rows = plan.rows_per_rank
+    order = sorted(range(plan.world_size), key=lambda rank: (rows[rank], rank))
+    picks = [
+        ("fewest rows", order[0]),
+        ("median", order[len(order) // 2]),
+        ("most rows", order[-1]),
+    ]
+    table = Table(title=f"Ranks ({plan.world_size}, summarised)", title_justify="left")
+    for column in ("", "rank", "row groups", "rows", "batches"):
+        table.add_column(column, justify="right")
+    for label, rank in picks:
+        table.add_row(
+            label,
+            str(rank),
+            f"{plan.row_group_counts[rank]:,}",
+            f"{rows[rank]:,}",
+            f"{plan.batches_per_rank[rank]:,}",
+        )
+    batches = plan.batches_per_rank
+    at_fewest = sum(1 for n in batches if n == min(batches))
+    table.caption = (
+        f"{at_fewest} rank(s) have the fewest batches ({min(batches):,}); spread "
+        f"{plan.spread_rows:,} rows; --all-ranks lists every rank"
+    )
+    return table
+
+
+def _mode_table(plan: ShardPlan) -> Table:
+    table = Table(title="Per epoch", title_justify="left")
+    table.add_column("mode")
+    for column in ("steps", "dropped (batches / rows)", "repeated (batches / rows)"):
+        table.add_column(column, justify="right")
+    table.add_column("idle rank-steps", justify="right")
+    table.add_column("waste %", justify="right")
+    notes = []
+    for mode in MODES:
+        stats = plan.stats(mode)
+        table.add_row(
+            mode,
+            f"{stats.steps:,}",
+            f"{sum(stats.dropped_batches):,} / {stats.total_dropped_rows:,}",
+            f"{sum(stats.repeated_batches):,} / {stats.total_repeated_rows:,}",
+            f"{sum(stats.idle_steps):,}",
+            f"{stats.waste_percent:.2f}",
+            style="" if stats.runnable else "red",
+        )
+        notes.append(f"{mode}: {stats.note}")
+    table.caption = (
+        "waste: rows dropped (truncate) or repeated (cycle) as % of all rows; join: idle "
+        "rank-steps as % of rank-steps\n" + "\n".join(notes)
+    )
+    return table
+
+
+def _comparison_table(round_robin: ShardPlan, balanced: ShardPlan) -> Table:
+    table = Table(title="Round robin vs balanced", title_justify="left")
+    table.add_column("")
+    table.add_column("round robin", justify="right")
+    table.add_column("balanced", justify="right")
+    metrics: list[tuple[str, Any]] = [
+        ("fewest rows on a rank", lambda p: min(p.rows_per_rank)),
+        ("most rows on a rank", lambda p: max(p.rows_per_rank)),
+        ("most rows above the lower bound", lambda p: max(p.rows_per_rank) - p.lower_bound_rows),
+        ("spread (rows)", lambda p: p.spread_rows),
+        ("spread (batches)", lambda p: max(p.batches_per_rank) - min(p.batches_per_rank)),
+        ("truncate: steps", lambda p: p.steps("truncate")),
+        ("truncate: rows dropped", lambda p: p.stats("truncate").total_dropped_rows),
+        ("cycle: steps", lambda p: p.steps("cycle")),
+        ("cycle: rows repeated", lambda p: p.stats("cycle").total_repeated_rows),
+        ("join: idle rank-steps", lambda p: sum(p.stats("join").idle_steps)),
+    ]
+    for label, metric in metrics:
+        table.add_row(label, f"{metric(round_robin):,}", f"{metric(balanced):,}")
+    table.caption = (
+        f"lower bound for the fullest rank: {balanced.lower_bound_rows:,} rows "
+        "(the larger of ceil(total rows / ranks) and the largest row group)"
+    )
+    return table
+
+
+def _bar(value: int, largest: int) -> str:
+    if largest <= 0:
+        return ""
+    eighths = round(_BAR_WIDTH * 8 * value / largest)
+    full, rest = divmod(eighths, 8)
+    return "█" * full + ("", "▏", "▎", "▍", "▌", "▋", "▊", "▉")[rest]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+"""Build petastorm readers that read exactly the row groups a :class:`ShardPlan` gives a rank.
+
+This is the one module that knows petastorm's internals (0.12.1), and it imports petastorm
+only when a reader is built.
+
+Mechanism. Petastorm's public options cannot select an arbitrary set of row groups:
+``cur_shard``/``shard_count`` take ``i % shard_count == cur_shard``, ``rowgroup_selector``
+needs an index stored in ``_common_metadata`` (built with Spark), and a list of file URLs
+selects whole files. So each reader is petastorm's own ``Reader`` with one step overridden:
+``Reader._partition_row_groups``, the step that turns petastorm's list of all row groups into
+this shard's list. Everything else (listing, reading, decoding, workers, shuffling, caching,
+transforms, the pytorch loaders) is petastorm's. The override also checks petastorm's list
+against the plan's (same files, same row groups, same order) and raises if they differ, so a
+plan can never silently describe different shards from the ones read. For round-robin plans
+it defers to petastorm's own sharding and only checks the result.
+
+Reader options the plan cannot honour are refused with a ``ValueError``: ``predicate``,
+``rowgroup_selector`` and ``filters`` change which rows exist; ``cur_shard``,
+``shard_count``, ``shard_seed`` and ``num_epochs`` are set here; an ``NGram`` in
+``schema_fields`` turns rows into windows; ``filesystem``/``storage_options`` are not used by
+planning. A ``transform_spec`` is passed on, but must not drop rows (the plan counts rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from ddp_even.plan import MODES, ShardPlan, plan_shards
+from ddp_even.row_groups import DatasetLocation, RowGroups, read_row_groups
+
+__all__ = [
+    "LoaderKind",
+    "PlanMismatchError",
+    "ReaderKind",
+    "make_shard_factory",
+    "petastorm_url",
+]
+
+logger = logging.getLogger("ddp_even")
+
+#: What ``factory()`` wraps around the reader: ``petastorm.pytorch.BatchedDataLoader``,
+#: ``petastorm.pytorch.DataLoader``, or nothing (iterate the reader itself).
+LoaderKind = Literal["batched_dataloader", "dataloader", "reader"]
+#: ``"batch"``: ``make_batch_reader`` (plain Parquet); ``"row"``: ``make_reader`` (Unischema).
+ReaderKind = Literal["batch", "row"]
+
+_LOADER_KINDS: tuple[LoaderKind, ...] = ("batched_dataloader", "dataloader", "reader")
+_READER_KINDS: tuple[ReaderKind, ...] = ("batch", "row")
+
+# Options this module sets itself, or that would make the plan wrong; each with the reason.
+_REFUSED_READER_OPTIONS = {
+    "cur_shard": "sharding follows the plan; pass rank and world_size instead",
+    "shard_count": "sharding follows the plan; pass rank and world_size instead",
+    "shard_seed": "sharding follows the plan; use seed to shuffle the reading order",
+    "num_epochs": "each factory() call reads one pass; call it again for the next pass",
+    "predicate": "a predicate drops rows after reading, so rows per rank cannot be planned",
+    "rowgroup_selector": "it changes which row groups exist; the plan cannot follow it",
+    "filters": "petastorm 0.12.1 applies filters only to partition directories; the plan does not",
+    "filesystem": "planning reads local files only; pass a file:// URL",
+    "storage_options": "planning reads local files only; pass a file:// URL",
+    "pyarrow_serialize": "it is deprecated in petastorm and has no effect",
+}
+
+_ACCEPTED_READER_OPTIONS = (
+    "schema_fields",
+    "reader_pool_type",
+    "workers_count",
+    "results_queue_size",
+    "seed",
+    "shuffle_rows",
+    "shuffle_row_groups",
+    "shuffle_row_drop_partitions",
+    "cache_type",
+    "cache_location",
+    "cache_size_limit",
+    "cache_row_size_estimate",
+    "cache_extra_settings",
+    "hdfs_driver",
+    "transform_spec",
+    "zmq_copy_buffers",
+)
+
+
+def make_shard_factory(
+    dataset: DatasetLocation,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    *,
+    balanced: bool = False,
+    loader: LoaderKind = "batched_dataloader",
+    reader: ReaderKind = "batch",
+    reader_kwargs: Mapping[str, Any] | None = None,
+    loader_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[ShardPlan, Callable[[], Any]]:
+    """Plan the shards of ``dataset`` and return ``(plan, factory)`` for ``rank``.
+
+    ``factory()`` builds a fresh petastorm reader (``num_epochs=1``) over exactly
+    ``plan.row_groups_of(rank)``, wraps it in the chosen loader with ``batch_size``, and
+    returns that loader (or the reader itself with ``loader="reader"``); leaving its ``with``
+    block stops the reader, and :class:`~ddp_even.EvenLoader` does the same when it is given
+    the factory. ``reader_kwargs`` go to the petastorm reader (see the module
+    docstring for the few that are refused), ``loader_kwargs`` to the loader (for example
+    ``shuffling_queue_capacity``). With ``loader="reader"`` the plan's batches assume you
+    batch the rows yourself with ``batch_size``.
+
+    Every rank computes the same plan from the same metadata, so no communication is needed.
+    Raises ``ValueError`` when petastorm could not build the readers (more ranks than row
+    groups with round robin) or for a refused option, and
+    :class:`~ddp_even.row_groups.DatasetError` when the dataset cannot be read.
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> root = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=2)
+        >>> plan, factory = make_shard_factory(root, rank=1, world_size=2, batch_size=4,
+        ...     balanced=True, reader_kwargs={"reader_pool_type": "dummy"})
+        >>> with factory() as shard_pass:
+        ...     rows = sum(len(batch["x"]) for batch in shard_pass)
+        >>> rows == plan.rows_per_rank[1]
+        True
+    """
+    if loader not in _LOADER_KINDS:
+        raise ValueError(f"loader must be one of {', '.join(_LOADER_KINDS)}; got {loader!r}")
+    if reader not in _READER_KINDS:
+        raise ValueError(f"reader must be one of {', '.join(_READER_KINDS)}; got {reader!r}")
+    options = _check_reader_options(dict(reader_kwargs or {}))
+    loader_options = _check_loader_options(loader, dict(loader_kwargs or {}))
+    row_groups = read_row_groups(dataset)
+    plan = plan_shards(row_groups, world_size, batch_size, balanced=balanced)
+    plan.row_groups_of(rank)  # checks rank
+    if plan.petastorm_error is not None:
+        raise ValueError(f"{plan.describe_too_many_ranks()}. Use fewer ranks or balanced=True")
+    if plan.empty_ranks and rank == 0:
+        # Logged once (rank 0), since every rank computes the same plan.
+        logger.warning(
+            "ddp_even: rank(s) %s get no batch from %s: %s",
+            ", ".join(map(str, plan.empty_ranks)),
+            dataset,
+            "; ".join(f"{mode}: {plan.stats(mode).note}" for mode in MODES),
+        )
+    url = petastorm_url(dataset)
+
+    def factory() -> Any:
+        petastorm_reader = _build_reader(url, reader, row_groups, plan, rank, options)
+        try:
+            return _build_loader(petastorm_reader, loader, batch_size, loader_options)
+        except BaseException:
+            petastorm_reader.stop()
+            petastorm_reader.join()
+            raise
+
+    return plan, factory
+
+
+def petastorm_url(dataset: DatasetLocation) -> str | list[str]:
+    """The URL (or list of URLs) petastorm needs for ``dataset``: paths become ``file://`` URLs.
+
+    Paths are not percent-encoded, because petastorm does not decode them.
+
+    Example:
+        >>> petastorm_url("/data/set=1")
+        'file:///data/set=1'
+        >>> petastorm_url(["file:///a.parquet", "/b.parquet"])
+        ['file:///a.parquet', 'file:///b.parquet']
+    """
+    if isinstance(dataset, str | os.PathLike):
+        return _one_url(dataset)
+    return [_one_url(item) for item in dataset]
+
+
+def _one_url(location: str | os.PathLike[str]) -> str:
+    text = os.fspath(location)
+    if "://" in text or text.startswith("file:"):
+        return text
+    return "file://" + os.path.abspath(text)
+
+
+def _check_reader_options(options: dict[str, Any]) -> dict[str, Any]:
+    for name in options:
+        if name in _REFUSED_READER_OPTIONS:
+            raise ValueError(
+                f"reader option {name!r} is not supported: {_REFUSED_READER_OPTIONS[name]}"
+            )
+        if name not in _ACCEPTED_READER_OPTIONS:
+            raise ValueError(
+                f"unknown reader option {name!r}; accepted: {', '.join(_ACCEPTED_READER_OPTIONS)}"
+            )
+    if options.get("schema_fields") is not None:
+        from petastorm.ngram import NGram
+
+        if isinstance(options["schema_fields"], NGram):
+            raise ValueError(
+                "schema_fields=NGram(...) is not supported: an NGram yields windows, not rows, "
+                "so batches per rank cannot be planned"
+            )
+    return options
+
+
+def _check_loader_options(loader: LoaderKind, options: dict[str, Any]) -> dict[str, Any]:
+    if loader == "reader":
+        if options:
+            raise ValueError(
+                "loader_kwargs need a loader: use loader='dataloader' or 'batched_dataloader'"
+            )
+        return options
+    from petastorm import pytorch
+
+    loader_class = (
+        pytorch.BatchedDataLoader if loader == "batched_dataloader" else pytorch.DataLoader
+    )
+    accepted = [name for name in inspect.signature(loader_class).parameters if name != "reader"]
+    for name in options:
+        if name == "batch_size":
+            raise ValueError("pass batch_size to make_shard_factory, not in loader_kwargs")
+        if name not in accepted:
+            raise ValueError(
+                f"unknown option {name!r} for {loader_class.__name__}; accepted: "
+                f"{', '.join(n for n in accepted if n != 'batch_size')}"
+            )
+    return options
+
+
+def _build_loader(
+    petastorm_reader: Any, loader: LoaderKind, batch_size: int, options: dict[str, Any]
+) -> Any:
+    if loader == "reader":
+        return petastorm_reader
+    from petastorm import pytorch
+
+    if loader == "batched_dataloader":
+        return pytorch.BatchedDataLoader(petastorm_reader, batch_size=batch_size, **options)
+    return pytorch.DataLoader(petastorm_reader, batch_size=batch_size, **options)
+
+
+def _build_reader(
+    url: str | list[str],
+    kind: ReaderKind,
+    row_groups: RowGroups,
+    plan: ShardPlan,
+    rank: int,
+    options: dict[str, Any],
+) -> Any:
+    """What ``make_reader`` / ``make_batch_reader`` do, with :func:`_planned_reader_class`."""
+    from petastorm.arrow_reader_worker import ArrowReaderWorker
+    from petastorm.cache import NullCache
+    from petastorm.etl.dataset_metadata import PetastormMetadataError
+    from petastorm.fs_utils import get_filesystem_and_path_or_paths
+    from petastorm.local_disk_cache import LocalDiskCache
+    from petastorm.py_dict_reader_worker import PyDictReaderWorker
+    from petastorm.reader import normalize_dataset_url_or_urls
+    from petastorm.reader_impl.arrow_table_serializer import ArrowTableSerializer
+    from petastorm.reader_impl.pickle_serializer import PickleSerializer
+    from petastorm.workers_pool.dummy_pool import DummyPool
+    from petastorm.workers_pool.process_pool import ProcessPool
+    from petastorm.workers_pool.thread_pool import ThreadPool
+
+    filesystem, dataset_path = get_filesystem_and_path_or_paths(
+        normalize_dataset_url_or_urls(url), options.get("hdfs_driver", "libhdfs3")
+    )
+
+    cache_type = options.get("cache_type", "null")
+    if cache_type in (None, "null"):
+        cache: Any = NullCache()
+    elif cache_type == "local-disk":
+        cache = LocalDiskCache(
+            options.get("cache_location"),
+            options.get("cache_size_limit"),
+            options.get("cache_row_size_estimate"),
+            **(options.get("cache_extra_settings") or {}),
+        )
+    else:
+        raise ValueError(f"unknown cache_type {cache_type!r}: use 'null' or 'local-disk'")
+
+    pool_type = options.get("reader_pool_type", "thread")
+    workers_count = options.get("workers_count", 10)
+    if pool_type == "thread":
+        pool: Any = ThreadPool(workers_count, options.get("results_queue_size", 50))
+    elif pool_type == "process":
+        serializer = ArrowTableSerializer() if kind == "batch" else PickleSerializer()
+        pool = ProcessPool(
+            workers_count, serializer, zmq_copy_buffers=options.get("zmq_copy_buffers", True)
+        )
+    elif pool_type == "dummy":
+        pool = DummyPool()
+    else:
+        raise ValueError(
+            f"unknown reader_pool_type {pool_type!r}: use 'thread', 'process' or 'dummy'"
+        )
+
+    reader_class = _planned_reader_class()
+    try:
+        return reader_class(
+            filesystem,
+            dataset_path,
+            planned_row_groups=row_groups,
+            planned_shard=plan.shards[rank],
+            balanced=plan.balanced,
+            worker_class=ArrowReaderWorker if kind == "batch" else PyDictReaderWorker,
+            is_batched_reader=kind == "batch",
+            reader_pool=pool,
+            cache=cache,
+            num_epochs=1,
+            cur_shard=rank,
+            shard_count=plan.world_size,
+            schema_fields=options.get("schema_fields"),
+            seed=options.get("seed"),
+            shuffle_rows=options.get("shuffle_rows", False),
+            shuffle_row_groups=options.get("shuffle_row_groups", True),
+            shuffle_row_drop_partitions=options.get("shuffle_row_drop_partitions", 1),
+            transform_spec=options.get("transform_spec"),
+        )
+    except PetastormMetadataError as error:
+        raise RuntimeError(
+            f"petastorm could not read the dataset's Unischema ({error}); for a plain Parquet "
+            "dataset use reader='batch'"
+        ) from error
+
+
+class PlanMismatchError(RuntimeError):
+    """Petastorm listed the dataset's row groups differently from the plan.
+
+    Raised by ``factory()`` before any data is read: the dataset changed since it was
+    planned (plan again), or ddp_even lists row groups wrongly (please report it).
+
+    Example:
+        >>> issubclass(PlanMismatchError, RuntimeError)
+        True
+    """
+
+
+@functools.cache
+def _planned_reader_class() -> type:
+    """Petastorm's ``Reader`` with the shard-selection step following the plan.
+
+    Defined on first use so that importing this module does not import petastorm.
+    """
+    from petastorm.reader import Reader
+
+    class PlannedShardReader(Reader):  # type: ignore[misc]  # petastorm has no type hints
+        """A petastorm ``Reader`` that reads the row groups a ``ShardPlan`` gives its rank."""
+
+        def __init__(
+            self,
+            *args: Any,
+            planned_row_groups: RowGroups,
+            planned_shard: Sequence[int],
+            balanced: bool,
+            **kwargs: Any,
+        ) -> None:
+            self._planned_row_groups = planned_row_groups
+            self._planned_shard = frozenset(planned_shard)
+            self._balanced = balanced
+            super().__init__(*args, **kwargs)
+
+        def _partition_row_groups(
+            self,
+            dataset: Any,
+            row_groups: Sequence[Any],
+            shard_count: int,
+            cur_shard: int,
+            filtered_row_group_indexes: list[int],
+            seed: int | None,
+        ) -> list[int]:
+            _check_same_row_groups(row_groups, self._planned_row_groups)
+            if not self._balanced:
+                selected: list[int] = super()._partition_row_groups(
+                    dataset, row_groups, shard_count, cur_shard, filtered_row_group_indexes, seed
+                )
+                if set(selected) != self._planned_shard:
+                    raise PlanMismatchError(
+                        f"petastorm gave shard {cur_shard} row groups {sorted(selected)[:8]}..., "
+                        f"the plan {sorted(self._planned_shard)[:8]}..."
+                    )
+                return selected
+            # Same order handling as petastorm's: a seed shuffles the order, never the set.
+            ordered = list(filtered_row_group_indexes)
+            if seed is not None:
+                random.Random(seed).shuffle(ordered)
+            return [index for index in ordered if index in self._planned_shard]
+
+    return PlannedShardReader
+
+
+def _check_same_row_groups(pieces: Sequence[Any], planned: RowGroups) -> None:
+    if len(pieces) != len(planned):
+        raise PlanMismatchError(
+            f"petastorm lists {len(pieces)} row groups, the plan {len(planned)}: "
+            "the dataset changed since planning, or ddp_even lists it wrongly (please report)"
+        )
+    files = planned.files
+    file_of = planned.file_of.tolist()
+    index_in_file = planned.index_in_file.tolist()
+    for global_index, piece in enumerate(pieces):
+        if (
+            piece.path != files[file_of[global_index]]
+            or piece.row_group != index_in_file[global_index]
+        ):
+            raise PlanMismatchError(
+                f"row group {global_index}: petastorm reads {piece.path} #{piece.row_group}, "
+                f"the plan {files[file_of[global_index]]} #{index_in_file[global_index]}: "
+                "the dataset changed since planning, or ddp_even lists it wrongly (please report)"
+            )

@@ -1,0 +1,479 @@
+"""Shard plans: what each rank will read and how many steps each mode takes, before training.
+
+Without a row predicate, a petastorm shard's rows follow from the row-group sizes alone, and a
+petastorm loader with batch size ``B`` turns ``n`` rows into ``ceil(n / B)`` batches (the last
+one short). So the whole epoch can be predicted from metadata:
+
+- ``truncate``: every rank stops when the shortest shard ends; ``steps = min(batches)``.
+  A rank drops its batches past that point.
+- ``cycle``: short shards start over; ``steps = max(batches)``. A rank repeats batches from a
+  fresh pass over its shard (full passes first, then the first full batches of one more).
+  A rank without a single batch has nothing to repeat: cycle cannot run.
+- ``join``: each rank yields all its batches; ``steps = max(batches)`` and a rank that runs
+  out waits (joined) for the remaining ``idle_steps``.
+
+:func:`plan_for_dataset` reads the metadata and plans; :func:`plan_shards` plans from sizes
+you already have.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from ddp_even.balance import balanced_assignment, round_robin_assignment
+from ddp_even.row_groups import DatasetError, DatasetLocation, RowGroups, read_row_groups
+
+__all__ = [
+    "MODES",
+    "DatasetError",
+    "Mode",
+    "ModeStats",
+    "ShardPlan",
+    "plan_for_dataset",
+    "plan_shards",
+]
+
+logger = logging.getLogger("ddp_even")
+
+#: How ranks with different numbers of batches are made to take equal steps.
+Mode = Literal["truncate", "cycle", "join"]
+#: All modes, in the order tables list them.
+MODES: tuple[Mode, ...] = ("truncate", "cycle", "join")
+
+
+@dataclass(frozen=True)
+class ModeStats:
+    """One mode's epoch for every rank: steps, and what each rank drops, repeats or waits.
+
+    Per-rank fields are tuples indexed by rank. ``waste_percent`` is, per mode: rows dropped
+    (truncate) or rows repeated (cycle) as a share of all rows, and for join the share of
+    rank-steps spent waiting.
+
+    Example:
+        >>> stats = plan_shards([30, 10], world_size=2, batch_size=10).stats("truncate")
+        >>> stats.steps, stats.dropped_batches, stats.dropped_rows
+        (1, (2, 0), (20, 0))
+    """
+
+    mode: Mode
+    #: Steps every rank takes in one epoch.
+    steps: int
+    #: Batches (and their rows) a rank never yields in the epoch (truncate).
+    dropped_batches: tuple[int, ...]
+    dropped_rows: tuple[int, ...]
+    #: Batches (and their rows) a rank yields a second time or more (cycle).
+    repeated_batches: tuple[int, ...]
+    repeated_rows: tuple[int, ...]
+    #: Steps a rank spends joined, with no batch of its own (join).
+    idle_steps: tuple[int, ...]
+    #: Share wasted, in percent (see the class docstring).
+    waste_percent: float
+    #: False when the mode cannot run this epoch; ``note`` says why.
+    runnable: bool
+    #: One sentence on what happens, for people.
+    note: str
+
+    @property
+    def total_dropped_rows(self) -> int:
+        """Rows no rank yields this epoch.
+
+        Example:
+            >>> plan = plan_shards([30, 10], world_size=2, batch_size=10)
+            >>> plan.stats("truncate").total_dropped_rows
+            20
+        """
+        return sum(self.dropped_rows)
+
+    @property
+    def total_repeated_rows(self) -> int:
+        """Rows yielded more than once this epoch.
+
+        Example:
+            >>> plan = plan_shards([30, 10], world_size=2, batch_size=10)
+            >>> plan.stats("cycle").total_repeated_rows
+            20
+        """
+        return sum(self.repeated_rows)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Each rank's row groups, rows and batches, and every mode's epoch, from metadata only.
+
+    Build one with :func:`plan_for_dataset` (from a dataset) or :func:`plan_shards` (from
+    row-group sizes). Per-rank tuples are indexed by rank.
+
+    Example:
+        >>> plan = plan_shards([100, 100, 100, 10], world_size=2, batch_size=32)
+        >>> plan.shards, plan.rows_per_rank, plan.batches_per_rank
+        (((0, 2), (1, 3)), (200, 110), (7, 4))
+        >>> plan.steps("truncate"), plan.steps("cycle"), plan.steps("join")
+        (4, 7, 7)
+    """
+
+    world_size: int
+    batch_size: int
+    #: True for :func:`~ddp_even.balance.balanced_assignment`, False for petastorm's round robin.
+    balanced: bool
+    #: Global row-group indices rank ``r`` reads, in the order petastorm reads them unshuffled.
+    shards: tuple[tuple[int, ...], ...]
+    rows_per_rank: tuple[int, ...]
+    #: ``ceil(rows / batch_size)``: petastorm loaders emit a short last batch.
+    batches_per_rank: tuple[int, ...]
+    num_row_groups: int
+    total_rows: int
+    largest_row_group: int
+
+    def __post_init__(self) -> None:
+        if not (len(self.shards) == len(self.rows_per_rank) == len(self.batches_per_rank)):
+            raise ValueError(
+                "shards, rows_per_rank and batches_per_rank must have one entry per rank"
+            )
+
+    def row_groups_of(self, rank: int) -> tuple[int, ...]:
+        """Global row-group indices ``rank`` reads.
+
+        Example:
+            >>> plan_shards([5, 5, 5], world_size=2, batch_size=4).row_groups_of(0)
+            (0, 2)
+        """
+        _check_rank(rank, self.world_size)
+        return self.shards[rank]
+
+    @property
+    def row_group_counts(self) -> tuple[int, ...]:
+        """Number of row groups per rank.
+
+        Example:
+            >>> plan_shards([5, 5, 5], world_size=2, batch_size=4).row_group_counts
+            (2, 1)
+        """
+        return tuple(len(shard) for shard in self.shards)
+
+    @property
+    def lower_bound_rows(self) -> int:
+        """The fewest rows any assignment of whole row groups can give its fullest rank.
+
+        ``max(ceil(total_rows / world_size), largest_row_group)``: some rank gets at least the
+        average, and the rank holding the largest row group gets at least that.
+
+        Example:
+            >>> plan_shards([10, 3, 2], world_size=2, batch_size=4).lower_bound_rows
+            10
+            >>> plan_shards([4, 3, 2], world_size=2, batch_size=4).lower_bound_rows
+            5
+        """
+        return max(-(-self.total_rows // self.world_size), self.largest_row_group)
+
+    @property
+    def spread_rows(self) -> int:
+        """Rows of the fullest rank minus rows of the emptiest.
+
+        Example:
+            >>> plan_shards([10, 3, 2], world_size=2, batch_size=4).spread_rows
+            9
+        """
+        return max(self.rows_per_rank) - min(self.rows_per_rank)
+
+    @property
+    def empty_ranks(self) -> tuple[int, ...]:
+        """Ranks with no batch at all.
+
+        Example:
+            >>> plan_shards([6, 0], world_size=2, batch_size=4).empty_ranks
+            (1,)
+        """
+        return tuple(rank for rank, n in enumerate(self.batches_per_rank) if n == 0)
+
+    @property
+    def petastorm_error(self) -> str | None:
+        """Why petastorm refuses to build this plan's readers, or None when it will build them.
+
+        Petastorm's round robin raises ``NoDataAvailableError`` on every rank when there are
+        fewer row groups than ranks (``Reader._partition_row_groups``). The balanced readers
+        do not shard through that check and accept empty ranks.
+
+        Example:
+            >>> plan_shards([5, 5], world_size=3, batch_size=4).petastorm_error is not None
+            True
+        """
+        if self.balanced or self.world_size <= self.num_row_groups:
+            return None
+        return (
+            f"petastorm raises NoDataAvailableError on every rank: {self.num_row_groups} row "
+            f"groups are fewer than world size {self.world_size}"
+        )
+
+    def steps(self, mode: Mode) -> int:
+        """Steps every rank takes in one epoch in ``mode``.
+
+        Example:
+            >>> plan_shards([30, 10], world_size=2, batch_size=10).steps("cycle")
+            3
+        """
+        _check_mode(mode)
+        batches = self.batches_per_rank
+        return min(batches) if mode == "truncate" else max(batches)
+
+    def stats(self, mode: Mode) -> ModeStats:
+        """The full epoch for ``mode``: steps, per-rank drops, repeats and idle steps.
+
+        Example:
+            >>> plan_shards([30, 10], world_size=2, batch_size=10).stats("cycle").repeated_rows
+            (0, 20)
+        """
+        steps = self.steps(mode)
+        rows = np.array(self.rows_per_rank, dtype=np.int64)
+        batches = np.array(self.batches_per_rank, dtype=np.int64)
+        zeros = np.zeros_like(rows)
+        dropped_batches = dropped_rows = repeated_batches = repeated_rows = idle = zeros
+        total = max(self.total_rows, 1)
+        if mode == "truncate":
+            dropped_batches = batches - steps
+            # The first `steps` batches are full unless they are all the rank has.
+            dropped_rows = rows - np.minimum(rows, steps * self.batch_size)
+            waste = 100.0 * float(dropped_rows.sum()) / total
+        elif mode == "cycle":
+            repeated_batches = steps - batches
+            repeated_rows = _repeated_rows(rows, batches, repeated_batches, self.batch_size)
+            waste = 100.0 * float(repeated_rows.sum()) / total
+        else:
+            idle = steps - batches
+            waste = 100.0 * float(idle.sum()) / max(steps * self.world_size, 1)
+        runnable, note = self._outcome(mode, steps)
+        return ModeStats(
+            mode=mode,
+            steps=steps,
+            dropped_batches=_as_tuple(dropped_batches),
+            dropped_rows=_as_tuple(dropped_rows),
+            repeated_batches=_as_tuple(repeated_batches),
+            repeated_rows=_as_tuple(repeated_rows),
+            idle_steps=_as_tuple(idle),
+            waste_percent=round(waste, 3),
+            runnable=runnable,
+            note=note,
+        )
+
+    def _outcome(self, mode: Mode, steps: int) -> tuple[bool, str]:
+        if self.petastorm_error is not None:
+            return False, f"cannot start: {self.petastorm_error}"
+        empty = self.empty_ranks
+        if not empty:
+            return True, {
+                "truncate": "ranks stop together when the shortest shard ends",
+                "cycle": "shorter shards start over until the longest ends",
+                "join": "ranks that run out wait for the others",
+            }[mode]
+        names = _rank_list(empty)
+        if mode == "truncate":
+            return True, f"rank(s) {names} have no batch: the epoch has 0 steps, all rows dropped"
+        if mode == "cycle":
+            if steps == 0:
+                return True, "no rank has a batch: the epoch has 0 steps"
+            return False, f"cannot run: rank(s) {names} have no batch to repeat"
+        return True, f"rank(s) {names} have no batch and join at once"
+
+    def describe_too_many_ranks(self) -> str | None:
+        """When there are more ranks than row groups, what happens in each mode; else None.
+
+        Example:
+            >>> plan = plan_shards([5, 5], world_size=3, batch_size=4)
+            >>> print(plan.describe_too_many_ranks())  # doctest: +NORMALIZE_WHITESPACE
+            world size 3 is larger than the 2 row groups: with petastorm's round robin every
+            rank's reader raises NoDataAvailableError, so truncate, cycle and join all fail;
+            balanced, rank(s) 2 get no rows: truncate runs 0 steps, cycle cannot run, join
+            trains on 2 rank(s)
+        """
+        if self.world_size <= self.num_row_groups:
+            return None
+        empty = _rank_list(tuple(range(self.num_row_groups, self.world_size)))
+        return (
+            f"world size {self.world_size} is larger than the {self.num_row_groups} row groups: "
+            "with petastorm's round robin every rank's reader raises NoDataAvailableError, so "
+            f"truncate, cycle and join all fail; balanced, rank(s) {empty} get no rows: "
+            f"truncate runs 0 steps, cycle cannot run, join trains on {self.num_row_groups} "
+            "rank(s)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything in the plan as JSON-ready Python values (used by ``ddp-even plan --json``).
+
+        Example:
+            >>> plan_shards([3, 3], world_size=2, batch_size=2).to_dict()["batches_per_rank"]
+            [2, 2]
+        """
+        return {
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "balanced": self.balanced,
+            "num_row_groups": self.num_row_groups,
+            "total_rows": self.total_rows,
+            "largest_row_group": self.largest_row_group,
+            "lower_bound_rows": self.lower_bound_rows,
+            "spread_rows": self.spread_rows,
+            "petastorm_error": self.petastorm_error,
+            "empty_ranks": list(self.empty_ranks),
+            "row_groups_per_rank": [list(shard) for shard in self.shards],
+            "rows_per_rank": list(self.rows_per_rank),
+            "batches_per_rank": list(self.batches_per_rank),
+            "modes": {mode: _stats_dict(self.stats(mode)) for mode in MODES},
+        }
+
+
+def plan_shards(
+    row_groups: RowGroups | Sequence[int] | npt.ArrayLike,
+    world_size: int,
+    batch_size: int,
+    *,
+    balanced: bool = False,
+) -> ShardPlan:
+    """Plan ``world_size`` shards of row groups whose sizes are known.
+
+    ``row_groups`` is a :class:`~ddp_even.row_groups.RowGroups` or the row counts in
+    petastorm's global order. With ``balanced=False`` the shards are petastorm's
+    (``i % world_size``); with ``balanced=True`` they come from
+    :func:`~ddp_even.balance.balanced_assignment`. Planning is vectorised: 100,000 row groups
+    over 1,024 ranks take well under a second.
+
+    Example:
+        >>> plan_shards([40, 40, 40, 40, 160], world_size=2, batch_size=40).rows_per_rank
+        (240, 80)
+        >>> plan_shards([40, 40, 40, 40, 160], 2, 40, balanced=True).rows_per_rank
+        (160, 160)
+    """
+    _check_positive_int("world_size", world_size)
+    _check_positive_int("batch_size", batch_size)
+    if not isinstance(balanced, bool):
+        raise TypeError(f"balanced must be True or False, got {balanced!r}")
+    sizes = row_groups.num_rows if isinstance(row_groups, RowGroups) else _sizes(row_groups)
+    if len(sizes) == 0:
+        raise ValueError("there are no row groups to plan: check the dataset")
+    if balanced:
+        ranks = balanced_assignment(sizes, world_size)
+    else:
+        ranks = round_robin_assignment(len(sizes), world_size)
+    rows = np.bincount(ranks, weights=sizes, minlength=world_size).astype(np.int64)
+    batches = -(-rows // batch_size)
+    # One stable sort groups row groups by rank, keeping ascending global index inside a rank:
+    # the order petastorm ventilates them when row groups are not shuffled.
+    by_rank = np.argsort(ranks, kind="stable")
+    bounds = np.cumsum(np.bincount(ranks, minlength=world_size))[:-1]
+    shards = tuple(tuple(part.tolist()) for part in np.split(by_rank, bounds))
+    return ShardPlan(
+        world_size=world_size,
+        batch_size=batch_size,
+        balanced=balanced,
+        shards=shards,
+        rows_per_rank=_as_tuple(rows),
+        batches_per_rank=_as_tuple(batches),
+        num_row_groups=len(sizes),
+        total_rows=int(sizes.sum()),
+        largest_row_group=int(sizes.max()),
+    )
+
+
+def plan_for_dataset(
+    dataset: DatasetLocation,
+    world_size: int,
+    batch_size: int,
+    *,
+    balanced: bool = False,
+) -> tuple[RowGroups, ShardPlan]:
+    """Read a dataset's row groups from metadata (no data) and plan its shards.
+
+    ``dataset`` is a ``file://`` URL, a local path, or a list of Parquet files, as given to
+    petastorm. Raises :class:`~ddp_even.row_groups.DatasetError` when the dataset cannot be
+    read, and ``ValueError`` for bad arguments.
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> root = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
+        >>> row_groups, plan = plan_for_dataset(root, world_size=2, batch_size=3)
+        >>> plan.shards, plan.rows_per_rank, plan.batches_per_rank
+        (((0, 2), (1,)), (6, 4), (2, 2))
+    """
+    _check_positive_int("world_size", world_size)
+    _check_positive_int("batch_size", batch_size)
+    row_groups = read_row_groups(dataset)
+    logger.debug(
+        "ddp_even: %d row groups, %d rows in %d files (from %s)",
+        len(row_groups),
+        row_groups.total_rows,
+        len(row_groups.files),
+        row_groups.source,
+    )
+    return row_groups, plan_shards(row_groups, world_size, batch_size, balanced=balanced)
+
+
+def _repeated_rows(
+    rows: npt.NDArray[np.int64],
+    batches: npt.NDArray[np.int64],
+    repeated_batches: npt.NDArray[np.int64],
+    batch_size: int,
+) -> npt.NDArray[np.int64]:
+    # Repeats come from fresh passes: whole passes (all rows), then the first, full batches
+    # of one more pass. A rank without batches repeats nothing (and cycle cannot run).
+    safe_batches = np.maximum(batches, 1)
+    whole_passes, extra_batches = np.divmod(repeated_batches, safe_batches)
+    repeated = whole_passes * rows + extra_batches * batch_size
+    return np.where(batches > 0, repeated, 0)
+
+
+def _stats_dict(stats: ModeStats) -> dict[str, Any]:
+    return {
+        "steps": stats.steps,
+        "runnable": stats.runnable,
+        "note": stats.note,
+        "waste_percent": stats.waste_percent,
+        "dropped_batches": list(stats.dropped_batches),
+        "dropped_rows": list(stats.dropped_rows),
+        "repeated_batches": list(stats.repeated_batches),
+        "repeated_rows": list(stats.repeated_rows),
+        "idle_steps": list(stats.idle_steps),
+    }
+
+
+def _sizes(row_groups: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
+    sizes = np.asarray(row_groups)
+    if sizes.ndim != 1 or (sizes.size and not np.issubdtype(sizes.dtype, np.integer)):
+        raise TypeError("row_groups must be a RowGroups or a flat sequence of row counts (ints)")
+    sizes = sizes.astype(np.int64)
+    if (sizes < 0).any():
+        raise ValueError("row counts must be >= 0")
+    return sizes
+
+
+def _as_tuple(values: npt.NDArray[np.int64]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values.tolist())
+
+
+def _rank_list(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 2 and ranks[-1] - ranks[0] == len(ranks) - 1:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(str(rank) for rank in ranks)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
+        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
