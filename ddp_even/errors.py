@@ -4,13 +4,30 @@ from __future__ import annotations
 
 
 class EvenLoaderError(RuntimeError):
-    """Base class: something made the ranks unable to agree on the next step."""
+    """Base class: something made the ranks unable to agree on the next step.
+
+    Every rank raises it at the same step, so ``except EvenLoaderError`` on every rank is safe.
+
+    Example::
+
+        >>> from ddp_even import EmptyShardError, EvenLoaderError
+        >>> issubclass(EmptyShardError, EvenLoaderError)
+        True
+    """
 
 
 class PeerSourceError(EvenLoaderError):
     """Another rank's data source raised; this rank stops at the same step.
 
     The rank whose source failed re-raises its own exception instead.
+
+    Example::
+
+        >>> error = PeerSourceError(2, "OSError", "corrupt footer", step=41)
+        >>> error.failed_rank
+        2
+        >>> print(error)
+        rank 2's data source raised OSError: corrupt footer (before step 41); every rank ...
     """
 
     def __init__(self, failed_rank: int, error_type: str, error_message: str, step: int) -> None:
@@ -25,7 +42,17 @@ class PeerSourceError(EvenLoaderError):
 
 
 class EmptyShardError(EvenLoaderError):
-    """Cycle mode was asked to wrap around a shard that yields no batch at all."""
+    """Cycle mode was asked to wrap around a shard that yields no batch at all.
+
+    Example (one process; with several ranks every rank raises it, naming the empty ones)::
+
+        >>> from ddp_even import EvenLoader
+        >>> loader = EvenLoader(lambda: iter([]), mode="cycle", steps_per_epoch=3)
+        >>> next(iter(loader))
+        Traceback (most recent call last):
+        ...
+        ddp_even.errors.EmptyShardError: cycle mode cannot wrap around an empty shard: ...
+    """
 
     def __init__(self, empty_ranks: tuple[int, ...]) -> None:
         self.empty_ranks = empty_ranks
@@ -38,16 +65,56 @@ class EmptyShardError(EvenLoaderError):
 
 
 class RankMismatchError(EvenLoaderError):
-    """Ranks were set up differently (mode, steps_per_epoch, window) or are in different epochs."""
+    """Ranks were set up differently (mode, steps_per_epoch, window) or are in different epochs.
+
+    Raised on every rank at the first agreement, before any training step. Example:
+    rank 0 running ``EvenLoader(source, "cycle")`` while rank 1 runs
+    ``EvenLoader(source, "truncate")`` raises, on both::
+
+        RankMismatchError: ranks are not running the same loop; ... (rank 0: epoch 0,
+        mode=cycle steps_per_epoch=None sync_every=1; rank 1: epoch 0, mode=truncate ...)
+    """
 
 
 class PeerTimeoutError(EvenLoaderError):
-    """Some ranks did not reach the agreement within the loader's timeout (dead or stalled)."""
+    """Some ranks did not reach the agreement within the loader's timeout (dead or stalled).
 
-    def __init__(self, missing_ranks: tuple[int, ...], timeout: float, detail: str) -> None:
+    ``missing_ranks`` names them (found with a roll call in the job's key-value store, since
+    gloo's own errors name no rank). A dead rank is noticed at once (about a second for the
+    roll call); a stalled one after ``timeout`` seconds. A stalled rank that wakes up later
+    raises it too, with ``late=True`` and itself as the missing rank.
+
+    Example::
+
+        >>> print(PeerTimeoutError((3,), 300.0, "connection closed by peer"))
+        rank(s) 3 did not answer the step agreement within 300 s (dead or stalled): ...
+    """
+
+    def __init__(
+        self,
+        missing_ranks: tuple[int, ...],
+        timeout: float,
+        detail: str,
+        *,
+        rank: int | None = None,
+        late: bool = False,
+    ) -> None:
+        # The ranks that never reached the agreement; empty when they could not be told.
         self.missing_ranks = missing_ranks
         self.timeout = timeout
-        names = ", ".join(str(rank) for rank in missing_ranks) or "unknown"
+        # The rank raising this error, and whether it was the one that came too late (it
+        # stalled, and the others had already given up on it).
+        self.rank = rank
+        self.late = late
+        self.detail = detail
+        if late:
+            super().__init__(
+                f"rank {rank} reached the step agreement after every other rank had stopped "
+                f"waiting for it ({timeout:g} s): this rank was stalled or too slow, and every "
+                f"rank stops: {detail}"
+            )
+            return
+        names = ", ".join(str(missing) for missing in missing_ranks) or "unknown"
         super().__init__(
             f"rank(s) {names} did not answer the step agreement within {timeout:g} s "
             f"(dead or stalled): {detail}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -134,7 +133,9 @@ def _run_case(case: Case, urls: dict[str, str], rank: int, world_size: int) -> S
 
     def new_loader() -> EvenLoader[Any]:
         if case.style == "factory":
-            return EvenLoader(lambda: _make_source(case, urls, rank, world_size), case.mode, **options)
+            return EvenLoader(
+                lambda: _make_source(case, urls, rank, world_size), case.mode, **options
+            )
         source = _make_source(case, urls, rank, world_size)
         owned.append(source)
         return EvenLoader(source, case.mode, **options)

@@ -7,7 +7,6 @@ and its rows, batches and the row groups they came from must equal the plan's.
 
 from __future__ import annotations
 
-import doctest
 import math
 from pathlib import Path
 from typing import Any
@@ -15,11 +14,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-import ddp_even.balance
-import ddp_even.cli
-import ddp_even.petastorm_readers
-import ddp_even.plan
-import ddp_even.row_groups
 from ddp_even.plan import MODES, plan_for_dataset, plan_shards
 from tests.helpers.datasets import write_plain_dataset, write_unischema_dataset
 from tests.helpers.shard_reads import ids_of_row_groups, read_shard, write_summary_metadata
@@ -211,19 +205,3 @@ def test_bad_mode_and_rank() -> None:
         plan.steps("drop")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
         plan.row_groups_of(2)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    "module",
-    [
-        ddp_even.plan,
-        ddp_even.balance,
-        ddp_even.row_groups,
-        ddp_even.petastorm_readers,
-        ddp_even.cli,
-    ],
-)
-def test_docstring_examples_run(module: Any) -> None:
-    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.failed == 0

@@ -42,14 +42,14 @@ VEC_SIZE = 4
 
 def file_sizes(row_group_sizes: RowGroupSizes) -> list[list[int]]:
     """Row-group sizes per file: a flat list is one file, a list of lists one file per list."""
-    items = list(row_group_sizes)
+    items: list[Any] = list(row_group_sizes)
     if not items:
         raise ValueError("row_group_sizes is empty")
     nested = [isinstance(item, Sequence) for item in items]
     if all(nested):
-        files = [[int(size) for size in item] for item in items]  # type: ignore[union-attr]
+        files = [[int(size) for size in item] for item in items]
     elif not any(nested):
-        files = [[int(size) for size in items]]  # type: ignore[arg-type]
+        files = [[int(size) for size in items]]
     else:
         raise ValueError("row_group_sizes mixes ints and lists")
     for sizes in files:
