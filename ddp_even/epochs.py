@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import sys
@@ -44,7 +45,8 @@ class Settings:
     # Every rank's planned batches, when the loader has a shard plan.
     planned_batches: tuple[int, ...] | None = None
 
-    def describe(self) -> str:
+    @functools.cached_property
+    def description(self) -> str:
         described = (
             f"mode={self.mode.value} steps_per_epoch={self.steps_per_epoch} "
             f"sync_every={self.sync_every if self.sync_every is not None else 'epoch'}"
@@ -54,9 +56,10 @@ class Settings:
             described += f" plan={digest.hexdigest()}"
         return described
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> int:
-        digest = hashlib.blake2b(self.describe().encode(), digest_size=7).digest()
+        # Cached: reports are built every step, and these settings never change.
+        digest = hashlib.blake2b(self.description.encode(), digest_size=7).digest()
         return int.from_bytes(digest, "big")
 
     def window(self, steps_done: int) -> int | None:
@@ -103,7 +106,7 @@ class EpochRun(Generic[BatchT]):
             rank=self.agreer.rank,
             epoch=self.epoch,
             fingerprint=self.settings.fingerprint,
-            settings=self.settings.describe(),
+            settings=self.settings.description,
             available=available,
             own_available=own_available,
             empty_shard=self.settings.mode.restarts_short_shards and self.feed.empty_shard,

@@ -1,0 +1,628 @@
+"""What keeping uneven DDP ranks in step costs per training step: ddp_even against the others.
+
+    python -m benchmarks.bench_agreement            # 2 and 4 ranks, tables, bench-results/
+    python -m benchmarks.bench_agreement --quick    # 2 ranks, a smoke run of under a minute
+
+Each ``--ranks`` value starts that many CPU processes joined in one gloo process group. Every
+rank first measures the latency of one blocking ``all_reduce`` of a single int64 (median of
+many), then runs, side by side on the same pre-made batches, the same models and the same
+process group, every variant under three workloads:
+
+* ``loader``: no compute, the loop only takes batches;
+* ``ddp model``: a small DDP model (two Linear layers): forward, backward, SGD step;
+* ``busy wait``: a busy-wait of twice the measured all-reduce latency per step.
+
+Variants:
+
+* ``floor``: shards made equal by hand, a plain loop, no wrapper;
+* ``blocking flag all_reduce``: a blocking all-reduce of "I have a batch" before every step;
+* ``overlapped flag all_reduce``: that flag all-reduced one batch ahead, asynchronously, in a
+  few lines: the least one batch of look-ahead can cost, without any bookkeeping;
+* ``torch Join over DDP``: without a model in the workload (``loader``, ``busy wait``) it runs
+  over a one-parameter DDP model whose step is added to the workload, and is compared with
+  ``floor + 1-param DDP``, the same step on equal shards. Join's model is an identical DDP
+  instance of its own: Join leaves its joinables' join all-reduces on after it exits;
+* ddp_even truncate and cycle agreeing every step (K=1, overlapped with the step) and every 16
+  steps (K=16); ddp_even with known lengths (a list source, ``sync_every=None``: one agreement
+  per epoch).
+
+Shards are uneven: rank r has ``steps * (1 - 0.1 r)`` batches. The floor takes, on every rank,
+as many steps as truncate does, so per-step times compare. One epoch of every variant runs per
+round, the variants interleaved (A B C A B C ...); round 0 is a warm-up and is discarded (it
+creates ddp_even's gloo group).
+
+Reading the table (all times per step, measured on rank 0):
+
+* ``per step``: the median over rounds of the epoch's mean step time, from the step that
+  receives the first batch to the one that receives the last (the agreement before the first
+  batch and the statistics gathered after the last are per epoch, not per step);
+  ``CPU / step``: the same for the CPU time of the training loop's thread (gloo's own threads
+  not included): what a variant costs the loop even where its waits are hidden;
+* ``added``: ``per step`` minus the floor's (for Join without a model in the workload: minus
+  ``floor + 1-param DDP``'s); ``/ all-reduce``: that as a fraction of one all-reduce;
+  ``/ Join``: as a fraction of Join's added time in the same workload;
+* ``collectives``: Python-level collective calls (``torch.distributed.all_reduce``,
+  ``all_gather``, ...; DDP's gradient buckets, issued from C++, are not counted) in the whole
+  epoch, and ``in loop``: between the first and the last batch.
+
+The run ends with the issue's targets as PASS/FAIL lines (N/A where noise made Join's added
+time negative, leaving nothing to compare with); the JSON has every round's numbers.
+Differences of a few microseconds need a quiet machine: the caption gives the load average.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_even import EvenLoader
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Step = Callable[[Batch], None]
+
+FLOOR = "floor"
+FLOOR_TINY_DDP = "floor + 1-param DDP"
+JOIN = "torch Join over DDP"
+COUNTED_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+)
+COLUMNS = (
+    "steps",
+    "per step",
+    "CPU / step",
+    "added",
+    "/ all-reduce",
+    "/ Join",
+    "collectives",
+    "in loop",
+)
+# Seconds a gloo collective may wait before raising, instead of hanging the benchmark.
+COLLECTIVE_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    steps: int = 96
+    repeats: int = 5
+    batch_size: int = 32
+    features: int = 64
+    outputs: int = 10
+    window: int = 16
+    latency_samples: int = 400
+
+
+@dataclass(frozen=True)
+class EpochTiming:
+    """One epoch of one variant on rank 0."""
+
+    steps: int
+    per_step_s: float
+    # CPU time of the training loop's thread (not gloo's threads) per step.
+    cpu_per_step_s: float
+    collectives: int
+    collectives_in_loop: int
+
+
+@dataclass
+class Variant:
+    name: str
+    # What its added time is measured against.
+    reference: str
+    batches: Callable[[], Iterable[Batch]]
+    step: Step
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    timings: list[EpochTiming] = field(default_factory=list)
+
+
+class CollectiveCounter:
+    """Counts calls of the public ``torch.distributed`` collectives in this process."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def install(self) -> None:
+        for name in COUNTED_COLLECTIVES:
+            setattr(dist, name, self._counting(getattr(dist, name)))
+
+    def _counting(self, collective: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(collective)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return collective(*args, **kwargs)
+
+        return counted
+
+
+def timed_epoch(batches: Iterable[Batch], step: Step, counter: CollectiveCounter) -> EpochTiming:
+    calls_at_start = counter.calls
+    first: tuple[float, float, int] | None = None
+    last = (0.0, 0.0, 0)
+    steps = 0
+    for batch in batches:
+        # Wall clock, this thread's CPU time, collectives so far: when the batch arrived.
+        last = (time.perf_counter(), time.thread_time(), counter.calls)
+        if first is None:
+            first = last
+        step(batch)
+        steps += 1
+    if first is None:
+        raise RuntimeError("the epoch yielded no batch")
+    intervals = max(steps - 1, 1)
+    return EpochTiming(
+        steps=steps,
+        per_step_s=(last[0] - first[0]) / intervals,
+        cpu_per_step_s=(last[1] - first[1]) / intervals,
+        collectives=counter.calls - calls_at_start,
+        collectives_in_loop=last[2] - first[2],
+    )
+
+
+def allreduce_latency_s(samples: int) -> float:
+    """Median time of one blocking all_reduce of one int64 on the world (gloo) group."""
+    value = torch.zeros(1, dtype=torch.int64)
+    for _ in range(samples // 10):
+        dist.all_reduce(value)
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        dist.all_reduce(value)
+        times.append(time.perf_counter() - start)
+    # Every rank busy-waits the same time: rank 0's measurement.
+    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.broadcast(median, src=0)
+    return float(median.item())
+
+
+def busy_wait(seconds: float) -> Step:
+    def step(batch: Batch) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    return step
+
+
+def no_compute(batch: Batch) -> None:
+    pass
+
+
+def training_step(model: nn.Module, inputs: int, outputs: int) -> Step:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(batch: Batch) -> None:
+        x, y = batch
+        loss = nn.functional.mse_loss(model(x[:, :inputs]), y[:, :outputs])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+
+    return step
+
+
+def both(first: Step, second: Step) -> Step:
+    def step(batch: Batch) -> None:
+        first(batch)
+        second(batch)
+
+    return step
+
+
+def flag_before_every_step(shard: list[Batch]) -> Iterator[Batch]:
+    """The hand-written way: a blocking all_reduce(MIN) of "I have a batch" before each step."""
+    has_batch = torch.zeros(1, dtype=torch.int64)
+    batches = iter(shard)
+    while True:
+        batch = next(batches, None)
+        has_batch.fill_(0 if batch is None else 1)
+        dist.all_reduce(has_batch, op=dist.ReduceOp.MIN)
+        if batch is None or has_batch.item() == 0:
+            return
+        yield batch
+
+
+def flag_overlapped(shard: list[Batch]) -> Iterator[Batch]:
+    """The least one batch of look-ahead can cost: the next batch's flag is all-reduced
+    (async) while this batch's step runs, and waited for when the next batch is asked for."""
+    batches = iter(shard)
+
+    def start(batch: Batch | None) -> tuple[torch.Tensor, Any]:
+        has_batch = torch.tensor([0 if batch is None else 1])
+        return has_batch, dist.all_reduce(has_batch, op=dist.ReduceOp.MIN, async_op=True)
+
+    batch = next(batches, None)
+    has_batch, work = start(batch)
+    while True:
+        work.wait()
+        if has_batch.item() == 0 or batch is None:
+            return
+        current, batch = batch, next(batches, None)
+        has_batch, work = start(batch)
+        yield current
+
+
+def shard_lengths(steps: int, world_size: int) -> list[int]:
+    return [round(steps * (1 - 0.1 * rank)) for rank in range(world_size)]
+
+
+def make_shard(rank: int, length: int, config: BenchConfig) -> list[Batch]:
+    generator = torch.Generator().manual_seed(rank)
+    return [
+        (
+            torch.randn(config.batch_size, config.features, generator=generator),
+            torch.randn(config.batch_size, config.outputs, generator=generator),
+        )
+        for _ in range(length)
+    ]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A step, and how torch Join runs it: Join needs a DDP model in the step."""
+
+    name: str
+    step: Step
+    # The step Join runs, with a DDP model of its own: Join leaves its joinables' join
+    # config enabled when it exits (torch 2.13), so a model used in Join keeps paying Join's
+    # all-reduces in every later loop; no other variant may share it.
+    join_model: DistributedDataParallel
+    join_step: Step
+    # What Join is compared with: the floor, or (without a model in the workload) the
+    # workload plus the same one-parameter DDP step on equal shards.
+    join_reference: Step | None = None
+
+
+def make_workloads(busy_wait_s: float, config: BenchConfig) -> list[Workload]:
+    def mlp() -> DistributedDataParallel:
+        torch.manual_seed(0)  # the same initial weights everywhere (DDP broadcasts them too)
+        return DistributedDataParallel(
+            nn.Sequential(
+                nn.Linear(config.features, 128), nn.ReLU(), nn.Linear(128, config.outputs)
+            )
+        )
+
+    def one_parameter() -> DistributedDataParallel:
+        torch.manual_seed(0)
+        return DistributedDataParallel(nn.Linear(1, 1, bias=False))
+
+    model, join_model = mlp(), mlp()
+    tiny, join_tiny = one_parameter(), one_parameter()
+    tiny_step, join_tiny_step = training_step(tiny, 1, 1), training_step(join_tiny, 1, 1)
+    waiting = busy_wait(busy_wait_s)
+    return [
+        Workload("loader", no_compute, join_tiny, join_tiny_step, tiny_step),
+        Workload(
+            "ddp model",
+            training_step(model, config.features, config.outputs),
+            join_model,
+            training_step(join_model, config.features, config.outputs),
+        ),
+        Workload(
+            "busy wait",
+            waiting,
+            join_tiny,
+            both(waiting, join_tiny_step),
+            both(waiting, tiny_step),
+        ),
+    ]
+
+
+def variants_for(workload: Workload, shard: list[Batch], equal: int, window: int) -> list[Variant]:
+    """Every variant of one workload, in the order they run and are printed."""
+    step = workload.step
+
+    def even(mode: str, sync_every: int | None) -> Callable[[], Iterable[Batch]]:
+        loader: EvenLoader[Batch] = EvenLoader(
+            shard, mode, sync_every=sync_every, timeout=COLLECTIVE_TIMEOUT_S
+        )
+        return lambda: loader
+
+    def join() -> Join:
+        return Join([workload.join_model])
+
+    variants = [Variant(FLOOR, FLOOR, lambda: shard[:equal], step)]
+    join_reference = FLOOR
+    if workload.join_reference is not None:
+        join_reference = FLOOR_TINY_DDP
+        variants.append(
+            Variant(FLOOR_TINY_DDP, FLOOR_TINY_DDP, lambda: shard[:equal], workload.join_reference)
+        )
+    variants += [
+        Variant("blocking flag all_reduce", FLOOR, lambda: flag_before_every_step(shard), step),
+        Variant("overlapped flag all_reduce", FLOOR, lambda: flag_overlapped(shard), step),
+        Variant(JOIN, join_reference, lambda: shard, workload.join_step, join),
+        Variant("ddp_even truncate K=1", FLOOR, even("truncate", 1), step),
+        Variant(f"ddp_even truncate K={window}", FLOOR, even("truncate", window), step),
+        Variant("ddp_even cycle K=1", FLOOR, even("cycle", 1), step),
+        Variant(f"ddp_even cycle K={window}", FLOOR, even("cycle", window), step),
+        Variant("ddp_even truncate known lengths", FLOOR, even("truncate", None), step),
+        Variant("ddp_even cycle known lengths", FLOOR, even("cycle", None), step),
+    ]
+    return variants
+
+
+def measure_on_rank(rank: int, world_size: int, config: BenchConfig) -> dict[str, Any]:
+    """Everything one rank runs; rank 0's timings are the result."""
+    latency_s = allreduce_latency_s(config.latency_samples)
+    counter = CollectiveCounter()
+    counter.install()
+    lengths = shard_lengths(config.steps, world_size)
+    shard = make_shard(rank, lengths[rank], config)
+    table = {
+        workload.name: variants_for(workload, shard, min(lengths), config.window)
+        for workload in make_workloads(2 * latency_s, config)
+    }
+    load_before = os.getloadavg()
+    for round_index in range(config.repeats + 1):
+        for variants in table.values():
+            for variant in variants:
+                dist.barrier()  # every variant starts with the ranks together
+                with variant.context():
+                    timing = timed_epoch(variant.batches(), variant.step, counter)
+                if round_index > 0:
+                    variant.timings.append(timing)
+    return {
+        "world_size": world_size,
+        "shard_batches": lengths,
+        "allreduce_latency_s": latency_s,
+        "busy_wait_s": 2 * latency_s,
+        # This machine may be shared: 1-minute load averages before and after the rounds.
+        "load_average": [load_before[0], os.getloadavg()[0]],
+        "results": summarize(table, latency_s),
+    }
+
+
+def summarize(table: dict[str, list[Variant]], latency_s: float) -> list[dict[str, Any]]:
+    rows = []
+    for workload, variants in table.items():
+        per_step = {v.name: statistics.median(t.per_step_s for t in v.timings) for v in variants}
+        cpu = {v.name: statistics.median(t.cpu_per_step_s for t in v.timings) for v in variants}
+        join = next(v for v in variants if v.name == JOIN)
+        join_added = per_step[JOIN] - per_step[join.reference]
+        for variant in variants:
+            added = per_step[variant.name] - per_step[variant.reference]
+            rows.append(
+                {
+                    "workload": workload,
+                    "variant": variant.name,
+                    "reference": variant.reference,
+                    "steps": variant.timings[0].steps,
+                    "per_step_s": per_step[variant.name],
+                    "cpu_per_step_s": cpu[variant.name],
+                    "added_s": added,
+                    "added_cpu_s": cpu[variant.name] - cpu[variant.reference],
+                    "added_per_allreduce": added / latency_s,
+                    "added_per_join_added": added / join_added if join_added > 0 else None,
+                    "collectives_per_epoch": max(t.collectives for t in variant.timings),
+                    "collectives_in_loop": max(t.collectives_in_loop for t in variant.timings),
+                    "rounds": [asdict(t) for t in variant.timings],
+                }
+            )
+    return rows
+
+
+def rank_main(rank: int, world_size: int, config: BenchConfig, workdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=Path(workdir, "rendezvous").as_uri(),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        dist.barrier()
+        result = measure_on_rank(rank, world_size, config)
+        if rank == 0:
+            Path(workdir, "result.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_world(world_size: int, config: BenchConfig) -> dict[str, Any]:
+    """Start ``world_size`` ranks, run every variant on them, return rank 0's numbers."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the ranks before they import torch
+    with tempfile.TemporaryDirectory(prefix="bench-agreement-") as workdir:
+        torch_mp.spawn(  # type: ignore[attr-defined,no-untyped-call]
+            rank_main, args=(world_size, config, workdir), nprocs=world_size
+        )
+        result: dict[str, Any] = json.loads(Path(workdir, "result.json").read_text())
+    result["targets"] = evaluate_targets(result, config.window)
+    return result
+
+
+def evaluate_targets(result: dict[str, Any], window: int) -> list[dict[str, Any]]:
+    rows = {(row["workload"], row["variant"]): row for row in result["results"]}
+    latency_s = result["allreduce_latency_s"]
+    targets = []
+    join_added = rows[("busy wait", JOIN)]["added_s"]
+    for (workload, variant), row in rows.items():
+        if workload == "busy wait" and variant.startswith("ddp_even"):
+            added = row["added_s"]
+            detail = (
+                f"added {added * 1e6:.1f} us = {added / latency_s:.1%} of one all-reduce "
+                f"({latency_s * 1e6:.0f} us), of which loop-thread CPU "
+                f"{row['added_cpu_s'] * 1e6:+.1f} us; Join adds {join_added * 1e6:.1f} us"
+            )
+            passed: bool | None = added <= 0.1 * latency_s and added <= 0.2 * join_added
+            if join_added <= 0:
+                # Join cannot add nothing: the difference is machine noise, nothing to compare.
+                passed, detail = None, detail + " (not positive: noise, no verdict)"
+            targets.append(
+                {
+                    "target": "busy wait: added <= 10% of one all-reduce and <= 1/5 of Join's",
+                    "variant": variant,
+                    "passed": passed,
+                    "detail": detail,
+                }
+            )
+    for mode in ("truncate", "cycle"):
+        every_step = rows[("loader", f"ddp_even {mode} K=1")]["added_s"]
+        windowed = rows[("loader", f"ddp_even {mode} K={window}")]["added_s"]
+        targets.append(
+            {
+                "target": f"loader: K={window} adds >= 8x less per step than K=1",
+                "variant": f"ddp_even {mode}",
+                "passed": windowed <= every_step / 8,
+                "detail": f"K=1 adds {every_step * 1e6:.1f} us, K={window} adds "
+                f"{windowed * 1e6:.1f} us (x{every_step / windowed:.1f})"
+                if windowed > 0
+                else f"K=1 adds {every_step * 1e6:.1f} us, K={window} {windowed * 1e6:.1f} us",
+            }
+        )
+    for (workload, variant), row in rows.items():
+        if variant.endswith("known lengths"):
+            in_loop = row["collectives_in_loop"]
+            targets.append(
+                {
+                    "target": "known lengths: no collective between the first and last step",
+                    "variant": f"{variant} ({workload})",
+                    "passed": in_loop == 0,
+                    "detail": f"{in_loop} in loop, {row['collectives_per_epoch']} per epoch",
+                }
+            )
+    return targets
+
+
+def results_table(result: dict[str, Any]) -> Table:
+    latency_us = result["allreduce_latency_s"] * 1e6
+    table = Table(
+        title=f"{result['world_size']} ranks (gloo, CPU): one all-reduce = {latency_us:.0f} us, "
+        f"shards {'/'.join(map(str, result['shard_batches']))} batches",
+        title_justify="left",
+    )
+    table.add_column("workload")
+    table.add_column("variant")
+    for column in COLUMNS:
+        table.add_column(column, justify="right")
+    previous = None
+    for row in result["results"]:
+        if previous is not None and row["workload"] != previous:
+            table.add_section()
+        name, reference = row["variant"], row["reference"]
+        if name == reference:
+            added = ["reference", "", ""]
+        else:
+            ratio = row["added_per_join_added"]
+            added = [
+                f"{row['added_s'] * 1e6:+.1f} us",
+                f"{row['added_per_allreduce']:+.1%}",
+                "n/a" if ratio is None else f"{ratio:+.2f}",
+            ]
+        table.add_row(
+            row["workload"] if row["workload"] != previous else "",
+            name + (f" (vs {reference})" if reference not in (FLOOR, name) else ""),
+            str(row["steps"]),
+            f"{row['per_step_s'] * 1e6:.1f} us",
+            f"{row['cpu_per_step_s'] * 1e6:.1f} us",
+            *added,
+            str(row["collectives_per_epoch"]),
+            str(row["collectives_in_loop"]),
+        )
+        previous = row["workload"]
+    load = "/".join(f"{value:.1f}" for value in result["load_average"])
+    table.caption = (
+        f"rank 0, median over rounds; busy wait = {result['busy_wait_s'] * 1e6:.0f} us per step; "
+        f"load average before/after: {load} on {os.cpu_count()} CPUs"
+    )
+    return table
+
+
+def print_targets(console: Console, result: dict[str, Any]) -> None:
+    for target in result["targets"]:
+        verdict = {True: "[green]PASS[/]", False: "[red]FAIL[/]", None: "[yellow]N/A[/]"}[
+            target["passed"]
+        ]
+        console.print(
+            f"{verdict} {result['world_size']} ranks, {target['target']}: "
+            f"{target['variant']}: {target['detail']}",
+            highlight=False,
+        )
+
+
+@click.command()
+@click.option(
+    "--ranks",
+    multiple=True,
+    type=click.IntRange(2),
+    help="World sizes to run, one table each (repeatable).  [default: 2 and 4; --quick: 2]",
+)
+@click.option("--repeats", type=click.IntRange(1), default=5, show_default=True)
+@click.option(
+    "--steps", type=click.IntRange(20), default=96, show_default=True, help="Batches on rank 0."
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("bench-results/agreement.json"),
+    show_default=True,
+)
+@click.option("--quick", is_flag=True, help="Smoke run: 48 steps, 2 repeats.")
+def main(ranks: tuple[int, ...], repeats: int, steps: int, out: Path, quick: bool) -> None:
+    """Per-step cost of keeping uneven ranks in step: ddp_even, Join, a blocking flag."""
+    config = BenchConfig(steps=48, repeats=2) if quick else BenchConfig(steps, repeats)
+    ranks = ranks or ((2,) if quick else (2, 4))
+    # Wide enough for the table when the output is not a terminal (a file, a pipe).
+    console = Console() if sys.stdout.isatty() else Console(width=170)
+    runs = []
+    for world_size in ranks:
+        started = time.perf_counter()
+        result = measure_world(world_size, config)
+        console.print(results_table(result))
+        print_targets(console, result)
+        load = result["load_average"][0]
+        if load > (os.cpu_count() or 1):
+            console.print(
+                f"[yellow]load average {load:.1f} on {os.cpu_count()} CPUs: other processes "
+                "share this machine, differences of tens of microseconds are noise[/]"
+            )
+        console.print(f"({time.perf_counter() - started:.0f} s)\n")
+        runs.append(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "processor": platform.machine(),
+            "cpus": os.cpu_count(),
+        },
+        "config": asdict(config),
+        "runs": runs,
+    }
+    out.write_text(json.dumps(document, indent=2) + "\n")
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

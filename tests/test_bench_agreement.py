@@ -1,0 +1,42 @@
+"""The agreement benchmark runs end to end on 2 ranks and reports every variant (no timings)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.bench_agreement import JOIN, BenchConfig, measure_world
+
+WORKLOADS = {"loader", "ddp model", "busy wait"}
+
+
+def test_two_ranks_report_every_variant_and_target() -> None:
+    result = measure_world(2, BenchConfig(steps=20, repeats=1, latency_samples=50))
+
+    json.dumps(result)  # what the command writes
+    assert result["world_size"] == 2
+    assert result["shard_batches"] == [20, 18]
+    assert result["allreduce_latency_s"] > 0
+    rows = {(row["workload"], row["variant"]): row for row in result["results"]}
+    assert {workload for workload, _ in rows} == WORKLOADS
+    for workload in WORKLOADS:
+        assert (workload, JOIN) in rows
+        assert (workload, "ddp_even truncate K=16") in rows
+    for row in result["results"]:
+        assert len(row["rounds"]) == 1
+        assert row["per_step_s"] > 0
+        # Truncate-like variants take the shortest shard's steps; Join and cycle the longest.
+        longest = row["variant"] == JOIN or "cycle" in row["variant"]
+        assert row["steps"] == (20 if longest else 18), row
+        if row["variant"].endswith("known lengths"):
+            # One agreement before the first step, one statistics gather after the last.
+            assert (row["collectives_per_epoch"], row["collectives_in_loop"]) == (2, 0)
+        if row["variant"] == "ddp_even truncate K=1":
+            # One agreement per step and one that ends the epoch, then the statistics.
+            assert row["collectives_per_epoch"] == 18 + 2
+    # None: no verdict, when noise made Join's added time negative.
+    assert {target["passed"] for target in result["targets"]} <= {True, False, None}
+    assert {target["target"].split(":")[0] for target in result["targets"]} == {
+        "busy wait",
+        "loader",
+        "known lengths",
+    }
