@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -218,6 +219,24 @@ class _ShadowHook(JoinHook):
         self._shadow_step()
 
 
+class _KeepWarningFilters:
+    """Enters a ``Join``, undoing what its exit does to the process's warning filters.
+
+    ``Join.__exit__`` calls ``warnings.simplefilter("once")`` for the whole process, which would
+    bring back every warning the training script had silenced.
+    """
+
+    def __init__(self, join: Join) -> None:
+        self._join = join
+
+    def __enter__(self) -> None:
+        self._join.__enter__()  # type: ignore[no-untyped-call]
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        with warnings.catch_warnings():
+            return self._join.__exit__(*exc_info)
+
+
 def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[BatchT]:
     window = run.settings.sync_every
     assert window is not None
@@ -233,7 +252,7 @@ def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[B
     loader_joinable = _LoaderJoinable(
         joinables[0].join_device, joinables[0].join_process_group, shadow_step
     )
-    with Join([loader_joinable, *joinables]):
+    with _KeepWarningFilters(Join([loader_joinable, *joinables])):
         try:
             while True:
                 run.feed.fill(window)
