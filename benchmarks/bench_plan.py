@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -215,7 +216,7 @@ def skew_table(results: list[dict[str, Any]]) -> Table:
 )
 def main(row_groups: int, world_size: int, batch_size: int, repeats: int, out: Path) -> None:
     """Time planning and compare round robin with balanced shards on skewed datasets."""
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=170)
     timings = timing(row_groups, world_size, batch_size, repeats)
     console.print(timing_table(timings))
     with tempfile.TemporaryDirectory() as workdir:
