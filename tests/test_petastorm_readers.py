@@ -14,8 +14,13 @@ from typing import Any
 import pytest
 
 from ddp_even.petastorm_readers import PlanMismatchError, make_shard_factory, petastorm_url
-from tests.helpers.datasets import write_plain_dataset, write_unischema_dataset
-from tests.helpers.shard_reads import collect, ids_of_row_groups, read_shard, write_summary_metadata
+from tests.helpers.datasets import write_plain_dataset
+from tests.helpers.shard_reads import (
+    Layouts,
+    collect,
+    ids_of_row_groups,
+    read_shard,
+)
 
 BATCH = 4
 # Skewed: round robin puts both big row groups on rank 0 of 2.
@@ -23,22 +28,9 @@ SIZES = [[40, 3], [30, 5], [1, 6, 4, 2]]
 DUMMY = {"reader_pool_type": "dummy", "shuffle_row_groups": False}
 
 
-def plain(root: Path) -> str:
-    return write_plain_dataset(root, SIZES)
-
-
-def partitioned(root: Path) -> str:
-    return write_plain_dataset(root, SIZES, partition_by="part")
-
-
-def with_metadata(root: Path) -> str:
-    url = write_plain_dataset(root, SIZES)
-    write_summary_metadata(root, common=True)
-    return url
-
-
-def unischema(root: Path) -> str:
-    return write_unischema_dataset(root, SIZES)
+LAYOUTS = Layouts(SIZES)
+plain, partitioned = LAYOUTS.plain, LAYOUTS.partitioned
+with_metadata, unischema = LAYOUTS.with_metadata, LAYOUTS.unischema
 
 
 def read_all_ranks(

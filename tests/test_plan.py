@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from ddp_even.plan import MODES, plan_for_dataset, plan_shards
-from tests.helpers.datasets import write_plain_dataset, write_unischema_dataset
-from tests.helpers.shard_reads import ids_of_row_groups, read_shard, write_summary_metadata
+from tests.helpers.datasets import write_plain_dataset
+from tests.helpers.shard_reads import Layouts, ids_of_row_groups, read_shard, write_summary_metadata
 
 BATCH = 4
 # Uneven on purpose: short last batches, row groups smaller and larger than a batch.
@@ -24,28 +24,15 @@ SIZES = [[7, 3, 12], [5], [1, 9, 4, 6], [2, 10]]
 WORLD_SIZES = [1, 2, 3, 4, 5]
 
 
-def plain(root: Path) -> str:
-    return write_plain_dataset(root, SIZES)
-
-
-def partitioned(root: Path) -> str:
-    return write_plain_dataset(root, SIZES, partition_by="part")
-
-
-def with_metadata(root: Path) -> str:
-    url = write_plain_dataset(root, SIZES)
-    write_summary_metadata(root, common=True)
-    return url
+LAYOUTS = Layouts(SIZES)
+plain, partitioned = LAYOUTS.plain, LAYOUTS.partitioned
+with_metadata, unischema = LAYOUTS.with_metadata, LAYOUTS.unischema
 
 
 def metadata_skipping_a_file(root: Path) -> str:
     url = write_plain_dataset(root, SIZES)
     write_summary_metadata(root, skip=("part-00002.parquet",))
     return url
-
-
-def unischema(root: Path) -> str:
-    return write_unischema_dataset(root, SIZES)
 
 
 # (dataset, petastorm reader kind, loader): plain Parquet through make_batch_reader, the

@@ -9,12 +9,15 @@ compare the plan against petastorm itself rather than against ddp_even's own rea
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import pyarrow.parquet as pq
+
+from tests.helpers.datasets import write_plain_dataset, write_unischema_dataset
 
 #: ``raw``: iterate the reader; the others wrap it in that ``petastorm.pytorch`` loader.
 Loader = Literal["raw", "dataloader", "batched_dataloader"]
@@ -124,3 +127,24 @@ def write_summary_metadata(root: Path, *, skip: tuple[str, ...] = (), common: bo
     pq.write_metadata(schema, root / "_metadata", metadata_collector=collected)
     if common:
         pq.write_metadata(schema, root / "_common_metadata")
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """The same row groups written the ways petastorm datasets come; each ``root -> url``."""
+
+    sizes: Sequence[Sequence[int]]
+
+    def plain(self, root: Path) -> str:
+        return write_plain_dataset(root, self.sizes)
+
+    def partitioned(self, root: Path) -> str:
+        return write_plain_dataset(root, self.sizes, partition_by="part")
+
+    def with_metadata(self, root: Path) -> str:
+        url = write_plain_dataset(root, self.sizes)
+        write_summary_metadata(root, common=True)
+        return url
+
+    def unischema(self, root: Path) -> str:
+        return write_unischema_dataset(root, self.sizes)
