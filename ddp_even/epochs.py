@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -177,6 +178,9 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
 def run_known_lengths(run: EpochRun[BatchT], own_batches: int) -> Iterator[BatchT]:
     window = run.settings.window(0)
     report = run.report(own_batches, own_batches)
+    if run.settings.mode.restarts_short_shards and own_batches == 0:
+        # Nothing has been read yet, so the feed cannot know; the length says it.
+        report = dataclasses.replace(report, empty_shard=True)
     agreement = run.agreer.start(report).wait()
     run.check(report, agreement)
     decision = decide_window(run.settings.mode, agreement, window, 0, run.settings.steps_per_epoch)

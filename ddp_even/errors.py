@@ -87,7 +87,7 @@ class PeerTimeoutError(EvenLoaderError):
     Example::
 
         >>> print(PeerTimeoutError((3,), 300.0, "connection closed by peer"))
-        rank(s) 3 did not answer the step agreement within 300 s (dead or stalled): ...
+        rank(s) 3 did not answer the step agreement within 300 s (dead, stalled, or waiting ...
     """
 
     def __init__(
@@ -117,5 +117,5 @@ class PeerTimeoutError(EvenLoaderError):
         names = ", ".join(str(missing) for missing in missing_ranks) or "unknown"
         super().__init__(
             f"rank(s) {names} did not answer the step agreement within {timeout:g} s "
-            f"(dead or stalled): {detail}"
+            f"(dead, stalled, or waiting in a collective this rank did not enter): {detail}"
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
@@ -145,7 +146,7 @@ class EvenLoader(Generic[BatchT]):
         self._plan = plan
         self._agreer: Agreer | None = None
         self._next_epoch = 0
-        self._running: Generator[BatchT, None, None] | None = None
+        self._running: weakref.ref[Generator[BatchT, None, None]] | None = None
         self._current_run: EpochRun[BatchT] | None = None
         self.history: list[EpochStats] = []
         self.repeating = False
@@ -267,13 +268,21 @@ class EvenLoader(Generic[BatchT]):
         return rank
 
     def __iter__(self) -> Iterator[BatchT]:
-        if self._running is not None:
-            # An epoch left unfinished (a break, an exception) is closed before the next.
-            self._running.close()
+        running = None if self._running is None else self._running()
+        if running is not None:
+            # An epoch left unfinished and still referenced (``it = iter(loader)``) is
+            # closed before the next.
+            running.close()
         epoch = self._next_epoch
         self._next_epoch += 1
-        self._running = self._run_epoch(epoch)
-        return self._running
+        epoch_run = self._run_epoch(epoch)
+        # Only a weak reference: the epoch's frame refers to the loader, so a strong one would
+        # make a cycle that only the garbage collector breaks, closing an epoch left early
+        # (its collectives included) at a different moment on every rank. Held weakly, the
+        # epoch closes when its last user lets go of it: at the ``break``, at an exception
+        # leaving the loop, at ``del loader``: the same step on every rank.
+        self._running = weakref.ref(epoch_run)
+        return epoch_run
 
     def _run_epoch(self, epoch: int) -> Generator[BatchT, None, None]:
         feed: ShardFeed[BatchT] = ShardFeed(self._source, self.mode.restarts_short_shards)
