@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
+from ddp_even.checks import check_positive_int
 from ddp_even.epochs import EpochRun, Settings, run_join, run_known_lengths, run_windows
 from ddp_even.feed import ShardFeed
 from ddp_even.policies import Mode, decide_window
@@ -103,8 +104,9 @@ class EvenLoader(Generic[BatchT]):
         plan: ShardPlan | None = None,
     ) -> None:
         self.mode = Mode.parse(mode)
-        _check_positive_int("steps_per_epoch", steps_per_epoch)
-        _check_positive_int("sync_every", sync_every)
+        for name, value in (("steps_per_epoch", steps_per_epoch), ("sync_every", sync_every)):
+            if value is not None:
+                check_positive_int(name, value)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if group is not None and not isinstance(group, dist.ProcessGroup):
@@ -341,12 +343,3 @@ def _rank_and_world_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
-
-
-def _check_positive_int(name: str, value: int | None) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int or None, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")

@@ -27,12 +27,14 @@ import numpy as np
 import numpy.typing as npt
 
 from ddp_even.balance import balanced_assignment, round_robin_assignment
+from ddp_even.checks import check_positive_int
+from ddp_even.policies import Mode
 from ddp_even.row_groups import DatasetError, DatasetLocation, RowGroups, read_row_groups
 
 __all__ = [
     "MODES",
     "DatasetError",
-    "Mode",
+    "ModeName",
     "ModeStats",
     "ShardPlan",
     "plan_for_dataset",
@@ -41,10 +43,10 @@ __all__ = [
 
 logger = logging.getLogger("ddp_even")
 
-#: How ranks with different numbers of batches are made to take equal steps.
-Mode = Literal["truncate", "cycle", "join"]
+#: A mode's name, as the plan's methods take it (``ddp_even.policies.Mode`` values).
+ModeName = Literal["truncate", "cycle", "join"]
 #: All modes, in the order tables list them.
-MODES: tuple[Mode, ...] = ("truncate", "cycle", "join")
+MODES: tuple[ModeName, ...] = ("truncate", "cycle", "join")
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class ModeStats:
         (1, (2, 0), (20, 0))
     """
 
-    mode: Mode
+    mode: ModeName
     #: Steps every rank takes in one epoch.
     steps: int
     #: Batches (and their rows) a rank never yields in the epoch (truncate).
@@ -210,18 +212,18 @@ class ShardPlan:
             f"groups are fewer than world size {self.world_size}"
         )
 
-    def steps(self, mode: Mode) -> int:
+    def steps(self, mode: ModeName) -> int:
         """Steps every rank takes in one epoch in ``mode``.
 
         Example:
             >>> plan_shards([30, 10], world_size=2, batch_size=10).steps("cycle")
             3
         """
-        _check_mode(mode)
+        Mode.parse(mode)
         batches = self.batches_per_rank
         return min(batches) if mode == "truncate" else max(batches)
 
-    def stats(self, mode: Mode) -> ModeStats:
+    def stats(self, mode: ModeName) -> ModeStats:
         """The full epoch for ``mode``: steps, per-rank drops, repeats and idle steps.
 
         Example:
@@ -260,7 +262,7 @@ class ShardPlan:
             note=note,
         )
 
-    def _outcome(self, mode: Mode, steps: int) -> tuple[bool, str]:
+    def _outcome(self, mode: ModeName, steps: int) -> tuple[bool, str]:
         if self.petastorm_error is not None:
             return False, f"cannot start: {self.petastorm_error}"
         empty = self.empty_ranks
@@ -347,8 +349,8 @@ def plan_shards(
         >>> plan_shards([40, 40, 40, 40, 160], 2, 40, balanced=True).rows_per_rank
         (160, 160)
     """
-    _check_positive_int("world_size", world_size)
-    _check_positive_int("batch_size", batch_size)
+    check_positive_int("world_size", world_size)
+    check_positive_int("batch_size", batch_size)
     if not isinstance(balanced, bool):
         raise TypeError(f"balanced must be True or False, got {balanced!r}")
     sizes = row_groups.num_rows if isinstance(row_groups, RowGroups) else _sizes(row_groups)
@@ -399,8 +401,8 @@ def plan_for_dataset(
         >>> plan.shards, plan.rows_per_rank, plan.batches_per_rank
         (((0, 2), (1,)), (6, 4), (2, 2))
     """
-    _check_positive_int("world_size", world_size)
-    _check_positive_int("batch_size", batch_size)
+    check_positive_int("world_size", world_size)
+    check_positive_int("batch_size", batch_size)
     row_groups = read_row_groups(dataset)
     logger.debug(
         "ddp_even: %d row groups, %d rows in %d files (from %s)",
@@ -460,20 +462,8 @@ def _rank_list(ranks: tuple[int, ...]) -> str:
     return ", ".join(str(rank) for rank in ranks)
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-
-
 def _check_rank(rank: int, world_size: int) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
         raise TypeError(f"rank must be an int, got {type(rank).__name__}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")

@@ -169,9 +169,9 @@ def test_to_dict_is_json_ready() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "words"),
     [
-        ({"world_size": 0}, ValueError, "world_size must be >= 1"),
-        ({"world_size": 2.0}, TypeError, "world_size must be an int"),
-        ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
+        ({"world_size": 0}, ValueError, "world_size must be at least 1"),
+        ({"world_size": 2.0}, TypeError, "world_size must be a positive int"),
+        ({"batch_size": 0}, ValueError, "batch_size must be at least 1"),
         ({"balanced": "yes"}, TypeError, "balanced must be True or False"),
         ({"row_groups": []}, ValueError, "no row groups"),
         ({"row_groups": [1.5, 2.0]}, TypeError, "row counts"),
@@ -188,7 +188,9 @@ def test_bad_arguments_say_what_to_do(kwargs: dict[str, Any], error: type, words
 @pytest.mark.timeout(30)
 def test_bad_mode_and_rank() -> None:
     plan = plan_shards([1, 2, 3], world_size=2, batch_size=2)
-    with pytest.raises(ValueError, match="mode must be one of truncate, cycle, join"):
+    with pytest.raises(
+        ValueError, match="unknown mode 'drop': choose one of 'truncate', 'cycle', 'join'"
+    ):
         plan.steps("drop")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
         plan.row_groups_of(2)
