@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -102,7 +101,7 @@ class EpochRun(Generic[BatchT]):
         mode = self.settings.mode.value
         self.record(gather_epoch_stats(self.agreer, self.counts, self.epoch, mode))
 
-    def report(self, available: int, own_available: int) -> Report:
+    def report(self, available: int, own_available: int, shard_is_empty: bool) -> Report:
         failure = self.feed.failure
         return Report(
             rank=self.agreer.rank,
@@ -111,14 +110,14 @@ class EpochRun(Generic[BatchT]):
             settings=self.settings.description,
             available=available,
             own_available=own_available,
-            empty_shard=self.settings.mode.restarts_short_shards and self.feed.empty_shard,
+            empty_shard=self.settings.mode.restarts_short_shards and shard_is_empty,
             failed=failure is not None,
             failure=None if failure is None else (type(failure).__name__, str(failure)),
         )
 
     def offer_buffered(self, window: int) -> tuple[Report, PendingAgreement]:
         self.feed.fill(window)
-        report = self.report(self.feed.buffered, self.feed.own_buffered)
+        report = self.report(self.feed.buffered, self.feed.own_buffered, self.feed.empty_shard)
         return report, self.agreer.start(report)
 
     def check(self, report: Report, agreement: Agreement) -> None:
@@ -177,10 +176,8 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
 
 def run_known_lengths(run: EpochRun[BatchT], own_batches: int) -> Iterator[BatchT]:
     window = run.settings.window(0)
-    report = run.report(own_batches, own_batches)
-    if run.settings.mode.restarts_short_shards and own_batches == 0:
-        # Nothing has been read yet, so the feed cannot know; the length says it.
-        report = dataclasses.replace(report, empty_shard=True)
+    # Nothing has been read yet: the length, not the feed, says whether the shard is empty.
+    report = run.report(own_batches, own_batches, shard_is_empty=own_batches == 0)
     agreement = run.agreer.start(report).wait()
     run.check(report, agreement)
     decision = decide_window(run.settings.mode, agreement, window, 0, run.settings.steps_per_epoch)
@@ -249,7 +246,7 @@ def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[B
         # This rank has joined; it still takes part in the agreements of the ranks that
         # have not, at the same steps they hold them.
         if run.steps_done % window == 0:
-            report = run.report(0, 0)
+            report = run.report(0, 0, run.feed.empty_shard)
             run.check(report, run.agreer.start(report).wait())
         run.steps_done += 1
 
@@ -263,7 +260,7 @@ def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[B
                 if run.feed.buffered == 0 and run.feed.failure is None:
                     break
                 Join.notify_join_context(loader_joinable)
-                report = run.report(run.feed.buffered, run.feed.own_buffered)
+                report = run.report(run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard)
                 run.check(report, run.agreer.start(report).wait())
                 batches = run.feed.take(run.feed.buffered)
                 for index, fed in enumerate(batches):
