@@ -24,6 +24,7 @@ from tests.helpers.scenarios import (
     expected_batches,
     run_scenarios_one_model,
     shard,
+    train_step,
 )
 from tests.helpers.spawn import RankError, run_ranks
 
@@ -87,10 +88,7 @@ def _peer_fault_worker(rank: int, world_size: int, case: PeerFault) -> dict[str,
     try:
         for batch in loader:
             if model is not None:
-                loss = model(torch.tensor(batch, dtype=torch.float32).reshape(-1, 1)).sum()
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+                train_step(model, optimizer, batch)
             else:
                 # No collective of its own: the ranks meet only in the loader.
                 time.sleep(0.002)
@@ -207,10 +205,7 @@ def _loop_worker(
             seen.append([])
             for batch in loader:
                 if model is not None:
-                    loss = model(torch.tensor(batch, dtype=torch.float32).reshape(-1, 1)).sum()
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
+                    train_step(model, optimizer, batch)
                 seen[-1].append(batch)
                 if rank == break_rank and epoch == 0 and len(seen[-1]) == 3:
                     break

@@ -156,7 +156,7 @@ class Outcome:
     seconds: float = 0.0
 
 
-def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
     inputs = torch.tensor(batch, dtype=torch.float32).reshape(-1, 1) / 1000
     loss = model(inputs).pow(2).mean()
     optimizer.zero_grad()
@@ -233,7 +233,7 @@ def run_scenario(
                 for batch in loader:
                     if epoch == 0 and scenario.raise_after == len(seen):
                         raise StepFailed(f"training step {len(seen)} failed")
-                    _train_step(model, optimizer, batch)
+                    train_step(model, optimizer, batch)
                     seen.append(batch)
                     flags.append(loader.repeating)
                     if epoch == 0 and scenario.break_after == len(seen):
