@@ -349,10 +349,15 @@ class _RollCall:
         gave_up: dict[int, float] = {}
         for index, value in enumerate(values):
             rank, kind = divmod(index, 2)
-            number, at, what = value.split()
-            if int(number) >= sequence:
-                doing[rank] = what if int(number) == sequence else "later"
-            if kind == 1 and int(number) == sequence:
+            words, at, what = value.split()
+            number = int(words)
+            if number >= sequence:
+                doing[rank] = what if number == sequence else "later"
+            elif kind == 1 and number == sequence - 1:
+                # A peer dying inside a collective can let it complete on some ranks and fail
+                # on others: those gave up one collective earlier, alive all the same.
+                doing.setdefault(rank, "earlier")
+            if kind == 1 and number == sequence:
                 gave_up[rank] = float(at)
         return doing, gave_up
 
