@@ -10,7 +10,10 @@ process group, every variant under three workloads:
 
 * ``loader``: no compute, the loop only takes batches;
 * ``ddp model``: a small DDP model (two Linear layers): forward, backward, SGD step;
-* ``busy wait``: a busy-wait of twice the measured all-reduce latency per step.
+* ``busy wait``: a busy-wait of twice the measured all-reduce latency per step: a step that
+  keeps the loop's core busy (CPU training);
+* ``idle wait``: a sleep of the same length: a step that leaves the core free, as a GPU step
+  does while the host waits for the device.
 
 Variants:
 
@@ -18,7 +21,7 @@ Variants:
 * ``blocking flag all_reduce``: a blocking all-reduce of "I have a batch" before every step;
 * ``overlapped flag all_reduce``: that flag all-reduced one batch ahead, asynchronously, in a
   few lines: the least one batch of look-ahead can cost, without any bookkeeping;
-* ``torch Join over DDP``: without a model in the workload (``loader``, ``busy wait``) it runs
+* ``torch Join over DDP``: without a model in the workload (``loader``, the waits) it runs
   over a one-parameter DDP model whose step is added to the workload, and is compared with
   ``floor + 1-param DDP``, the same step on equal shards. Join's model is an identical DDP
   instance of its own: Join leaves its joinables' join all-reduces on after it exits;
@@ -85,6 +88,8 @@ Step = Callable[[Batch], None]
 FLOOR = "floor"
 FLOOR_TINY_DDP = "floor + 1-param DDP"
 JOIN = "torch Join over DDP"
+BUSY_WAIT = "busy wait"
+IDLE_WAIT = "idle wait"
 COUNTED_COLLECTIVES = (
     "all_reduce",
     "all_gather",
@@ -214,6 +219,13 @@ def busy_wait(seconds: float) -> Step:
     return step
 
 
+def idle_wait(seconds: float) -> Step:
+    def step(batch: Batch) -> None:
+        time.sleep(seconds)
+
+    return step
+
+
 def no_compute(batch: Batch) -> None:
     pass
 
@@ -303,7 +315,7 @@ class Workload:
     join_reference: Step | None = None
 
 
-def make_workloads(busy_wait_s: float, config: BenchConfig) -> list[Workload]:
+def make_workloads(step_s: float, config: BenchConfig) -> list[Workload]:
     def mlp() -> DistributedDataParallel:
         torch.manual_seed(0)  # the same initial weights everywhere (DDP broadcasts them too)
         return DistributedDataParallel(
@@ -319,7 +331,7 @@ def make_workloads(busy_wait_s: float, config: BenchConfig) -> list[Workload]:
     model, join_model = mlp(), mlp()
     tiny, join_tiny = one_parameter(), one_parameter()
     tiny_step, join_tiny_step = training_step(tiny, 1, 1), training_step(join_tiny, 1, 1)
-    waiting = busy_wait(busy_wait_s)
+    spinning, sleeping = busy_wait(step_s), idle_wait(step_s)
     return [
         Workload("loader", no_compute, join_tiny, join_tiny_step, tiny_step),
         Workload(
@@ -328,12 +340,9 @@ def make_workloads(busy_wait_s: float, config: BenchConfig) -> list[Workload]:
             join_model,
             training_step(join_model, config.features, config.outputs),
         ),
-        Workload(
-            "busy wait",
-            waiting,
-            join_tiny,
-            both(waiting, join_tiny_step),
-            both(waiting, tiny_step),
+        *(
+            Workload(name, wait, join_tiny, both(wait, join_tiny_step), both(wait, tiny_step))
+            for name, wait in ((BUSY_WAIT, spinning), (IDLE_WAIT, sleeping))
         ),
     ]
 
@@ -396,7 +405,7 @@ def measure_on_rank(rank: int, world_size: int, config: BenchConfig) -> dict[str
         "world_size": world_size,
         "shard_batches": lengths,
         "allreduce_latency_s": latency_s,
-        "busy_wait_s": 2 * latency_s,
+        "wait_step_s": 2 * latency_s,
         # This machine may be shared: 1-minute load averages before and after the rounds.
         "load_average": [load_before[0], os.getloadavg()[0]],
         "results": summarize(table, latency_s),
@@ -466,9 +475,9 @@ def evaluate_targets(result: dict[str, Any], window: int) -> list[dict[str, Any]
     rows = {(row["workload"], row["variant"]): row for row in result["results"]}
     latency_s = result["allreduce_latency_s"]
     targets = []
-    join_added = rows[("busy wait", JOIN)]["added_s"]
     for (workload, variant), row in rows.items():
-        if workload == "busy wait" and variant.startswith("ddp_even"):
+        if workload in (BUSY_WAIT, IDLE_WAIT) and variant.startswith("ddp_even"):
+            join_added = rows[(workload, JOIN)]["added_s"]
             added = row["added_s"]
             detail = (
                 f"added {added * 1e6:.1f} us = {added / latency_s:.1%} of one all-reduce "
@@ -481,7 +490,7 @@ def evaluate_targets(result: dict[str, Any], window: int) -> list[dict[str, Any]
                 passed, detail = None, detail + " (not positive: noise, no verdict)"
             targets.append(
                 {
-                    "target": "busy wait: added <= 10% of one all-reduce and <= 1/5 of Join's",
+                    "target": f"{workload}: added <= 10% of one all-reduce and <= 1/5 of Join's",
                     "variant": variant,
                     "passed": passed,
                     "detail": detail,
@@ -553,7 +562,8 @@ def results_table(result: dict[str, Any]) -> Table:
         previous = row["workload"]
     load = "/".join(f"{value:.1f}" for value in result["load_average"])
     table.caption = (
-        f"rank 0, median over rounds; busy wait = {result['busy_wait_s'] * 1e6:.0f} us per step; "
+        f"rank 0, median over rounds; busy and idle wait = {result['wait_step_s'] * 1e6:.0f} us "
+        "per step; "
         f"load average before/after: {load} on {os.cpu_count()} CPUs"
     )
     return table

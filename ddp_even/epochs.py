@@ -125,7 +125,7 @@ class EpochRun(Generic[BatchT]):
         if not agreement.has_problem:
             return
         reports = self.agreer.gather_reports(report)
-        if agreement.epochs_differ or agreement.settings_differ:
+        if len({(peer.epoch, peer.fingerprint) for peer in reports}) > 1:
             described = "; ".join(
                 f"rank {peer.rank}: epoch {peer.epoch}, {peer.settings}" for peer in reports
             )
@@ -134,12 +134,12 @@ class EpochRun(Generic[BatchT]):
                 f"steps_per_epoch and sync_every on every rank and iterate it once per epoch "
                 f"everywhere ({described})"
             )
-        if agreement.failed_rank is not None:
+        failed = [peer for peer in reports if peer.failed]
+        if failed:
             if self.feed.failure is not None:
                 raise self.feed.failure
-            failed = next(peer for peer in reports if peer.failed)
-            assert failed.failure is not None
-            raise PeerSourceError(failed.rank, *failed.failure, step=self.steps_done)
+            assert failed[-1].failure is not None
+            raise PeerSourceError(failed[-1].rank, *failed[-1].failure, step=self.steps_done)
         raise EmptyShardError(tuple(peer.rank for peer in reports if peer.empty_shard))
 
 
@@ -156,10 +156,12 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
             decision = decide_window(
                 run.settings.mode, agreement, window, run.steps_done, run.settings.steps_per_epoch
             )
-            batches = run.feed.take(decision.steps)
+            agreed = run.feed.take(decision.steps)
             run.steps_done += decision.steps
-            for index, fed in enumerate(batches):
-                if index == len(batches) - 1 and not decision.last:
+            while agreed:
+                # Popped as handed out: a batch the consumer is done with is not held here.
+                fed = agreed.popleft()
+                if not agreed and not decision.last:
                     window = run.settings.window(run.steps_done)
                     assert window is not None
                     report, pending = run.offer_buffered(window)
@@ -262,13 +264,14 @@ def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[B
                 Join.notify_join_context(loader_joinable)
                 report = run.report(run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard)
                 run.check(report, run.agreer.start(report).wait())
-                batches = run.feed.take(run.feed.buffered)
-                for index, fed in enumerate(batches):
+                agreed = run.feed.take(run.feed.buffered)
+                full_window = len(agreed) == window
+                for index in range(len(agreed)):
                     if index > 0:
                         Join.notify_join_context(loader_joinable)
                     run.steps_done += 1
-                    yield run.hand_out(fed)
-                if len(batches) < window:
+                    yield run.hand_out(agreed.popleft())
+                if not full_window:
                     break
         except GeneratorExit:
             # The consumer stopped (a `break` on every rank at the same step): leave through

@@ -78,8 +78,9 @@ class ShardFeed(Generic[BatchT]):
                 logger.debug("the data source raised %r", error)
                 self.failure = error
 
-    def take(self, count: int) -> list[FedBatch[BatchT]]:
-        return [self._buffer.popleft() for _ in range(count)]
+    def take(self, count: int) -> deque[FedBatch[BatchT]]:
+        """The next ``count`` buffered batches, out of the buffer (which then refills)."""
+        return deque(self._buffer.popleft() for _ in range(count))
 
     def take_one_now(self) -> FedBatch[BatchT]:
         """Read one batch with no agreement to report to: raise what the source raises."""

@@ -247,13 +247,7 @@ class EvenLoader(Generic[BatchT]):
             return plan.batches_per_rank[rank]
         batches = plan.batches_per_rank
         everyone = Agreement(
-            min_available=min(batches),
-            max_available=max(batches),
-            max_own_available=max(batches),
-            epochs_differ=False,
-            settings_differ=False,
-            failed_rank=None,
-            empty_rank=None,
+            min_available=min(batches), max_own_available=max(batches), has_problem=False
         )
         settings = self._settings(sync_every=None)
         return decide_window(

@@ -6,7 +6,7 @@ import json
 
 from benchmarks.bench_agreement import JOIN, BenchConfig, measure_world
 
-WORKLOADS = {"loader", "ddp model", "busy wait"}
+WORKLOADS = {"loader", "ddp model", "busy wait", "idle wait"}
 
 
 def test_two_ranks_report_every_variant_and_target() -> None:
@@ -37,6 +37,7 @@ def test_two_ranks_report_every_variant_and_target() -> None:
     assert {target["passed"] for target in result["targets"]} <= {True, False, None}
     assert {target["target"].split(":")[0] for target in result["targets"]} == {
         "busy wait",
+        "idle wait",
         "loader",
         "known lengths",
     }
