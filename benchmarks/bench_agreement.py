@@ -19,8 +19,9 @@ Variants:
 
 * ``floor``: shards made equal by hand, a plain loop, no wrapper;
 * ``blocking flag all_reduce``: a blocking all-reduce of "I have a batch" before every step;
-* ``overlapped flag all_reduce``: that flag all-reduced one batch ahead, asynchronously, in a
-  few lines: the least one batch of look-ahead can cost, without any bookkeeping;
+* ``hand-written overlapped count K=1`` and ``K=16``: a window's batch count all-reduced
+  (async) one batch before it is needed, in a few lines: the least an overlapped agreement
+  per step or per 16 steps can cost here, without any checks or bookkeeping;
 * ``torch Join over DDP``: without a model in the workload (``loader``, the waits) it runs
   over a one-parameter DDP model whose step is added to the workload, and is compared with
   ``floor + 1-param DDP``, the same step on equal shards. Join's model is an identical DDP
@@ -58,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import itertools
 import json
 import os
 import platform
@@ -88,6 +90,7 @@ Step = Callable[[Batch], None]
 FLOOR = "floor"
 FLOOR_TINY_DDP = "floor + 1-param DDP"
 JOIN = "torch Join over DDP"
+OVERLAPPED = "hand-written overlapped count "
 BUSY_WAIT = "busy wait"
 IDLE_WAIT = "idle wait"
 COUNTED_COLLECTIVES = (
@@ -264,24 +267,28 @@ def flag_before_every_step(shard: list[Batch]) -> Iterator[Batch]:
         yield batch
 
 
-def flag_overlapped(shard: list[Batch]) -> Iterator[Batch]:
-    """The least one batch of look-ahead can cost: the next batch's flag is all-reduced
-    (async) while this batch's step runs, and waited for when the next batch is asked for."""
+def count_overlapped(shard: list[Batch], window: int) -> Iterator[Batch]:
+    """The least a window with one batch of look-ahead can cost, truncate-style, in a few
+    lines: the count of the next ``window`` batches read ahead is all-reduced (MIN, async)
+    before the last batch of this window is handed out, and waited for when the next batch
+    is asked for. No checks, no statistics, no error paths."""
     batches = iter(shard)
 
-    def start(batch: Batch | None) -> tuple[torch.Tensor, Any]:
-        has_batch = torch.tensor([0 if batch is None else 1])
-        return has_batch, dist.all_reduce(has_batch, op=dist.ReduceOp.MIN, async_op=True)
+    def read_and_start() -> tuple[list[Batch], torch.Tensor, Any]:
+        ahead = list(itertools.islice(batches, window))
+        count = torch.tensor([len(ahead)])
+        return ahead, count, dist.all_reduce(count, op=dist.ReduceOp.MIN, async_op=True)
 
-    batch = next(batches, None)
-    has_batch, work = start(batch)
+    ahead, count, work = read_and_start()
     while True:
         work.wait()
-        if has_batch.item() == 0 or batch is None:
+        agreed = ahead[: int(count.item())]
+        for index, batch in enumerate(agreed):
+            if index == window - 1:
+                ahead, count, work = read_and_start()
+            yield batch
+        if len(agreed) < window:
             return
-        current, batch = batch, next(batches, None)
-        has_batch, work = start(batch)
-        yield current
 
 
 def shard_lengths(steps: int, world_size: int) -> list[int]:
@@ -369,7 +376,8 @@ def variants_for(workload: Workload, shard: list[Batch], equal: int, window: int
         )
     variants += [
         Variant("blocking flag all_reduce", FLOOR, lambda: flag_before_every_step(shard), step),
-        Variant("overlapped flag all_reduce", FLOOR, lambda: flag_overlapped(shard), step),
+        Variant(OVERLAPPED + "K=1", FLOOR, lambda: count_overlapped(shard, 1), step),
+        Variant(OVERLAPPED + f"K={window}", FLOOR, lambda: count_overlapped(shard, window), step),
         Variant(JOIN, join_reference, lambda: shard, workload.join_step, join),
         Variant("ddp_even truncate K=1", FLOOR, even("truncate", 1), step),
         Variant(f"ddp_even truncate K={window}", FLOOR, even("truncate", window), step),
@@ -484,6 +492,14 @@ def evaluate_targets(result: dict[str, Any], window: int) -> list[dict[str, Any]
                 f"({latency_s * 1e6:.0f} us), of which loop-thread CPU "
                 f"{row['added_cpu_s'] * 1e6:+.1f} us; Join adds {join_added * 1e6:.1f} us"
             )
+            window_words = variant.rsplit(" ", 1)[-1]
+            if window_words.startswith("K="):
+                # What the machine allows: the few-line loop that agrees as often.
+                least = rows[(workload, OVERLAPPED + window_words)]["added_s"]
+                detail += (
+                    f"; the hand-written minimum with {window_words} adds {least * 1e6:.1f} us "
+                    f"({least / latency_s:.1%})"
+                )
             passed: bool | None = added <= 0.1 * latency_s and added <= 0.2 * join_added
             if join_added <= 0:
                 # Join cannot add nothing: the difference is machine noise, nothing to compare.

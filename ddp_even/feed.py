@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from ddp_even.errors import EvenLoaderError
 from ddp_even.sources import ShardPass, ShardSource
@@ -21,8 +20,9 @@ logger = logging.getLogger("ddp_even")
 BatchT = TypeVar("BatchT")
 
 
-@dataclass(frozen=True)
-class FedBatch(Generic[BatchT]):
+class FedBatch(NamedTuple, Generic[BatchT]):
+    """A batch read ahead, with where it came from (a tuple: one is made per batch)."""
+
     batch: BatchT
     # Which pass over the shard it came from: 1 for the rank's own data, more for repeats.
     pass_number: int
