@@ -91,6 +91,7 @@ FLOOR = "floor"
 FLOOR_TINY_DDP = "floor + 1-param DDP"
 JOIN = "torch Join over DDP"
 OVERLAPPED = "hand-written overlapped count "
+ELEMENT_COUNTS = (1, 2, 9)
 BUSY_WAIT = "busy wait"
 IDLE_WAIT = "idle wait"
 COUNTED_COLLECTIVES = (
@@ -197,20 +198,25 @@ def timed_epoch(batches: Iterable[Batch], step: Step, counter: CollectiveCounter
     )
 
 
-def allreduce_latency_s(samples: int) -> float:
-    """Median time of one blocking all_reduce of one int64 on the world (gloo) group."""
-    value = torch.zeros(1, dtype=torch.int64)
+def allreduce_times_s(samples: int, elements: int = 1) -> list[float]:
+    """Times of ``samples`` blocking all_reduces (MAX) of ``elements`` int64s, one after the
+    other, on the world (gloo) group."""
+    value = torch.zeros(elements, dtype=torch.int64)
     for _ in range(samples // 10):
-        dist.all_reduce(value)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
     times = []
     for _ in range(samples):
         start = time.perf_counter()
-        dist.all_reduce(value)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
         times.append(time.perf_counter() - start)
-    # Every rank busy-waits the same time: rank 0's measurement.
-    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.broadcast(median, src=0)
-    return float(median.item())
+    return times
+
+
+def rank_0s(value: float) -> float:
+    """Rank 0's ``value`` on every rank (every rank must wait the same time per step)."""
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.broadcast(tensor, src=0)
+    return float(tensor.item())
 
 
 def busy_wait(seconds: float) -> Step:
@@ -391,7 +397,13 @@ def variants_for(workload: Workload, shard: list[Batch], equal: int, window: int
 
 def measure_on_rank(rank: int, world_size: int, config: BenchConfig) -> dict[str, Any]:
     """Everything one rank runs; rank 0's timings are the result."""
-    latency_s = allreduce_latency_s(config.latency_samples)
+    latency_s = rank_0s(statistics.median(allreduce_times_s(config.latency_samples)))
+    # Why ddp_even's agreement is two packed int64s and not a readable vector. The mean, not
+    # the median: larger messages mostly add slow calls, and a loop pays for every call.
+    mean_by_elements_s = {
+        str(elements): statistics.fmean(allreduce_times_s(config.latency_samples, elements))
+        for elements in ELEMENT_COUNTS
+    }
     counter = CollectiveCounter()
     counter.install()
     lengths = shard_lengths(config.steps, world_size)
@@ -413,6 +425,7 @@ def measure_on_rank(rank: int, world_size: int, config: BenchConfig) -> dict[str
         "world_size": world_size,
         "shard_batches": lengths,
         "allreduce_latency_s": latency_s,
+        "allreduce_mean_by_elements_s": mean_by_elements_s,
         "wait_step_s": 2 * latency_s,
         # This machine may be shared: 1-minute load averages before and after the rounds.
         "load_average": [load_before[0], os.getloadavg()[0]],
@@ -626,6 +639,12 @@ def main(ranks: tuple[int, ...], repeats: int, steps: int, out: Path, quick: boo
         started = time.perf_counter()
         result = measure_world(world_size, config)
         console.print(results_table(result))
+        by_elements = result["allreduce_mean_by_elements_s"]
+        console.print(
+            f"all-reduce (MAX) of {' / '.join(by_elements)} int64s, mean of a loop of them: "
+            + " / ".join(f"{seconds * 1e6:.0f}" for seconds in by_elements.values())
+            + " us per call (ddp_even's agreement sends 2)"
+        )
         print_targets(console, result)
         load = result["load_average"][0]
         if load > (os.cpu_count() or 1):

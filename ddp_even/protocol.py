@@ -1,8 +1,8 @@
 """The agreement: what each rank says before a window of steps, and what all of them hear back.
 
 Every rank sends two int64s; a single ``all_reduce(MAX)`` combines them. Two, because gloo's
-cost grows steeply with the element count (measured here: 2 ranks, 1 element 260 us,
-2 elements 400 us, 9 elements 1,160 us). Each int64 packs fields in order of priority, so
+cost grows with the element count (measured here, 2 ranks: 9 int64s cost 2-4x what 1 or 2
+do; ``benchmarks/bench_agreement.py`` prints it). Each int64 packs fields in order of priority, so
 the maximum of the packed numbers is the maximum of the first field, then of the next among
 the ranks that share the first, and so on:
 

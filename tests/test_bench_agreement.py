@@ -16,6 +16,7 @@ def test_two_ranks_report_every_variant_and_target() -> None:
     assert result["world_size"] == 2
     assert result["shard_batches"] == [20, 18]
     assert result["allreduce_latency_s"] > 0
+    assert set(result["allreduce_mean_by_elements_s"]) == {"1", "2", "9"}
     rows = {(row["workload"], row["variant"]): row for row in result["results"]}
     assert {workload for workload, _ in rows} == WORKLOADS
     for workload in WORKLOADS:
