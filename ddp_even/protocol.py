@@ -2,9 +2,9 @@
 
 Every rank sends two int64s; a single ``all_reduce(MAX)`` combines them. Two, because gloo's
 cost grows with the element count (measured here, 2 ranks: 9 int64s cost 2-4x what 1 or 2
-do; ``benchmarks/bench_agreement.py`` prints it). Each int64 packs fields in order of priority, so
-the maximum of the packed numbers is the maximum of the first field, then of the next among
-the ranks that share the first, and so on:
+do; ``benchmarks/bench_agreement.py`` prints it). Each int64 packs fields in order of
+priority, so the maximum of the packed numbers is the maximum of the first field, then of
+the next among the ranks that share the first, and so on:
 
 * ``(problem, key, own_available)``: whether any rank has a problem, then the largest
   ``key`` (a hash of the epoch and the settings), then the most own batches among the ranks
