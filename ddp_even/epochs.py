@@ -138,8 +138,9 @@ class EpochRun(Generic[BatchT]):
         if failed:
             if self.feed.failure is not None:
                 raise self.feed.failure
-            assert failed[-1].failure is not None
-            raise PeerSourceError(failed[-1].rank, *failed[-1].failure, step=self.steps_done)
+            first_failed = failed[0]
+            assert first_failed.failure is not None
+            raise PeerSourceError(first_failed.rank, *first_failed.failure, step=self.steps_done)
         raise EmptyShardError(tuple(peer.rank for peer in reports if peer.empty_shard))
 
 
@@ -156,12 +157,12 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
             decision = decide_window(
                 run.settings.mode, agreement, window, run.steps_done, run.settings.steps_per_epoch
             )
-            agreed = run.feed.take(decision.steps)
             run.steps_done += decision.steps
-            while agreed:
-                # Popped as handed out: a batch the consumer is done with is not held here.
-                fed = agreed.popleft()
-                if not agreed and not decision.last:
+            for remaining in reversed(range(decision.steps)):
+                # Out of the buffer as handed out: a batch the consumer is done with is not
+                # held here, and the buffer is empty when the next window fills it.
+                fed = run.feed.take()
+                if remaining == 0 and not decision.last:
                     window = run.settings.window(run.steps_done)
                     assert window is not None
                     report, pending = run.offer_buffered(window)
@@ -264,14 +265,13 @@ def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[B
                 Join.notify_join_context(loader_joinable)
                 report = run.report(run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard)
                 run.check(report, run.agreer.start(report).wait())
-                agreed = run.feed.take(run.feed.buffered)
-                full_window = len(agreed) == window
-                for index in range(len(agreed)):
+                agreed = run.feed.buffered
+                for index in range(agreed):
                     if index > 0:
                         Join.notify_join_context(loader_joinable)
                     run.steps_done += 1
-                    yield run.hand_out(agreed.popleft())
-                if not full_window:
+                    yield run.hand_out(run.feed.take())
+                if agreed < window:
                     break
         except GeneratorExit:
             # The consumer stopped (a `break` on every rank at the same step): leave through

@@ -78,9 +78,9 @@ class ShardFeed(Generic[BatchT]):
                 logger.debug("the data source raised %r", error)
                 self.failure = error
 
-    def take(self, count: int) -> deque[FedBatch[BatchT]]:
-        """The next ``count`` buffered batches, out of the buffer (which then refills)."""
-        return deque(self._buffer.popleft() for _ in range(count))
+    def take(self) -> FedBatch[BatchT]:
+        """The oldest buffered batch, out of the buffer (an agreement has counted it)."""
+        return self._buffer.popleft()
 
     def take_one_now(self) -> FedBatch[BatchT]:
         """Read one batch with no agreement to report to: raise what the source raises."""
