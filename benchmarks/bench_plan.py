@@ -29,8 +29,8 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from ddp_even.plan import MODES, ShardPlan, plan_shards
-from ddp_even.row_groups import read_row_groups
+from ddp_even.modes import MODES
+from ddp_even.planning import ShardPlan, plan_shards, read_row_groups
 
 
 def lognormal_sizes(count: int, median: int, seed: int) -> npt.NDArray[np.int64]:

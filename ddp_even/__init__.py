@@ -8,18 +8,20 @@ rank at the same step, instead of a hang.
 from ddp_even.errors import (
     EmptyShardError,
     EvenLoaderError,
+    OffPlanError,
     PeerSourceError,
     PeerTimeoutError,
     RankMismatchError,
 )
 from ddp_even.loader import EvenLoader
-from ddp_even.stats import EpochStats
+from ddp_even.runtime.stats import EpochStats
 
 __all__ = [
     "EmptyShardError",
     "EpochStats",
     "EvenLoader",
     "EvenLoaderError",
+    "OffPlanError",
     "PeerSourceError",
     "PeerTimeoutError",
     "RankMismatchError",

@@ -17,8 +17,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ddp_even.plan import MODES, ShardPlan, plan_shards
-from ddp_even.row_groups import DatasetError, RowGroups, read_row_groups
+from ddp_even.modes import MODES
+from ddp_even.planning.datasets import DatasetError, RowGroups, read_row_groups
+from ddp_even.planning.plans import ShardPlan, plan_shards
 
 __all__ = ["main"]
 

@@ -76,6 +76,31 @@ class RankMismatchError(EvenLoaderError):
     """
 
 
+class OffPlanError(EvenLoaderError):
+    """Some ranks' sources do not read what the shard plan given to the loader says.
+
+    Raised on every rank at the first agreement of an epoch, before any training step, when a
+    rank can tell that its source reads other row groups than its shard of the plan (for
+    example a balanced plan given with petastorm's round-robin readers). ``off_plan`` maps each
+    such rank to what differs.
+
+    Example::
+
+        >>> print(OffPlanError({1: "it reads row groups [1, 3], the plan gives it [2]"}))
+        the shard plan does not match what the ranks read (rank 1: it reads row groups [1, 3], ...
+    """
+
+    def __init__(self, off_plan: dict[int, str]) -> None:
+        self.off_plan = off_plan
+        described = "; ".join(f"rank {rank}: {what}" for rank, what in sorted(off_plan.items()))
+        super().__init__(
+            f"the shard plan does not match what the ranks read ({described}); build the "
+            "readers from the same plan (EvenLoader.from_parquet, or the factory of "
+            "ddp_even.planning.readers.make_shard_factory), or plan with the sharding the "
+            "readers use (balanced=False for petastorm's cur_shard/shard_count)"
+        )
+
+
 class PeerTimeoutError(EvenLoaderError):
     """Some ranks did not reach the agreement within the loader's timeout (dead or stalled).
 

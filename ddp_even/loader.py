@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
@@ -11,22 +12,27 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
+from ddp_even.agreement.transport import (
+    Agreer,
+    CollectiveAgreer,
+    SoloAgreer,
+    control_group_for,
+    training_timeout,
+)
 from ddp_even.checks import check_positive_int
-from ddp_even.epochs import EpochRun, Settings, run_join, run_known_lengths, run_windows
-from ddp_even.feed import ShardFeed
-from ddp_even.policies import Mode, decide_window
-from ddp_even.protocol import Agreement, Agreer, CollectiveAgreer, SoloAgreer, control_group_for
+from ddp_even.errors import EvenLoaderError
+from ddp_even.modes import mode_named
+from ddp_even.runtime.epochs import EpochRun, Settings, run_join, run_known_lengths, run_windows
+from ddp_even.runtime.feed import ShardFeed
+from ddp_even.runtime.stats import EpochStats, RankCounts
 from ddp_even.sources import as_source
-from ddp_even.stats import EpochStats, RankCounts
 
 if TYPE_CHECKING:
-    from ddp_even.plan import ShardPlan
+    from ddp_even.planning.plans import ShardPlan
 
 logger = logging.getLogger("ddp_even")
 
 BatchT = TypeVar("BatchT")
-
-DEFAULT_TIMEOUT_SECONDS = 300.0
 
 
 class EvenLoader(Generic[BatchT]):
@@ -57,8 +63,8 @@ class EvenLoader(Generic[BatchT]):
             ``ZeroRedundancyOptimizer``) whose collectives joined ranks must shadow.
         timeout: seconds a rank waits for the others at an agreement before raising
             :class:`~ddp_even.PeerTimeoutError`.
-        plan: a :class:`~ddp_even.plan.ShardPlan` of the dataset this rank reads (from
-            :func:`~ddp_even.plan.plan_for_dataset`, no row predicate): every rank's batch
+        plan: a :class:`~ddp_even.planning.ShardPlan` of the dataset this rank reads (from
+            :func:`~ddp_even.planning.plan_for_dataset`, no row predicate): every rank's batch
             count is then known up front, ``len()`` answers before the first step, and the
             rows read are checked against the plan after each epoch.
 
@@ -100,15 +106,23 @@ class EvenLoader(Generic[BatchT]):
         sync_every: int | None = None,
         group: dist.ProcessGroup | None = None,
         joinables: Sequence[Joinable] = (),
-        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        timeout: float | None = None,
         plan: ShardPlan | None = None,
     ) -> None:
-        self.mode = Mode.parse(mode)
+        self._mode = mode_named(mode)
         for name, value in (("steps_per_epoch", steps_per_epoch), ("sync_every", sync_every)):
             if value is not None:
                 check_positive_int(name, value)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ValueError(
+                f"timeout must be a finite positive number of seconds (or None: the training "
+                f"group's own timeout), got {timeout!r}"
+            )
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup, got {group!r}")
         joinables = tuple(joinables)
@@ -118,40 +132,48 @@ class EvenLoader(Generic[BatchT]):
                     f"joinables must be torch Joinable objects (a DDP model, a "
                     f"ZeroRedundancyOptimizer), got {type(joinable).__name__}"
                 )
-        if self.mode is Mode.JOIN:
-            if steps_per_epoch is not None:
-                raise ValueError(
-                    "join mode yields every batch of every rank, so it takes no steps_per_epoch; "
-                    "use mode='truncate' or mode='cycle' for a fixed number of steps"
-                )
-            if not joinables:
-                raise ValueError(
-                    "join mode needs joinables=[ddp_model, ...]: the DDP model (and e.g. a "
-                    "ZeroRedundancyOptimizer) whose all-reduces ranks that finish early shadow"
-                )
-        elif joinables:
-            raise ValueError(f"joinables are only used in join mode, not in {self.mode.value!r}")
+        self._mode.check(steps_per_epoch=steps_per_epoch, has_joinables=bool(joinables))
         if plan is not None and not hasattr(plan, "batches_per_rank"):
-            raise TypeError(f"plan must be a ddp_even.plan.ShardPlan, got {type(plan).__name__}")
+            raise TypeError(
+                f"plan must be a ddp_even.planning.ShardPlan, got {type(plan).__name__}"
+            )
         self._source = as_source(source)
-        if self.mode.restarts_short_shards and not self._source.restartable:
+        if self._source.endless and steps_per_epoch is None:
+            raise ValueError(
+                "the petastorm reader has num_epochs=None, so it never ends and neither would "
+                "an epoch: pass steps_per_epoch=N (each epoch takes N steps and the next one "
+                "continues the reader), or build the reader with num_epochs=1"
+            )
+        if (
+            self._mode.restarts_short_shards
+            and not self._source.restartable
+            and not self._source.endless
+        ):
             raise TypeError(
                 "cycle mode starts short shards again, which a one-shot iterator cannot do; "
                 "pass a factory instead, e.g. lambda: DataLoader(make_reader(url, num_epochs=1, "
                 "cur_shard=rank, shard_count=world_size), batch_size=64)"
             )
+        if dist.is_available() and dist.is_initialized():
+            self._source.check_shard(*_rank_and_world_size(group))
         self._steps_per_epoch = steps_per_epoch
         self._sync_every = sync_every
         self._group = group
         self._joinables = joinables
-        self._timeout = float(timeout)
+        self._timeout = None if timeout is None else float(timeout)
         self._plan = plan
+        # Made at the first epoch, a point every rank reaches.
         self._agreer: Agreer | None = None
         self._next_epoch = 0
-        self._running: weakref.ref[Generator[BatchT, None, None]] | None = None
+        self._running: weakref.ref[_Epoch[BatchT]] | None = None
         self._current_run: EpochRun[BatchT] | None = None
         self.history: list[EpochStats] = []
         self.repeating = False
+
+    @property
+    def mode(self) -> str:
+        """``"truncate"``, ``"cycle"`` or ``"join"``."""
+        return self._mode.name
 
     @classmethod
     def from_parquet(
@@ -169,7 +191,7 @@ class EvenLoader(Generic[BatchT]):
         sync_every: int | None = None,
         group: dist.ProcessGroup | None = None,
         joinables: Sequence[Joinable] = (),
-        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        timeout: float | None = None,
     ) -> EvenLoader[Any]:
         """One line for the common case: this rank's petastorm loader, planned from footers.
 
@@ -197,7 +219,7 @@ class EvenLoader(Generic[BatchT]):
                 f"loader must be 'batched_dataloader' or 'dataloader', got {loader!r}: "
                 "EvenLoader counts batches, so the rows must be batched"
             )
-        from ddp_even.petastorm_readers import make_shard_factory
+        from ddp_even.planning.readers import make_shard_factory
 
         rank, world_size = _rank_and_world_size(group)
         plan, factory = make_shard_factory(
@@ -230,7 +252,10 @@ class EvenLoader(Generic[BatchT]):
 
     def __len__(self) -> int:
         if self._plan is not None:
-            return self._planned_steps(self._plan)
+            rank = self._rank_for_plan(self._plan)
+            return self._mode.steps_per_rank(self._plan.batches_per_rank, self._steps_per_epoch)[
+                rank
+            ]
         steps = None if self._current_run is None else self._current_run.agreed_steps
         if steps is None:
             raise TypeError(
@@ -239,20 +264,6 @@ class EvenLoader(Generic[BatchT]):
                 "(a list, a map-style DataLoader)"
             )
         return steps
-
-    def _planned_steps(self, plan: ShardPlan) -> int:
-        """This rank's steps per epoch from the plan alone, by the rule the epoch applies."""
-        rank = self._rank_for_plan(plan)
-        if self.mode is Mode.JOIN:
-            return plan.batches_per_rank[rank]
-        batches = plan.batches_per_rank
-        everyone = Agreement(
-            min_available=min(batches), max_own_available=max(batches), has_problem=False
-        )
-        settings = self._settings(sync_every=None)
-        return decide_window(
-            self.mode, everyone, settings.window(0), 0, self._steps_per_epoch
-        ).steps
 
     def _rank_for_plan(self, plan: ShardPlan) -> int:
         rank, world_size = _rank_and_world_size(self._group)
@@ -266,46 +277,58 @@ class EvenLoader(Generic[BatchT]):
     def __iter__(self) -> Iterator[BatchT]:
         running = None if self._running is None else self._running()
         if running is not None:
-            # An epoch left unfinished and still referenced (``it = iter(loader)``) is
-            # closed before the next.
-            running.close()
-        epoch = self._next_epoch
-        self._next_epoch += 1
-        epoch_run = self._run_epoch(epoch)
+            # An epoch left unfinished and still referenced (``it = iter(loader)``) is closed
+            # before the next, at this call: the same point on every rank. Advancing it again
+            # (nested or concurrent iteration) raises instead of silently ending.
+            running.supersede()
+        epoch = _Epoch(self._run_epoch())
         # Only a weak reference: the epoch's frame refers to the loader, so a strong one would
         # make a cycle that only the garbage collector breaks, closing an epoch left early
         # (its collectives included) at a different moment on every rank. Held weakly, the
         # epoch closes when its last user lets go of it: at the ``break``, at an exception
         # leaving the loop, at ``del loader``: the same step on every rank.
-        self._running = weakref.ref(epoch_run)
-        return epoch_run
+        self._running = weakref.ref(epoch)
+        return epoch
 
-    def _run_epoch(self, epoch: int) -> Generator[BatchT, None, None]:
-        feed: ShardFeed[BatchT] = ShardFeed(self._source, self.mode.restarts_short_shards)
+    def _run_epoch(self) -> Generator[BatchT, None, None]:
+        # The epoch number is taken when the first batch is asked for, so that probing
+        # iterability (``iter(loader)`` and letting it go, as trainers do) starts no epoch.
+        epoch = self._next_epoch
+        self._next_epoch += 1
+        agreer = self._agreer_for_this_process()
+        rank = agreer.rank
+        mode = self._mode
+        feed: ShardFeed[BatchT] = ShardFeed(
+            self._source, mode.restarts_short_shards, self._steps_per_epoch is not None
+        )
         counts = RankCounts()
         known_batches = self._source.known_batches()
         if self._plan is not None:
-            rank = self._rank_for_plan(self._plan)
+            self._rank_for_plan(self._plan)
             known_batches = counts.planned_batches = self._plan.batches_per_rank[rank]
             counts.planned_rows = self._plan.rows_per_rank[rank]
-        if self._sync_every is not None or self.mode is Mode.JOIN:
+        fixed_steps = mode.restarts_short_shards and self._steps_per_epoch is not None
+        if self._sync_every is not None or mode.shadows_finished_ranks:
             # An explicit window, and join (which shares no step count), agree as they go.
             known_batches = None
-        sync_every = None if known_batches is not None else (self._sync_every or 1)
+            fixed_steps = False
+        whole_epoch = known_batches is not None or fixed_steps
         run = EpochRun(
-            settings=self._settings(sync_every),
-            agreer=self._agreer_for_this_process(),
+            settings=self._settings(None if whole_epoch else (self._sync_every or 1)),
+            agreer=agreer,
             feed=feed,
             epoch=epoch,
             counts=counts,
             mark_repeating=self._mark_repeating,
             record=self.history.append,
         )
+        if self._plan is not None:
+            run.off_plan = _off_plan(feed, self._plan.shards[rank])
         self._current_run = run
         try:
-            if known_batches is not None:
+            if whole_epoch:
                 yield from run_known_lengths(run, known_batches)
-            elif self.mode is Mode.JOIN and run.agreer.world_size > 1:
+            elif mode.shadows_finished_ranks and agreer.world_size > 1:
                 yield from run_join(run, self._joinables)
             else:
                 yield from run_windows(run)
@@ -318,19 +341,74 @@ class EvenLoader(Generic[BatchT]):
 
     def _settings(self, sync_every: int | None) -> Settings:
         plan_digest = None if self._plan is None else self._plan.batches_per_rank
-        return Settings(self.mode, self._steps_per_epoch, sync_every, plan_digest)
+        return Settings(self._mode, self._steps_per_epoch, sync_every, plan_digest)
 
     def _agreer_for_this_process(self) -> Agreer:
         if self._agreer is None:
-            if (
-                not (dist.is_available() and dist.is_initialized())
-                or dist.get_world_size(self._group) == 1
-            ):
-                self._agreer = SoloAgreer()
-            else:
-                control = control_group_for(self._group, self._timeout)
-                self._agreer = CollectiveAgreer(control, self._timeout)
+            self._agreer = self._new_agreer()
         return self._agreer
+
+    def _new_agreer(self) -> Agreer:
+        if not (dist.is_available() and dist.is_initialized()) or (
+            dist.get_world_size(self._group) == 1
+        ):
+            _warn_if_launched_without_a_group()
+            return SoloAgreer()
+        timeout = self._timeout if self._timeout is not None else training_timeout(self._group)
+        return CollectiveAgreer(control_group_for(self._group, timeout), timeout)
+
+
+class _Epoch(Generic[BatchT]):
+    """One ``for`` over the loader: its batches, and a clear error if it was superseded."""
+
+    def __init__(self, batches: Generator[BatchT, None, None]) -> None:
+        self._batches = batches
+        self._superseded = False
+
+    def __iter__(self) -> Iterator[BatchT]:
+        return self
+
+    def __next__(self) -> BatchT:
+        if self._superseded:
+            raise EvenLoaderError(
+                "this epoch of the EvenLoader was ended by a newer iter(loader): one loader "
+                "cannot be iterated twice at once (zip(loader, loader), or a loop over it "
+                "inside a loop over it); use two loaders, or finish one epoch first"
+            )
+        return next(self._batches)
+
+    def supersede(self) -> None:
+        self._superseded = True
+        self._batches.close()
+
+    def close(self) -> None:
+        self._batches.close()
+
+
+def _off_plan(feed: ShardFeed[Any], planned: Sequence[int]) -> str | None:
+    """How this rank's first pass differs from its shard of the plan, when it can tell."""
+    read = feed.first_pass_row_groups()
+    if read is None or read == frozenset(planned):
+        return None
+    return (
+        f"it reads row groups {_few(sorted(read))}, its shard of the plan is "
+        f"{_few(sorted(planned))}"
+    )
+
+
+def _few(indices: list[int]) -> str:
+    return f"{indices[:8]}{'...' if len(indices) > 8 else ''}"
+
+
+def _warn_if_launched_without_a_group() -> None:
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        logger.warning(
+            "WORLD_SIZE=%s but no torch.distributed process group is initialized: every "
+            "process runs its own step count and nothing is kept even. Call "
+            "torch.distributed.init_process_group() before iterating the EvenLoader",
+            launched,
+        )
 
 
 def _rank_and_world_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -56,6 +56,7 @@ from rich.table import Table
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_even import EpochStats, EvenLoader
+from ddp_even.modes import MODES
 
 # petastorm 0.12.1 (the release that does not lose row groups, see constraints.txt) drives
 # pyarrow 14 through pyarrow's deprecated legacy ParquetDataset API, and every reader it opens
@@ -69,7 +70,6 @@ warnings.filterwarnings(
     "ignore", message="The given NumPy array is not writable", category=UserWarning
 )
 
-MODES = ("truncate", "cycle", "join")
 
 MODE_DESCRIPTIONS = {
     "truncate": "every rank stops where the shortest shard ends",
@@ -646,7 +646,7 @@ def main(
         raise click.UsageError("--backend nccl needs --device cuda")
     config = Config(
         data_url=dataset_url(data) if data is not None else "",
-        modes=MODES if mode == "all" else (mode,),
+        modes=tuple(MODES) if mode == "all" else (mode,),
         epochs=epochs,
         batch_size=batch_size,
         sync_every=sync_every,

@@ -12,8 +12,8 @@ import pytest
 import ddp_even
 
 MODULES = [
-    importlib.import_module(f"ddp_even.{info.name}")
-    for info in pkgutil.iter_modules(ddp_even.__path__)
+    importlib.import_module(info.name)
+    for info in pkgutil.walk_packages(ddp_even.__path__, prefix="ddp_even.")
 ]
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from ddp_even.modes import MODES
 from tests.helpers.scenarios import (
     Outcome,
     Scenario,
@@ -339,6 +340,9 @@ def test_a_break_on_one_rank_only_never_hangs() -> None:
                 0,
                 timeout=60,
                 capture_exceptions=True,
+                # Gloo cannot cancel a collective in flight: a rank left in one exits when the
+                # training group's timeout ends it.
+                pg_timeout=15,
             )
         )
     results = outcomes[("truncate", "factory", False)]
@@ -355,7 +359,9 @@ def test_a_break_on_one_rank_only_never_hangs() -> None:
     assert results[0]["error"] == "PeerTimeoutError" and results[0]["missing"] == (1, 2)
     assert 5 < results[0]["seconds"] < 6 + 6, results[0]
     for result in results[1:]:
-        assert result["error"] == "RuntimeError" and "Connection closed" in result["message"]
+        # In DDP's all-reduce: rank 0's process ends, or their own training timeout does.
+        assert result["error"] == "RuntimeError", result
+        assert "Connection closed" in result["message"] or "Timed out" in result["message"]
 
     results = outcomes[("join", "factory", True)]
     full = [shard(rank, 8) for rank in range(3)]
@@ -366,8 +372,6 @@ def test_a_break_on_one_rank_only_never_hangs() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Consumers that stop early on every rank
-
-MODES = ["truncate", "cycle", "join"]
 
 
 _LENGTHS = (5, 8, 3)

@@ -28,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ddp_even.modes import MODES
 from tests.helpers.scenarios import (
     Outcome,
     Scenario,
@@ -38,7 +39,6 @@ from tests.helpers.scenarios import (
 )
 from tests.helpers.spawn import run_ranks
 
-MODES = ("truncate", "cycle", "join")
 # Cases per world size, and the most one case may take (a hang shows as far more: the
 # loader's timeout in these cases is 30 s).
 CASES = {1: 400, 2: 250, 3: 160, 4: 120}
@@ -71,17 +71,23 @@ def numbers(draw: st.DrawFn, world_size: int) -> Numbers:
     )
 
 
-def known_lengths(mode: str, source: str, sync_every: int | None) -> bool:
-    """Whether the loader takes the known-lengths path (one agreement per epoch)."""
-    return source == "list" and sync_every is None and mode != "join"
+def known_lengths(
+    mode: str, source: str, sync_every: int | None, steps_per_epoch: int | None
+) -> bool:
+    """Whether the loader agrees once per epoch: known lengths, or cycle's fixed step count."""
+    whole_epoch = source == "list" or (mode == "cycle" and steps_per_epoch is not None)
+    return whole_epoch and sync_every is None and mode != "join"
 
 
 def make_case(drawn: Numbers, mode: str, source: str, sync_every: int | None) -> Scenario:
-    if known_lengths(mode, source, sync_every) and drawn.failing is not None:
+    steps_per_epoch = drawn.steps_per_epoch
+    if drawn.failing is not None and known_lengths(mode, source, sync_every, steps_per_epoch):
         # By design one agreement per epoch cannot carry a source failure in mid-epoch to the
-        # other ranks (README, "Cost per step"; a strict xfail in tests/test_failures.py):
+        # other ranks (README, "Failure behaviour"; a strict xfail in tests/test_failures.py):
         # such cases run through windows instead.
         source = "factory"
+        if known_lengths(mode, source, sync_every, steps_per_epoch):
+            sync_every = 1
     return Scenario(
         drawn.lengths,
         mode,
@@ -202,7 +208,8 @@ def _check_errors(case: Scenario, outcomes: list[Outcome]) -> None:
 def _passes(case: Scenario, steps: int, length: int) -> int:
     if steps == 0:
         # Reading ahead starts the source; with known lengths and no step it never starts.
-        return 0 if known_lengths(case.mode, case.source, case.sync_every) else 1
+        whole_epoch = known_lengths(case.mode, case.source, case.sync_every, case.steps_per_epoch)
+        return 0 if whole_epoch else 1
     return math.ceil(steps / length)
 
 

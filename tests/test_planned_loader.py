@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ddp_even.protocol
+import ddp_even.agreement.transport
 from ddp_even import EvenLoader
-from ddp_even.plan import plan_for_dataset
+from ddp_even.planning import plan_for_dataset
 from tests.helpers.datasets import shard_row_groups, write_plain_dataset
 from tests.helpers.spawn import run_ranks
 
@@ -103,14 +103,14 @@ def run_planned(
     run = Run(length_before_first_step=len(loader))
     for batch in loader:
         if run.steps == 0:
-            ddp_even.protocol.dist.all_reduce = counter  # type: ignore[attr-defined]
+            ddp_even.agreement.transport.dist.all_reduce = counter  # type: ignore[attr-defined]
         loss = model(batch["value"].reshape(-1, 1)).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         run.steps += 1
         run.rows += [int(row) for row in batch["id"]]
-    ddp_even.protocol.dist.all_reduce = counter._real  # type: ignore[attr-defined]
+    ddp_even.agreement.transport.dist.all_reduce = counter._real  # type: ignore[attr-defined]
     run.collectives_during_epoch = counter.calls
     run.stats = loader.stats.as_dict()
     run.warnings = collected.messages

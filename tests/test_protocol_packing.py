@@ -15,15 +15,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddp_even.epochs import Settings
+from ddp_even.agreement.wire import Report, decode, encode, error_from_reports, key_of
 from ddp_even.errors import EvenLoaderError
-from ddp_even.policies import Mode
-from ddp_even.protocol import Report, _decode, _encode, _key
+from ddp_even.modes import MODES
+from ddp_even.runtime.epochs import Settings
 
 SETTINGS = [
     Settings(mode, steps_per_epoch, sync_every)
     for mode, steps_per_epoch, sync_every in itertools.product(
-        Mode, (None, 1, 7, 1000), (None, 1, 2, 16)
+        MODES.values(), (None, 1, 7, 1000), (None, 1, 2, 16)
     )
 ]
 EPOCHS = range(6)
@@ -32,7 +32,7 @@ EPOCHS = range(6)
 def test_settings_and_epochs_used_here_have_distinct_keys() -> None:
     # Otherwise a mismatch below could go unseen by construction, not by a bug.
     pairs = [(settings.fingerprint, epoch) for settings in SETTINGS for epoch in EPOCHS]
-    keys = {_key(Report(0, epoch, fingerprint, "", 0, 0)) for fingerprint, epoch in pairs}
+    keys = {key_of(Report(0, epoch, fingerprint, "", 0, 0)) for fingerprint, epoch in pairs}
     assert len(keys) == len(pairs)
 
 
@@ -63,8 +63,8 @@ def one_agreement(draw: st.DrawFn) -> list[Report]:
 
 @given(one_agreement())
 def test_the_maximum_of_encoded_reports_decodes_to_the_agreement(ranks: list[Report]) -> None:
-    reduced = torch.stack([_encode(report) for report in ranks]).amax(dim=0)
-    agreement = _decode(reduced)
+    reduced = torch.stack([torch.from_numpy(encode(report)) for report in ranks]).amax(dim=0)
+    agreement = decode(reduced.tolist())
 
     in_the_same_loop = len({(report.epoch, report.fingerprint) for report in ranks}) == 1
     problem = any(report.failed or report.empty_shard for report in ranks)
@@ -74,7 +74,15 @@ def test_the_maximum_of_encoded_reports_decodes_to_the_agreement(ranks: list[Rep
         assert agreement.max_own_available == max(report.own_available for report in ranks)
 
 
-def test_a_count_the_agreement_cannot_carry_is_refused_with_advice() -> None:
-    too_many = Report(0, 0, SETTINGS[0].fingerprint, "", 2**32, 0)
-    with pytest.raises(EvenLoaderError, match="set sync_every"):
-        _encode(too_many)
+def test_a_count_the_agreement_cannot_carry_is_a_problem_for_every_rank() -> None:
+    # Not raised on the one rank (the others would wait for it): carried as a problem, so
+    # every rank gathers the reports and raises the same advice.
+    fingerprint = SETTINGS[0].fingerprint
+    too_many = Report(3, 0, fingerprint, "", 2**32, 0)
+    fine = Report(0, 0, fingerprint, "", 5, 5)
+    reduced = torch.stack([torch.from_numpy(encode(r)) for r in (fine, too_many)]).amax(dim=0)
+    assert decode(reduced.tolist()).has_problem
+    error = error_from_reports([fine, too_many], None, steps_done=0)
+    assert isinstance(error, EvenLoaderError)
+    with pytest.raises(EvenLoaderError, match=r"rank 3: 4294967296.*set sync_every"):
+        raise error

@@ -38,11 +38,16 @@ class _ShardEnded(Exception):
 
 
 class ShardFeed(Generic[BatchT]):
-    """Batches of one rank's shard for one epoch, read ahead into a buffer."""
+    """Batches of one rank's shard for one epoch, read ahead into a buffer.
 
-    def __init__(self, source: ShardSource[BatchT], restarts: bool) -> None:
+    ``restarts``: start a fresh pass when the shard ends (cycle). ``steps_capped``: the epoch
+    has ``steps_per_epoch``, so a pass that never ends is fine.
+    """
+
+    def __init__(self, source: ShardSource[BatchT], restarts: bool, steps_capped: bool) -> None:
         self._source = source
         self._restarts = restarts
+        self._steps_capped = steps_capped
         self._pass: ShardPass[BatchT] | None = None
         # Passes started; at the end of a cycle epoch the last one may go unused, since
         # ranks read ahead before they know that the epoch ends.
@@ -67,6 +72,15 @@ class ShardFeed(Generic[BatchT]):
     def empty_shard(self) -> bool:
         return self.own_ended and self.own_read == 0
 
+    def first_pass_row_groups(self) -> frozenset[int] | None:
+        """Open the first pass now (nothing read) and say which row groups it reads."""
+        if self._pass is None and self.passes_started == 0 and self.failure is None:
+            try:
+                self._open_pass(may_restart=False)
+            except Exception as error:  # reported at the agreement, as any source failure
+                self.failure = error
+        return None if self._pass is None else self._pass.row_groups
+
     def fill(self, target: int) -> None:
         """Read until ``target`` batches are buffered, the shard ends, or the source raises."""
         while len(self._buffer) < target and self.failure is None:
@@ -89,8 +103,9 @@ class ShardFeed(Generic[BatchT]):
             raise self.failure
         if not self._buffer:
             raise EvenLoaderError(
-                "the source ended before the number of batches its length promised; set "
-                "sync_every=1 (or more) so that ranks agree as they go instead of trusting len()"
+                "the source ended before the number of batches its length (or shard plan) "
+                "promised; set sync_every=1 (or more) so that ranks agree as they go instead "
+                "of trusting the length"
             )
         return self._buffer.popleft()
 
@@ -111,6 +126,10 @@ class ShardFeed(Generic[BatchT]):
 
     def close(self) -> None:
         if self._pass is not None:
+            # A source that continues across epochs keeps what was read but not handed out.
+            self._pass.give_back(
+                [fed.batch for fed in self._buffer if fed.pass_number == self.passes_started]
+            )
             self._pass.close()
             self._pass = None
         self._buffer.clear()
@@ -134,7 +153,16 @@ class ShardFeed(Generic[BatchT]):
         restart_allowed = may_restart and self._restarts and self.own_read > 0
         if self.passes_started >= 1 and not restart_allowed:
             raise _ShardEnded
-        self._pass = self._source.open_pass()
+        opened = self._source.open_pass()
+        if opened.endless and not self._steps_capped:
+            opened.close()
+            raise ValueError(
+                "the petastorm reader has num_epochs=None, so a pass over it never ends and "
+                "neither would the epoch: pass steps_per_epoch=N to EvenLoader (each epoch then "
+                "takes N steps and the next continues the reader), or build the reader with "
+                "num_epochs=1"
+            )
+        self._pass = opened
         self.passes_started += 1
         self._batches_in_pass = 0
 

@@ -3,8 +3,8 @@
 * ``run_windows``: truncate/cycle; ranks agree once per window of ``sync_every`` batches. The
   agreement for the next window is started before the last batch of the current one is
   handed out, so its latency hides behind the training step.
-* ``run_known_lengths``: truncate/cycle when every rank knows its batch count; one agreement
-  at the start of the epoch and none after.
+* ``run_known_lengths``: truncate/cycle when every rank knows its batch count, or cycle with
+  a fixed ``steps_per_epoch``; one agreement at the start of the epoch and none after.
 * ``run_join``: join; each rank hands out all its batches inside ``torch``'s ``Join``, and the
   loader itself is the first joinable so that ranks that have joined still take part in
   every window's agreement (errors and mismatches reach them too).
@@ -24,11 +24,11 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ddp_even.errors import EmptyShardError, PeerSourceError, RankMismatchError
-from ddp_even.feed import FedBatch, ShardFeed
-from ddp_even.policies import Mode, decide_window
-from ddp_even.protocol import Agreement, Agreer, PendingAgreement, Report
-from ddp_even.stats import EpochStats, RankCounts, gather_epoch_stats
+from ddp_even.agreement.transport import Agreer, PendingAgreement
+from ddp_even.agreement.wire import Agreement, Report, error_from_reports
+from ddp_even.modes import Mode, WindowDecision
+from ddp_even.runtime.feed import FedBatch, ShardFeed
+from ddp_even.runtime.stats import EpochStats, RankCounts, gather_epoch_stats
 
 logger = logging.getLogger("ddp_even")
 
@@ -49,7 +49,7 @@ class Settings:
     @functools.cached_property
     def description(self) -> str:
         described = (
-            f"mode={self.mode.value} steps_per_epoch={self.steps_per_epoch} "
+            f"mode={self.mode.name} steps_per_epoch={self.steps_per_epoch} "
             f"sync_every={self.sync_every if self.sync_every is not None else 'epoch'}"
         )
         if self.planned_batches is not None:
@@ -84,6 +84,8 @@ class EpochRun(Generic[BatchT]):
     mark_repeating: Callable[[bool], None]
     # Keeps the gathered statistics of a finished epoch.
     record: Callable[[EpochStats], None]
+    # Where this rank's source differs from its shard of the plan, when it does.
+    off_plan: str | None = None
     steps_done: int = 0
     # The epoch's step count, once it is known up front (known lengths).
     agreed_steps: int | None = None
@@ -98,13 +100,13 @@ class EpochRun(Generic[BatchT]):
         self.counts.truncated = had_more_own_data
         # A rank that handed out nothing still started its source once.
         self.counts.passes = max(self.counts.passes, min(self.feed.passes_started, 1))
-        mode = self.settings.mode.value
+        mode = self.settings.mode.name
         self.record(gather_epoch_stats(self.agreer, self.counts, self.epoch, mode))
 
     def report(self, available: int, own_available: int, shard_is_empty: bool) -> Report:
         failure = self.feed.failure
         return Report(
-            rank=self.agreer.rank,
+            rank=self.agreer.global_ranks[self.agreer.rank],
             epoch=self.epoch,
             fingerprint=self.settings.fingerprint,
             settings=self.settings.description,
@@ -113,6 +115,7 @@ class EpochRun(Generic[BatchT]):
             empty_shard=self.settings.mode.restarts_short_shards and shard_is_empty,
             failed=failure is not None,
             failure=None if failure is None else (type(failure).__name__, str(failure)),
+            off_plan=self.off_plan,
         )
 
     def offer_buffered(self, window: int) -> tuple[Report, PendingAgreement]:
@@ -125,23 +128,12 @@ class EpochRun(Generic[BatchT]):
         if not agreement.has_problem:
             return
         reports = self.agreer.gather_reports(report)
-        if len({(peer.epoch, peer.fingerprint) for peer in reports}) > 1:
-            described = "; ".join(
-                f"rank {peer.rank}: epoch {peer.epoch}, {peer.settings}" for peer in reports
-            )
-            raise RankMismatchError(
-                "ranks are not running the same loop; construct EvenLoader with the same mode, "
-                f"steps_per_epoch and sync_every on every rank and iterate it once per epoch "
-                f"everywhere ({described})"
-            )
-        failed = [peer for peer in reports if peer.failed]
-        if failed:
-            if self.feed.failure is not None:
-                raise self.feed.failure
-            first_failed = failed[0]
-            assert first_failed.failure is not None
-            raise PeerSourceError(first_failed.rank, *first_failed.failure, step=self.steps_done)
-        raise EmptyShardError(tuple(peer.rank for peer in reports if peer.empty_shard))
+        raise error_from_reports(reports, self.feed.failure, self.steps_done)
+
+    def decide(self, agreement: Agreement, window: int | None) -> WindowDecision:
+        return self.settings.mode.decide(
+            agreement, window, self.steps_done, self.settings.steps_per_epoch
+        )
 
 
 def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
@@ -154,9 +146,7 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
             agreement = pending.wait()
             pending = None
             run.check(report, agreement)
-            decision = decide_window(
-                run.settings.mode, agreement, window, run.steps_done, run.settings.steps_per_epoch
-            )
+            decision = run.decide(agreement, window)
             run.steps_done += decision.steps
             for remaining in reversed(range(decision.steps)):
                 # Out of the buffer as handed out: a batch the consumer is done with is not
@@ -177,19 +167,31 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
             pending.wait()
 
 
-def run_known_lengths(run: EpochRun[BatchT], own_batches: int) -> Iterator[BatchT]:
+def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterator[BatchT]:
+    """One agreement, then the whole epoch. ``own_batches`` is None when only the step count
+    is fixed (cycle with ``steps_per_epoch``): the first batch is read ahead then, so that an
+    empty shard or a failing source is still reported to every rank."""
     window = run.settings.window(0)
-    # Nothing has been read yet: the length, not the feed, says whether the shard is empty.
-    report = run.report(own_batches, own_batches, shard_is_empty=own_batches == 0)
+    if own_batches is None:
+        run.feed.fill(1)
+        offered = run.feed.buffered
+        report = run.report(offered, run.feed.own_buffered, run.feed.empty_shard)
+    else:
+        # Nothing has been read yet: the length, not the feed, says whether it is empty.
+        report = run.report(own_batches, own_batches, shard_is_empty=own_batches == 0)
     agreement = run.agreer.start(report).wait()
     run.check(report, agreement)
-    decision = decide_window(run.settings.mode, agreement, window, 0, run.settings.steps_per_epoch)
+    decision = run.decide(agreement, window)
     run.agreed_steps = decision.steps
-    logger.debug("epoch %d: %d steps agreed from known lengths", run.epoch, decision.steps)
+    logger.debug("epoch %d: %d steps agreed for the whole epoch", run.epoch, decision.steps)
     for _ in range(decision.steps):
         run.steps_done += 1
         yield run.hand_out(run.feed.take_one_now())
-    run.finish(own_batches > run.counts.own_batches)
+    if own_batches is None:
+        run.finish(run.feed.had_more_own_data())
+    else:
+        # A pass that ended early (a reader losing rows) was not cut by the epoch.
+        run.finish(not run.feed.own_ended and own_batches > run.counts.own_batches)
 
 
 class _LoaderJoinable(Joinable):

@@ -31,8 +31,9 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from ddp_even.plan import MODES, ShardPlan, plan_shards
-from ddp_even.row_groups import DatasetLocation, RowGroups, read_row_groups
+from ddp_even.modes import MODES
+from ddp_even.planning.datasets import DatasetLocation, RowGroups, read_row_groups
+from ddp_even.planning.plans import ShardPlan, plan_shards
 
 __all__ = [
     "LoaderKind",
@@ -113,7 +114,7 @@ def make_shard_factory(
     Every rank computes the same plan from the same metadata, so no communication is needed.
     Raises ``ValueError`` when petastorm could not build the readers (more ranks than row
     groups with round robin) or for a refused option, and
-    :class:`~ddp_even.row_groups.DatasetError` when the dataset cannot be read.
+    :class:`~ddp_even.planning.datasets.DatasetError` when the dataset cannot be read.
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq

@@ -2,15 +2,8 @@
 
 Without a row predicate, a petastorm shard's rows follow from the row-group sizes alone, and a
 petastorm loader with batch size ``B`` turns ``n`` rows into ``ceil(n / B)`` batches (the last
-one short). So the whole epoch can be predicted from metadata:
-
-- ``truncate``: every rank stops when the shortest shard ends; ``steps = min(batches)``.
-  A rank drops its batches past that point.
-- ``cycle``: short shards start over; ``steps = max(batches)``. A rank repeats batches from a
-  fresh pass over its shard (full passes first, then the first full batches of one more).
-  A rank without a single batch has nothing to repeat: cycle cannot run.
-- ``join``: each rank yields all its batches; ``steps = max(batches)`` and a rank that runs
-  out waits (joined) for the remaining ``idle_steps``.
+one short). So the whole epoch can be predicted from metadata: each mode's arithmetic (steps, rows
+dropped, repeated, idle) lives with the mode, in ``ddp_even/modes.py``.
 
 :func:`plan_for_dataset` reads the metadata and plans; :func:`plan_shards` plans from sizes
 you already have.
@@ -21,20 +14,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ddp_even.balance import balanced_assignment, round_robin_assignment
 from ddp_even.checks import check_positive_int
-from ddp_even.policies import Mode
-from ddp_even.row_groups import DatasetError, DatasetLocation, RowGroups, read_row_groups
+from ddp_even.modes import MODES, mode_named
+from ddp_even.planning.balance import balanced_assignment, round_robin_assignment
+from ddp_even.planning.datasets import DatasetError, DatasetLocation, RowGroups, read_row_groups
 
 __all__ = [
-    "MODES",
     "DatasetError",
-    "ModeName",
     "ModeStats",
     "ShardPlan",
     "plan_for_dataset",
@@ -42,11 +33,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("ddp_even")
-
-#: A mode's name, as the plan's methods take it (``ddp_even.policies.Mode`` values).
-ModeName = Literal["truncate", "cycle", "join"]
-#: All modes, in the order tables list them.
-MODES: tuple[ModeName, ...] = ("truncate", "cycle", "join")
 
 
 @dataclass(frozen=True)
@@ -63,7 +49,8 @@ class ModeStats:
         (1, (2, 0), (20, 0))
     """
 
-    mode: ModeName
+    #: The mode's name (a key of :data:`ddp_even.modes.MODES`).
+    mode: str
     #: Steps every rank takes in one epoch.
     steps: int
     #: Batches (and their rows) a rank never yields in the epoch (truncate).
@@ -121,7 +108,8 @@ class ShardPlan:
 
     world_size: int
     batch_size: int
-    #: True for :func:`~ddp_even.balance.balanced_assignment`, False for petastorm's round robin.
+    #: True for :func:`~ddp_even.planning.balance.balanced_assignment`; False: petastorm's
+    #: round robin.
     balanced: bool
     #: Global row-group indices rank ``r`` reads, in the order petastorm reads them unshuffled.
     shards: tuple[tuple[int, ...], ...]
@@ -212,74 +200,48 @@ class ShardPlan:
             f"groups are fewer than world size {self.world_size}"
         )
 
-    def steps(self, mode: ModeName) -> int:
-        """Steps every rank takes in one epoch in ``mode``.
+    def steps(self, mode: str) -> int:
+        """Steps every rank takes in one epoch in ``mode`` (the most, in join mode).
 
         Example:
             >>> plan_shards([30, 10], world_size=2, batch_size=10).steps("cycle")
             3
         """
-        Mode.parse(mode)
-        batches = self.batches_per_rank
-        return min(batches) if mode == "truncate" else max(batches)
+        return max(mode_named(mode).steps_per_rank(self.batches_per_rank))
 
-    def stats(self, mode: ModeName) -> ModeStats:
+    def stats(self, mode: str) -> ModeStats:
         """The full epoch for ``mode``: steps, per-rank drops, repeats and idle steps.
 
         Example:
             >>> plan_shards([30, 10], world_size=2, batch_size=10).stats("cycle").repeated_rows
             (0, 20)
         """
-        steps = self.steps(mode)
-        rows = np.array(self.rows_per_rank, dtype=np.int64)
-        batches = np.array(self.batches_per_rank, dtype=np.int64)
-        zeros = np.zeros_like(rows)
-        dropped_batches = dropped_rows = repeated_batches = repeated_rows = idle = zeros
-        total = max(self.total_rows, 1)
-        if mode == "truncate":
-            dropped_batches = batches - steps
-            # The first `steps` batches are full unless they are all the rank has.
-            dropped_rows = rows - np.minimum(rows, steps * self.batch_size)
-            waste = 100.0 * float(dropped_rows.sum()) / total
-        elif mode == "cycle":
-            repeated_batches = steps - batches
-            repeated_rows = _repeated_rows(rows, batches, repeated_batches, self.batch_size)
-            waste = 100.0 * float(repeated_rows.sum()) / total
-        else:
-            idle = steps - batches
-            waste = 100.0 * float(idle.sum()) / max(steps * self.world_size, 1)
-        runnable, note = self._outcome(mode, steps)
+        chosen = mode_named(mode)
+        outcome = chosen.epoch_outcome(
+            np.array(self.rows_per_rank, dtype=np.int64),
+            np.array(self.batches_per_rank, dtype=np.int64),
+            self.batch_size,
+        )
+        runnable, note = self._outcome(chosen.name, outcome.steps)
         return ModeStats(
-            mode=mode,
-            steps=steps,
-            dropped_batches=_as_tuple(dropped_batches),
-            dropped_rows=_as_tuple(dropped_rows),
-            repeated_batches=_as_tuple(repeated_batches),
-            repeated_rows=_as_tuple(repeated_rows),
-            idle_steps=_as_tuple(idle),
-            waste_percent=round(waste, 3),
+            mode=chosen.name,
+            steps=outcome.steps,
+            dropped_batches=_as_tuple(outcome.dropped_batches),
+            dropped_rows=_as_tuple(outcome.dropped_rows),
+            repeated_batches=_as_tuple(outcome.repeated_batches),
+            repeated_rows=_as_tuple(outcome.repeated_rows),
+            idle_steps=_as_tuple(outcome.idle_steps),
+            waste_percent=outcome.waste_percent,
             runnable=runnable,
             note=note,
         )
 
-    def _outcome(self, mode: ModeName, steps: int) -> tuple[bool, str]:
+    def _outcome(self, mode: str, steps: int) -> tuple[bool, str]:
         if self.petastorm_error is not None:
             return False, f"cannot start: {self.petastorm_error}"
-        empty = self.empty_ranks
-        if not empty:
-            return True, {
-                "truncate": "ranks stop together when the shortest shard ends",
-                "cycle": "shorter shards start over until the longest ends",
-                "join": "ranks that run out wait for the others",
-            }[mode]
-        names = _rank_list(empty)
-        if mode == "truncate":
-            return True, f"rank(s) {names} have no batch: the epoch has 0 steps, all rows dropped"
-        if mode == "cycle":
-            if steps == 0:
-                return True, "no rank has a batch: the epoch has 0 steps"
-            return False, f"cannot run: rank(s) {names} have no batch to repeat"
-        return True, f"rank(s) {names} have no batch and join at once"
+        if not self.empty_ranks:
+            return True, MODES[mode].summary
+        return MODES[mode].note_with_empty_ranks(_rank_list(self.empty_ranks), steps)
 
     def describe_too_many_ranks(self) -> str | None:
         """When there are more ranks than row groups, what happens in each mode; else None.
@@ -337,11 +299,11 @@ def plan_shards(
 ) -> ShardPlan:
     """Plan ``world_size`` shards of row groups whose sizes are known.
 
-    ``row_groups`` is a :class:`~ddp_even.row_groups.RowGroups` or the row counts in
+    ``row_groups`` is a :class:`~ddp_even.planning.datasets.RowGroups` or the row counts in
     petastorm's global order. With ``balanced=False`` the shards are petastorm's
     (``i % world_size``); with ``balanced=True`` they come from
-    :func:`~ddp_even.balance.balanced_assignment`. Planning is vectorised: 100,000 row groups
-    over 1,024 ranks take well under a second.
+    :func:`~ddp_even.planning.balance.balanced_assignment`. Planning is vectorised: 100,000
+    row groups over 1,024 ranks take well under a second.
 
     Example:
         >>> plan_shards([40, 40, 40, 40, 160], world_size=2, batch_size=40).rows_per_rank
@@ -390,7 +352,7 @@ def plan_for_dataset(
     """Read a dataset's row groups from metadata (no data) and plan its shards.
 
     ``dataset`` is a ``file://`` URL, a local path, or a list of Parquet files, as given to
-    petastorm. Raises :class:`~ddp_even.row_groups.DatasetError` when the dataset cannot be
+    petastorm. Raises :class:`~ddp_even.planning.datasets.DatasetError` when the dataset cannot be
     read, and ``ValueError`` for bad arguments.
 
     Example:
@@ -412,20 +374,6 @@ def plan_for_dataset(
         row_groups.source,
     )
     return row_groups, plan_shards(row_groups, world_size, batch_size, balanced=balanced)
-
-
-def _repeated_rows(
-    rows: npt.NDArray[np.int64],
-    batches: npt.NDArray[np.int64],
-    repeated_batches: npt.NDArray[np.int64],
-    batch_size: int,
-) -> npt.NDArray[np.int64]:
-    # Repeats come from fresh passes: whole passes (all rows), then the first, full batches
-    # of one more pass. A rank without batches repeats nothing (and cycle cannot run).
-    safe_batches = np.maximum(batches, 1)
-    whole_passes, extra_batches = np.divmod(repeated_batches, safe_batches)
-    repeated = whole_passes * rows + extra_batches * batch_size
-    return np.where(batches > 0, repeated, 0)
 
 
 def _stats_dict(stats: ModeStats) -> dict[str, Any]:

@@ -1,0 +1,294 @@
+"""The modes, one class each in one registry: what a mode checks, decides and predicts.
+
+A mode is everything that differs between truncate, cycle and join:
+
+* its argument checks (``check``),
+* whether short shards start again (``restarts_short_shards``) and whether ranks that run
+  out shadow the others through torch's ``Join`` (``shadows_finished_ranks``),
+* ``decide``: the one function that turns what every rank offered into how many steps
+  every rank takes next. It is pure and identical on every rank, so every rank decides the
+  same,
+* its plan arithmetic: the steps of an epoch from every rank's batch count, and what each
+  rank drops, repeats or waits (``epoch_outcome``).
+
+The loader, the planner, the CLI and the tests loop over :data:`MODES`; adding a mode is one
+class here (and its tests). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ddp_even.agreement.wire import Agreement
+
+__all__ = ["MODES", "EpochOutcome", "Mode", "WindowDecision", "mode_named"]
+
+
+@dataclass(frozen=True)
+class WindowDecision:
+    """How many batches every rank hands out now, and whether the epoch ends after them."""
+
+    steps: int
+    last: bool
+
+
+@dataclass(frozen=True)
+class EpochOutcome:
+    """A mode's epoch over known shards: per-rank arrays, and the share wasted in percent."""
+
+    steps: int
+    dropped_batches: npt.NDArray[np.int64]
+    dropped_rows: npt.NDArray[np.int64]
+    repeated_batches: npt.NDArray[np.int64]
+    repeated_rows: npt.NDArray[np.int64]
+    idle_steps: npt.NDArray[np.int64]
+    waste_percent: float
+
+
+class Mode(ABC):
+    """One way of making uneven shards take equal steps (see :data:`MODES`)."""
+
+    name: ClassVar[str]
+    #: What happens, in one sentence (tables and docs).
+    summary: ClassVar[str]
+    #: Short shards start a fresh pass until the epoch ends.
+    restarts_short_shards: ClassVar[bool] = False
+    #: Ranks hand out all their own batches and those that run out shadow the others'
+    #: collectives (torch ``Join``); ranks then share no step count.
+    shadows_finished_ranks: ClassVar[bool] = False
+    #: What ``waste_percent`` measures.
+    waste_means: ClassVar[str]
+
+    def check(self, *, steps_per_epoch: int | None, has_joinables: bool) -> None:
+        """Raise ``ValueError`` for arguments this mode cannot honour."""
+        if has_joinables:
+            raise ValueError(f"joinables are only used in join mode, not in {self.name!r}")
+
+    @abstractmethod
+    def agreed_steps(
+        self, agreement: Agreement, window: int | None, steps_per_epoch: int | None
+    ) -> int:
+        """Steps every rank may take from what every rank offered, before the caps."""
+
+    def decide(
+        self,
+        agreement: Agreement,
+        window: int | None,
+        steps_done: int,
+        steps_per_epoch: int | None,
+    ) -> WindowDecision:
+        """Stop or go on: how many steps every rank takes next, and whether the epoch ends.
+
+        ``window`` is the most batches each rank offered (``None`` when every rank offered its
+        whole epoch from a known length). Every rank calls this with the same arguments.
+
+        Example::
+
+            >>> from ddp_even.agreement.wire import Agreement
+            >>> offered = Agreement(min_available=2, max_own_available=3, has_problem=False)
+            >>> MODES["truncate"].decide(offered, window=3, steps_done=0, steps_per_epoch=None)
+            WindowDecision(steps=2, last=True)
+            >>> MODES["cycle"].decide(offered, window=3, steps_done=0, steps_per_epoch=None)
+            WindowDecision(steps=3, last=False)
+        """
+        steps = self.agreed_steps(agreement, window, steps_per_epoch)
+        if window is not None:
+            steps = min(steps, window)
+        if steps_per_epoch is not None:
+            steps = min(steps, steps_per_epoch - steps_done)
+        reached_cap = steps_per_epoch is not None and steps_done + steps >= steps_per_epoch
+        last = window is None or steps < window or reached_cap
+        return WindowDecision(steps=steps, last=last)
+
+    def steps_per_rank(
+        self, batches_per_rank: Sequence[int], steps_per_epoch: int | None = None
+    ) -> tuple[int, ...]:
+        """Each rank's steps in an epoch when every rank's batch count is known.
+
+        Example::
+
+            >>> MODES["truncate"].steps_per_rank([7, 4]), MODES["join"].steps_per_rank([7, 4])
+            ((4, 4), (7, 4))
+        """
+        everyone = Agreement(
+            min_available=min(batches_per_rank),
+            max_own_available=max(batches_per_rank),
+            has_problem=False,
+        )
+        steps = self.decide(everyone, steps_per_epoch, 0, steps_per_epoch).steps
+        return (steps,) * len(batches_per_rank)
+
+    @abstractmethod
+    def epoch_outcome(
+        self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
+    ) -> EpochOutcome:
+        """The epoch over shards of ``rows`` rows in ``batches`` batches (one per rank)."""
+
+    @abstractmethod
+    def note_with_empty_ranks(self, empty_ranks: str, steps: int) -> tuple[bool, str]:
+        """``(runnable, note)`` when the ranks named in ``empty_ranks`` have no batch."""
+
+
+def _zeros(like: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    return np.zeros_like(like)
+
+
+def _percent(part: float, whole: int) -> float:
+    return round(100.0 * part / max(whole, 1), 3)
+
+
+class Truncate(Mode):
+    """Every rank stops at the step where the shortest shard ends."""
+
+    name = "truncate"
+    summary = "ranks stop together when the shortest shard ends"
+    waste_means = "rows dropped as % of all rows"
+
+    def agreed_steps(
+        self, agreement: Agreement, window: int | None, steps_per_epoch: int | None
+    ) -> int:
+        return agreement.min_available
+
+    def epoch_outcome(
+        self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
+    ) -> EpochOutcome:
+        steps = int(batches.min())
+        # The first `steps` batches are full unless they are all the rank has.
+        dropped_rows = rows - np.minimum(rows, steps * batch_size)
+        zeros = _zeros(rows)
+        return EpochOutcome(
+            steps=steps,
+            dropped_batches=batches - steps,
+            dropped_rows=dropped_rows,
+            repeated_batches=zeros,
+            repeated_rows=zeros,
+            idle_steps=zeros,
+            waste_percent=_percent(float(dropped_rows.sum()), int(rows.sum())),
+        )
+
+    def note_with_empty_ranks(self, empty_ranks: str, steps: int) -> tuple[bool, str]:
+        return True, f"rank(s) {empty_ranks} have no batch: the epoch has 0 steps, all rows dropped"
+
+
+class Cycle(Mode):
+    """Short shards start again until the longest ends (or for exactly ``steps_per_epoch``)."""
+
+    name = "cycle"
+    summary = "shorter shards start over until the longest ends"
+    restarts_short_shards = True
+    waste_means = "rows repeated as % of all rows"
+
+    def agreed_steps(
+        self, agreement: Agreement, window: int | None, steps_per_epoch: int | None
+    ) -> int:
+        if steps_per_epoch is not None:
+            # The step count is fixed; a window of None here means the whole epoch.
+            return window if window is not None else steps_per_epoch
+        return agreement.max_own_available
+
+    def epoch_outcome(
+        self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
+    ) -> EpochOutcome:
+        steps = int(batches.max())
+        repeated_batches = steps - batches
+        # Repeats come from fresh passes: whole passes (all rows), then the first, full
+        # batches of one more pass. A rank without batches repeats nothing (cycle cannot run).
+        whole_passes, extra_batches = np.divmod(repeated_batches, np.maximum(batches, 1))
+        repeated_rows = np.where(batches > 0, whole_passes * rows + extra_batches * batch_size, 0)
+        zeros = _zeros(rows)
+        return EpochOutcome(
+            steps=steps,
+            dropped_batches=zeros,
+            dropped_rows=zeros,
+            repeated_batches=repeated_batches,
+            repeated_rows=repeated_rows,
+            idle_steps=zeros,
+            waste_percent=_percent(float(repeated_rows.sum()), int(rows.sum())),
+        )
+
+    def note_with_empty_ranks(self, empty_ranks: str, steps: int) -> tuple[bool, str]:
+        if steps == 0:
+            return True, "no rank has a batch: the epoch has 0 steps"
+        return False, f"cannot run: rank(s) {empty_ranks} have no batch to repeat"
+
+
+class JoinMode(Mode):
+    """Every rank hands out all its batches; ranks that finish early shadow the others."""
+
+    name = "join"
+    summary = "ranks that run out wait for the others"
+    shadows_finished_ranks = True
+    waste_means = "idle rank-steps as % of rank-steps"
+
+    def check(self, *, steps_per_epoch: int | None, has_joinables: bool) -> None:
+        if steps_per_epoch is not None:
+            raise ValueError(
+                "join mode yields every batch of every rank, so it takes no steps_per_epoch; "
+                "use mode='truncate' or mode='cycle' for a fixed number of steps"
+            )
+        if not has_joinables:
+            raise ValueError(
+                "join mode needs joinables=[ddp_model, ...]: the DDP model (and e.g. a "
+                "ZeroRedundancyOptimizer) whose all-reduces ranks that finish early shadow"
+            )
+
+    def agreed_steps(
+        self, agreement: Agreement, window: int | None, steps_per_epoch: int | None
+    ) -> int:
+        # Join shares no step count across ranks (Join shadows instead); with a single rank
+        # it coincides with truncate, which is the only time it decides here.
+        return agreement.min_available
+
+    def steps_per_rank(
+        self, batches_per_rank: Sequence[int], steps_per_epoch: int | None = None
+    ) -> tuple[int, ...]:
+        return tuple(batches_per_rank)
+
+    def epoch_outcome(
+        self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
+    ) -> EpochOutcome:
+        steps = int(batches.max())
+        idle = steps - batches
+        zeros = _zeros(rows)
+        return EpochOutcome(
+            steps=steps,
+            dropped_batches=zeros,
+            dropped_rows=zeros,
+            repeated_batches=zeros,
+            repeated_rows=zeros,
+            idle_steps=idle,
+            waste_percent=_percent(float(idle.sum()), steps * len(batches)),
+        )
+
+    def note_with_empty_ranks(self, empty_ranks: str, steps: int) -> tuple[bool, str]:
+        return True, f"rank(s) {empty_ranks} have no batch and join at once"
+
+
+#: Every mode by name, in the order tables list them.
+MODES: dict[str, Mode] = {mode.name: mode for mode in (Truncate(), Cycle(), JoinMode())}
+
+
+def mode_named(mode: str | Mode) -> Mode:
+    """The mode called ``mode``; ``ValueError`` naming the choices otherwise.
+
+    Example::
+
+        >>> mode_named("cycle").restarts_short_shards
+        True
+        >>> mode_named("pad")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown mode 'pad': choose one of 'truncate', 'cycle', 'join'
+    """
+    if isinstance(mode, Mode):
+        return mode
+    if isinstance(mode, str) and mode in MODES:
+        return MODES[mode]
+    choices = ", ".join(repr(name) for name in MODES)
+    raise ValueError(f"unknown mode {mode!r}: choose one of {choices}")

@@ -1,0 +1,1 @@
+"""One rank's epoch at run time: reading ahead, the three epoch shapes, statistics."""

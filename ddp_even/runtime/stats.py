@@ -1,0 +1,294 @@
+"""What each rank did in an epoch: counted locally, gathered once, the same on every rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+logger = logging.getLogger("ddp_even")
+
+# How an unknown count (None) travels in the gathered int64 vectors.
+_UNKNOWN = -1
+
+
+@dataclass
+class RankCounts:
+    """One rank's running counts during an epoch; every field travels as one int64."""
+
+    steps: int = 0
+    own_batches: int = 0
+    repeated_batches: int = 0
+    passes: int = 0
+    # None once a batch's size could not be read.
+    samples: int | None = 0
+    # Rows of the first pass handed out.
+    own_samples: int | None = 0
+    truncated: bool = False
+    # This rank's batches and rows according to a shard plan, when there is one.
+    planned_batches: int | None = None
+    planned_rows: int | None = None
+
+    def count_batch(self, pass_number: int, rows: int | None) -> None:
+        self.steps += 1
+        if pass_number > 1:
+            self.repeated_batches += 1
+        else:
+            self.own_batches += 1
+            self.own_samples = _add(self.own_samples, rows)
+        self.passes = max(self.passes, pass_number)
+        self.samples = _add(self.samples, rows)
+
+    def as_vector(self) -> list[int]:
+        return [_UNKNOWN if value is None else int(value) for value in self._values()]
+
+    def _values(self) -> list[int | bool | None]:
+        return [getattr(self, name) for name in _COLUMNS]
+
+    @classmethod
+    def columns_of(cls, rows: Sequence[Sequence[int]]) -> dict[str, tuple[int | None, ...]]:
+        """Gathered vectors (one per rank) as named per-rank columns, unknowns as None."""
+        return {
+            name: tuple(None if value == _UNKNOWN else value for value in column)
+            for name, column in zip(_COLUMNS, zip(*rows, strict=True), strict=True)
+        }
+
+
+_COLUMNS = tuple(counted.name for counted in dataclasses.fields(RankCounts))
+
+
+def _add(total: int | None, rows: int | None) -> int | None:
+    return None if total is None or rows is None else total + rows
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    """What every rank did in one epoch; equal on every rank.
+
+    Per-rank fields are tuples indexed by rank (in the training group).
+
+    Attributes:
+        epoch: index of the epoch, counted by the loader from 0.
+        mode: ``"truncate"``, ``"cycle"`` or ``"join"``.
+        world_size: number of ranks.
+        steps: batches each rank yielded.
+        own_batches: batches each rank yielded from its first pass over its shard.
+        repeated_batches: batches yielded after the shard was started again (cycle).
+        passes: how many passes over its shard each rank handed out batches from (1 when
+            it had none; a pass started by the read-ahead and never used is not counted).
+        samples: rows each rank yielded, or None where a batch's size could not be read.
+        truncated: whether each rank still had data when the epoch stopped.
+        dropped_batches: batches of its shard each rank did not hand out because the epoch
+            stopped first, known when the loader has a shard plan (``EvenLoader(...,
+            plan=...)`` or ``from_parquet``); else None.
+        dropped_rows: the same in rows; None without a plan or where a batch's size is unknown.
+        lost_rows: rows of its plan each rank's source never delivered although it read its
+            whole shard (a reader that loses rows); None without a plan.
+        oversampling: ``sum(repeated_batches) / sum(own_batches)`` (0.0 without own batches).
+
+    Example::
+
+        >>> from ddp_even import EvenLoader
+        >>> loader = EvenLoader([[1, 2], [3, 4]], mode="truncate")
+        >>> [batch for batch in loader]
+        [[1, 2], [3, 4]]
+        >>> loader.stats.steps, loader.stats.samples, loader.stats.oversampling
+        ((2,), (4,), 0.0)
+    """
+
+    epoch: int
+    mode: str
+    world_size: int
+    steps: tuple[int, ...]
+    own_batches: tuple[int, ...]
+    repeated_batches: tuple[int, ...]
+    passes: tuple[int, ...]
+    samples: tuple[int | None, ...]
+    truncated: tuple[bool, ...]
+    dropped_batches: tuple[int, ...] | None = None
+    dropped_rows: tuple[int, ...] | None = None
+    lost_rows: tuple[int, ...] | None = None
+    oversampling: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        own = sum(self.own_batches)
+        object.__setattr__(self, "oversampling", sum(self.repeated_batches) / own if own else 0.0)
+
+    @property
+    def empty_ranks(self) -> tuple[int, ...]:
+        """Ranks whose shard had no batch at all this epoch.
+
+        Example::
+
+            >>> from ddp_even import EvenLoader
+            >>> loader = EvenLoader([], mode="truncate")
+            >>> list(loader), loader.stats.empty_ranks
+            ([], (0,))
+        """
+        return tuple(
+            rank
+            for rank in range(self.world_size)
+            if self.own_batches[rank] == 0 and not self.truncated[rank]
+        )
+
+    def summary(self) -> str:
+        """One line, as logged on rank 0 after each epoch."""
+        line = (
+            f"epoch {self.epoch} {self.mode} {self.world_size} ranks: {_steps_text(self.steps)}; "
+            f"own {_slashed(self.own_batches)}; repeated {_slashed(self.repeated_batches)}; "
+            f"oversampling {self.oversampling:.1%}"
+        )
+        if any(self.truncated):
+            line += f"; truncated ranks {_ranks_text(self.truncated)}"
+        if self.dropped_batches is not None and any(self.dropped_batches):
+            line += f"; dropped batches {_slashed(self.dropped_batches)}"
+            if self.dropped_rows is not None:
+                line += f" (rows {_slashed(self.dropped_rows)})"
+        if self.lost_rows is not None and any(self.lost_rows):
+            line += f"; rows lost by the source {_slashed(self.lost_rows)}"
+        if self.empty_ranks:
+            line += f"; EMPTY ranks {','.join(map(str, self.empty_ranks))}"
+        return line
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+def _slashed(values: tuple[int, ...]) -> str:
+    return "/".join(str(value) for value in values)
+
+
+def _ranks_text(flags: tuple[bool, ...]) -> str:
+    return ",".join(str(rank) for rank, flag in enumerate(flags) if flag)
+
+
+def _steps_text(steps: tuple[int, ...]) -> str:
+    if len(set(steps)) == 1:
+        return f"{steps[0]} steps"
+    return f"steps {_slashed(steps)}"
+
+
+class CountsGatherer(Protocol):
+    """The part of the agreement transport the statistics need."""
+
+    rank: int
+    world_size: int
+    global_ranks: tuple[int, ...]
+
+    def gather_counts(self, counts: list[int]) -> list[list[int]]: ...
+
+
+def gather_epoch_stats(
+    agreer: CountsGatherer, counts: RankCounts, epoch: int, mode: str
+) -> EpochStats:
+    """Collect every rank's counts with one all-gather that every rank reaches."""
+    columns = RankCounts.columns_of(agreer.gather_counts(counts.as_vector()))
+    truncated = tuple(bool(value) for value in columns["truncated"])
+    own_batches = _known(columns["own_batches"])
+    planned_batches, planned_rows = columns["planned_batches"], columns["planned_rows"]
+    own_rows = columns["own_samples"]
+    dropped_batches = dropped_rows = lost_rows = None
+    if None not in planned_batches:
+        dropped_batches, _ = _short_of_plan(planned_batches, own_batches, truncated)
+        if None not in planned_rows and None not in own_rows:
+            dropped_rows, lost_rows = _short_of_plan(planned_rows, own_rows, truncated)
+    stats = EpochStats(
+        epoch=epoch,
+        mode=mode,
+        world_size=agreer.world_size,
+        steps=_known(columns["steps"]),
+        own_batches=own_batches,
+        repeated_batches=_known(columns["repeated_batches"]),
+        passes=_known(columns["passes"]),
+        samples=columns["samples"],
+        truncated=truncated,
+        dropped_batches=dropped_batches,
+        dropped_rows=dropped_rows,
+        lost_rows=lost_rows,
+    )
+    if agreer.rank == 0:
+        _log(stats, agreer.global_ranks, own_rows, planned_batches, planned_rows)
+    return stats
+
+
+def _short_of_plan(
+    planned: tuple[int | None, ...], got: tuple[int | None, ...], truncated: tuple[bool, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per rank, what the plan had beyond what was handed out: ``(dropped, lost)``.
+
+    The shortfall of a rank the epoch cut off was dropped; that of a rank that read its whole
+    shard was lost by its source.
+    """
+    short = [max(0, want - have) for want, have in zip(_known(planned), _known(got), strict=True)]
+    dropped = tuple(gap if cut else 0 for gap, cut in zip(short, truncated, strict=True))
+    lost = tuple(0 if cut else gap for gap, cut in zip(short, truncated, strict=True))
+    return dropped, lost
+
+
+def _known(column: tuple[int | None, ...]) -> tuple[int, ...]:
+    return tuple(0 if value is None else value for value in column)
+
+
+def _log(
+    stats: EpochStats,
+    global_ranks: tuple[int, ...],
+    own_rows: tuple[int | None, ...],
+    planned_batches: tuple[int | None, ...],
+    planned_rows: tuple[int | None, ...],
+) -> None:
+    logger.info("%s", stats.summary())
+    if stats.empty_ranks:
+        logger.warning(
+            "epoch %d: rank(s) %s had no batch at all (an empty shard: a predicate, drop_last "
+            "or fewer row groups than ranks)%s",
+            stats.epoch,
+            ", ".join(str(global_ranks[rank]) for rank in stats.empty_ranks),
+            "; truncate ran 0 steps on every rank" if stats.mode == "truncate" else "",
+        )
+    for rank in range(stats.world_size):
+        _warn_if_off_plan(
+            global_ranks[rank],
+            stats,
+            rank,
+            own_rows[rank],
+            planned_batches[rank],
+            planned_rows[rank],
+        )
+
+
+def _warn_if_off_plan(
+    global_rank: int,
+    stats: EpochStats,
+    rank: int,
+    own_rows: int | None,
+    planned_batches: int | None,
+    planned_rows: int | None,
+) -> None:
+    """Say loudly when a rank's first pass did not deliver what the Parquet footers promise."""
+    if planned_batches is None or planned_rows is None or own_rows is None:
+        return
+    read_whole_shard = not stats.truncated[rank]
+    own_batches = stats.own_batches[rank]
+    if read_whole_shard and (own_batches, own_rows) != (planned_batches, planned_rows):
+        logger.warning(
+            "epoch %d: rank %d read %d batches / %d rows from its shard, but the shard plan "
+            "(from the Parquet footers) says %d batches / %d rows: its reader lost or added rows "
+            "(petastorm 0.13.x drops row groups; a predicate or transform must not be planned)",
+            stats.epoch,
+            global_rank,
+            own_batches,
+            own_rows,
+            planned_batches,
+            planned_rows,
+        )
+    elif own_batches > planned_batches:
+        logger.warning(
+            "epoch %d: rank %d handed out %d batches of its own shard, more than the %d its "
+            "shard plan has",
+            stats.epoch,
+            global_rank,
+            own_batches,
+            planned_batches,
+        )

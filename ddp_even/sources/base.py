@@ -1,0 +1,199 @@
+"""What a rank reads from, as passes over its shard; and the registry of source kinds.
+
+A :class:`ShardSource` starts passes (:class:`ShardPass`); the loader starts one per epoch (and
+more in cycle mode). Kinds that need care (petastorm's loaders and readers) register their
+module here by the qualified names of their classes, so that the module, and the library it
+wraps, is imported only when such an object is seen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+
+BatchT = TypeVar("BatchT")
+
+
+class ShardPass(Generic[BatchT]):
+    """One pass over a rank's shard: an iterator that must be closed when done with."""
+
+    def __init__(
+        self,
+        batches: Iterator[BatchT],
+        on_close: Callable[[], None] | None = None,
+        count_samples: Callable[[BatchT], int | None] | None = None,
+        row_groups: frozenset[int] | None = None,
+        give_back: Callable[[list[BatchT]], None] | None = None,
+        endless: bool = False,
+    ) -> None:
+        self._batches = batches
+        self._on_close = on_close
+        self._give_back = give_back
+        # Rows in a batch, or None where the batch's size cannot be read.
+        self.count_samples: Callable[[BatchT], int | None] = count_samples or count_rows
+        # The global row-group indices the pass reads, where the source can tell.
+        self.row_groups = row_groups
+        # The pass never ends (a petastorm reader with num_epochs=None).
+        self.endless = endless
+
+    def __iter__(self) -> Iterator[BatchT]:
+        return self
+
+    def __next__(self) -> BatchT:
+        return next(self._batches)
+
+    def give_back(self, unused: list[BatchT]) -> None:
+        """Batches read ahead but never handed out: a source that continues keeps them."""
+        if self._give_back is not None and unused:
+            self._give_back(unused)
+
+    def close(self) -> None:
+        close_generator = getattr(self._batches, "close", None)
+        if callable(close_generator):
+            close_generator()
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
+
+
+class ShardSource(ABC, Generic[BatchT]):
+    """A rank's shard, able to start passes over it."""
+
+    @property
+    @abstractmethod
+    def restartable(self) -> bool:
+        """Whether a fresh pass can be started (cycle mode needs it)."""
+
+    @abstractmethod
+    def open_pass(self) -> ShardPass[BatchT]:
+        """Start a pass over the shard (a fresh one, unless the source continues)."""
+
+    @property
+    def continues(self) -> bool:
+        """Whether each epoch continues the stream where the last one stopped.
+
+        True for a petastorm reader with ``num_epochs=None``, which never ends and cannot
+        start afresh.
+        """
+        return False
+
+    @property
+    def endless(self) -> bool:
+        """Whether a pass never ends (an epoch then needs ``steps_per_epoch``)."""
+        return False
+
+    def known_batches(self) -> int | None:
+        """The number of batches a pass yields, when the source can be trusted to know it."""
+        return None
+
+    def check_shard(self, rank: int, world_size: int) -> None:
+        """Raise ``ValueError`` when the source visibly reads another rank's shard."""
+
+
+class ContinuingStream(Generic[BatchT]):
+    """One iterator that successive passes continue, with what the last pass left unused."""
+
+    def __init__(self, batches: Iterator[BatchT]) -> None:
+        self._batches = batches
+        self._returned: deque[BatchT] = deque()
+
+    def resume(self, **pass_options: Any) -> ShardPass[BatchT]:
+        return ShardPass(self._next_batches(), give_back=self._keep, **pass_options)
+
+    def _keep(self, unused: list[BatchT]) -> None:
+        self._returned.extendleft(reversed(unused))
+
+    def _next_batches(self) -> Iterator[BatchT]:
+        while self._returned:
+            yield self._returned.popleft()
+        # Not ``yield from``: closing this pass must not close the stream.
+        while True:
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                return
+            yield batch
+
+
+def count_rows(batch: Any) -> int | None:
+    """Rows in a batch, or None when they cannot be told; never a wrong number.
+
+    A tensor or array has its leading dimension. A dict, or a tuple/list holding a tensor or
+    array (``(texts, labels)``, torch's collated ``[x, y]``), is a set of fields: the length
+    they all agree on. A list of scalars, strings or dicts is a list of rows, and so is a
+    list of lists of different lengths (ragged rows), and a list of tuples. A list of
+    equal-length lists is ambiguous (rows or fields?): None.
+
+    Example::
+
+        >>> import torch
+        >>> count_rows({"x": torch.zeros(4, 3), "y": torch.zeros(4)})
+        4
+        >>> count_rows((["a", "b", "c"], torch.tensor([0, 1, 1])))
+        3
+        >>> count_rows([[1, 2, 3], [4]]), count_rows([[1, 2], [3, 4]]), count_rows([7, 8])
+        (2, None, 2)
+    """
+    if isinstance(batch, torch.Tensor | np.ndarray):
+        return int(batch.shape[0]) if batch.ndim > 0 else None
+    if isinstance(batch, Mapping):
+        return _agreed_length(list(batch.values()))
+    if not _is_list(batch):
+        return None
+    if not batch:
+        return 0
+    if any(isinstance(item, torch.Tensor | np.ndarray) for item in batch):
+        return _agreed_length(list(batch))
+    lengths = [len(item) if _is_list(item) else None for item in batch]
+    if all(length is None for length in lengths):
+        return len(batch)
+    if None not in lengths and len(set(lengths)) > 1:
+        return len(batch)
+    if isinstance(batch, list) and all(isinstance(item, tuple) for item in batch):
+        return len(batch)  # a list of row tuples, as a plain Python dataset yields them
+    return None
+
+
+def _is_list(item: Any) -> bool:
+    return isinstance(item, Sequence) and not isinstance(item, str | bytes)
+
+
+def _agreed_length(fields: list[Any]) -> int | None:
+    """The leading length every field shares (scalars aside), or None."""
+    lengths = set()
+    for field in fields:
+        if isinstance(field, torch.Tensor | np.ndarray):
+            if field.ndim > 0:
+                lengths.add(int(field.shape[0]))
+        elif _is_list(field):
+            lengths.add(len(field))
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+# Kinds whose module wraps a library of its own: the qualified name of a class (matched
+# against the object's class and its bases) -> the module with ``source_for(obj, owned)``.
+_REGISTERED_KINDS: dict[str, str] = {
+    "petastorm.pytorch.LoaderBase": "ddp_even.sources.petastorm",
+    "petastorm.reader.Reader": "ddp_even.sources.petastorm",
+}
+
+
+def registered_source(obj: object, *, owned: bool) -> ShardSource[Any] | None:
+    """The source for ``obj`` when its class (or a base) is a registered kind, else None.
+
+    ``owned``: the object was made by a factory of ours, so its pass stops it when closed.
+    """
+    for cls in type(obj).__mro__:
+        module_name = _REGISTERED_KINDS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if module_name is not None:
+            source: ShardSource[Any] = importlib.import_module(module_name).source_for(
+                obj, owned=owned
+            )
+            return source
+    return None

@@ -1,0 +1,169 @@
+"""Petastorm loaders and readers as shard sources: the one runtime module that knows petastorm.
+
+* A ``Reader`` can only be ``reset()`` after its last row was read; mid-pass it raises
+  ``NotImplementedError``. A pass that stopped early (truncate) is read to its end first.
+* A reader with ``num_epochs=None`` never ends: it is never reset nor read to its end; each
+  epoch continues it (and needs ``steps_per_epoch``).
+* ``petastorm.pytorch.DataLoader`` keeps the rows of its short last batch and emits them
+  again at the start of the next pass; the accumulator is emptied before each pass.
+* ``DataLoader.__iter__`` resets its reader itself on every pass after the first.
+* A reader the loader opened (through a factory) is stopped and joined when its pass ends;
+  a reader the user passed in stays theirs to stop.
+* Which row groups a reader reads is in its ventilator's items (petastorm has no public
+  accessor); sharding and plans are checked against it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from typing import Any
+
+from petastorm.pytorch import LoaderBase
+from petastorm.reader import Reader
+
+from ddp_even.sources.base import ContinuingStream, ShardPass, ShardSource, count_rows
+
+logger = logging.getLogger("ddp_even")
+
+
+def source_for(obj: Any, *, owned: bool) -> ShardSource[Any]:
+    """Wrap a petastorm ``DataLoader``/``BatchedDataLoader`` or ``Reader``."""
+    if isinstance(obj, LoaderBase):
+        return PetastormLoaderSource(obj, owned=owned)
+    if isinstance(obj, Reader):
+        return PetastormReaderSource(obj, owned=owned)
+    raise TypeError(
+        f"unsupported petastorm object {type(obj).__name__}: pass a petastorm.pytorch "
+        "DataLoader or BatchedDataLoader, or a reader from make_reader / make_batch_reader"
+    )
+
+
+def _stop(reader: Reader) -> None:
+    reader.stop()
+    reader.join()
+
+
+def _read_to_end(reader: Reader) -> None:
+    """Let ``reader.reset()`` work after a pass that stopped early."""
+    if reader.last_row_consumed:
+        return
+    leftover = sum(1 for _ in reader)
+    logger.info(
+        "read %d leftover item(s) of an unfinished petastorm reader so that it can be reset; "
+        "pass a factory (lambda: DataLoader(make_reader(...))) to start each pass afresh instead",
+        leftover,
+    )
+
+
+def row_groups_read_by(reader: Reader) -> frozenset[int] | None:
+    """The global row-group indices ``reader`` reads, or None if petastorm hides them."""
+    try:
+        items = reader.ventilator._items_to_ventilate
+        return frozenset(int(item["piece_index"]) for item in items)
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
+class _PetastormSource(ShardSource[Any]):
+    def __init__(self, reader: Reader, *, owned: bool) -> None:
+        self._reader = reader
+        self._owned = owned
+        self._passes_opened = 0
+        self._stream: ContinuingStream[Any] | None = None
+
+    @property
+    def restartable(self) -> bool:
+        # A reader the user passed in can be reset (unless it never ends); one a factory
+        # made is used for one pass.
+        return not self._owned and not self.endless
+
+    @property
+    def endless(self) -> bool:
+        return self._reader.num_epochs is None
+
+    @property
+    def continues(self) -> bool:
+        return self.endless and not self._owned
+
+    def check_shard(self, rank: int, world_size: int) -> None:
+        read = row_groups_read_by(self._reader)
+        if world_size == 1 or not read:
+            return
+        others = sorted(index for index in read if index % world_size != rank)
+        indices = sorted(read)
+        spacing = math.gcd(*(b - a for a, b in itertools.pairwise(indices)))
+        if others or (spacing and spacing != world_size and spacing % world_size == 0):
+            shards = f"shard_count={spacing}" if spacing > 1 else "no cur_shard/shard_count"
+            raise ValueError(
+                f"rank {rank} of {world_size} was given a petastorm reader of row groups "
+                f"{indices[:6]}{'...' if len(indices) > 6 else ''}, which looks like {shards}, "
+                f"not rank {rank}'s shard of {world_size}: build it with "
+                f"cur_shard={rank}, shard_count={world_size} (rank and world size of the "
+                "training group)"
+            )
+
+    def _begin_pass(self) -> None:
+        if self._passes_opened > 0:
+            if self._owned:
+                raise RuntimeError("a reader made by a factory serves a single pass")
+            _read_to_end(self._reader)
+        self._passes_opened += 1
+
+    def _closer(self) -> Any:
+        return (lambda: _stop(self._reader)) if self._owned else None
+
+    def _open(self, batches: Any, count_samples: Any = None) -> ShardPass[Any]:
+        row_groups = row_groups_read_by(self._reader)
+        if self.continues:
+            if self._stream is None:
+                self._stream = ContinuingStream(batches)
+            return self._stream.resume(
+                count_samples=count_samples, row_groups=row_groups, endless=True
+            )
+        return ShardPass(
+            batches,
+            on_close=self._closer(),
+            count_samples=count_samples,
+            row_groups=row_groups,
+            endless=self.endless,
+        )
+
+
+class PetastormLoaderSource(_PetastormSource):
+    """A ``petastorm.pytorch.DataLoader`` or ``BatchedDataLoader``."""
+
+    def __init__(self, loader: LoaderBase, *, owned: bool) -> None:
+        super().__init__(loader.reader, owned=owned)
+        self._loader = loader
+
+    def open_pass(self) -> ShardPass[Any]:
+        if self.continues and self._stream is not None:
+            return self._open(None)
+        self._begin_pass()
+        # DataLoader would emit the previous pass's short last batch again (see module doc).
+        self._loader._batch_acc = []
+        return self._open(iter(self._loader))
+
+
+class PetastormReaderSource(_PetastormSource):
+    """A reader from ``make_reader`` (one row per item) or ``make_batch_reader``."""
+
+    def open_pass(self) -> ShardPass[Any]:
+        counter = count_rows if self._reader.batched_output else _one_row
+        if self.continues and self._stream is not None:
+            return self._open(None, counter)
+        first_pass = self._passes_opened == 0
+        self._begin_pass()
+        if not first_pass:
+            self._reader.reset()
+        return self._open(_items(self._reader), counter)
+
+
+def _items(reader: Reader) -> Any:
+    yield from reader
+
+
+def _one_row(_row: Any) -> int:
+    return 1
