@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
+import types
 import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
@@ -244,6 +246,26 @@ class EvenLoader(Generic[BatchT]):
             plan=plan,
         )
 
+    def set_epoch(self, epoch: int) -> None:
+        """Number the next epoch ``epoch`` (as ``DistributedSampler.set_epoch`` does).
+
+        Epochs are numbered by the loader from 0, one per ``for``; trainers that keep their
+        own count (Lightning calls ``set_epoch`` before each epoch) keep the two equal, also
+        after resuming. Every rank must set the same number: ranks compare epochs at every
+        agreement.
+
+        Example::
+
+            >>> loader = EvenLoader([[1], [2]])
+            >>> loader.set_epoch(5)
+            >>> _ = list(loader)
+            >>> loader.stats.epoch
+            5
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        self._next_epoch = epoch
+
     @property
     def stats(self) -> EpochStats:
         if not self.history:
@@ -324,6 +346,8 @@ class EvenLoader(Generic[BatchT]):
         )
         if self._plan is not None:
             run.off_plan = _off_plan(feed, self._plan.shards[rank])
+        if mode.shadows_finished_ranks and agreer.world_size > 1:
+            _refuse_join_inside_lightning()
         self._current_run = run
         try:
             if whole_epoch:
@@ -398,6 +422,21 @@ def _off_plan(feed: ShardFeed[Any], planned: Sequence[int]) -> str | None:
 
 def _few(indices: list[int]) -> str:
     return f"{indices[:8]}{'...' if len(indices) > 8 else ''}"
+
+
+def _refuse_join_inside_lightning() -> None:
+    """Join mode cannot work inside Lightning's fit loop: fail at once, on every rank."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(("lightning.pytorch.", "pytorch_lightning.")):
+            raise EvenLoaderError(
+                "join mode cannot run inside a Lightning Trainer: Lightning makes a collective "
+                "of its own at every step (it broadcasts a stop signal), which torch's Join "
+                "cannot shadow for the ranks that ran out, so the job would hang. Use "
+                "mode='truncate' or mode='cycle' under Lightning"
+            )
+        frame = frame.f_back
 
 
 def _warn_if_launched_without_a_group() -> None:

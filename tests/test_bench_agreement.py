@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.bench_agreement import JOIN, BenchConfig, measure_world
+
+pytestmark = pytest.mark.multirank
 
 WORKLOADS = {"loader", "ddp model", "busy wait", "idle wait"}
 

@@ -29,6 +29,8 @@ from tests.helpers.scenarios import (
 )
 from tests.helpers.spawn import RankError, run_ranks
 
+pytestmark = pytest.mark.multirank
+
 # ---------------------------------------------------------------------------------------------
 # Dead and stalled peers
 

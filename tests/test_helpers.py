@@ -102,6 +102,7 @@ def _hang(rank: int, world_size: int, piddir: str) -> None:
 # --- run_ranks ------------------------------------------------------------------------------
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_run_ranks_returns_values_in_rank_order(world_size: int) -> None:
@@ -118,6 +119,7 @@ def test_run_ranks_returns_values_in_rank_order(world_size: int) -> None:
         assert r["extra"] == "yes"
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(150)
 def test_run_ranks_surfaces_a_rank_exception_and_kills_the_others(tmp_path: Path) -> None:
     start = time.monotonic()
@@ -137,6 +139,7 @@ def test_run_ranks_surfaces_a_rank_exception_and_kills_the_others(tmp_path: Path
     assert not [pid for pid in pids if _alive(pid)]
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(250)
 def test_run_ranks_capture_exceptions() -> None:
     results = run_ranks(_raise_everywhere, 3, timeout=120, capture_exceptions=True)
@@ -153,6 +156,7 @@ def test_run_ranks_capture_exceptions() -> None:
     ]
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(60)
 def test_run_ranks_timeout_kills_everything(tmp_path: Path) -> None:
     start = time.monotonic()

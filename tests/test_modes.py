@@ -13,6 +13,8 @@ import pytest
 from tests.helpers.scenarios import Outcome, Scenario, expected_batches, run_scenarios
 from tests.helpers.spawn import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 
 def _scenarios(lengths: tuple[int, ...]) -> list[Scenario]:
     shortest_positive = min(length for length in lengths if length > 0)

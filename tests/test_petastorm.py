@@ -26,6 +26,8 @@ from tests.helpers.datasets import (
 )
 from tests.helpers.spawn import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 WORLD_SIZE = 4
 # Shards of 90, 21, 37 and 4 rows: 12, 3, 5 and 1 batches of 8.
 ROW_GROUP_SIZES = [40, 5, 25, 3, 30, 7, 12, 1, 20, 9]

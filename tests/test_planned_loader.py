@@ -24,6 +24,8 @@ from ddp_even.planning import plan_for_dataset
 from tests.helpers.datasets import shard_row_groups, write_plain_dataset
 from tests.helpers.spawn import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 WORLD_SIZE = 4
 ROW_GROUP_SIZES = [40, 5, 25, 3, 30, 7, 12, 1, 20, 9, 16, 2]
 BATCH_SIZE = 8

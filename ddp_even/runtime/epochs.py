@@ -156,6 +156,9 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
                     window = run.settings.window(run.steps_done)
                     assert window is not None
                     report, pending = run.offer_buffered(window)
+                if remaining == 0 and decision.last:
+                    yield from _last_batch(run, run.hand_out(fed), run.feed.had_more_own_data)
+                    return
                 yield run.hand_out(fed)
             if decision.last:
                 run.finish(run.feed.had_more_own_data())
@@ -184,14 +187,39 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
     decision = run.decide(agreement, window)
     run.agreed_steps = decision.steps
     logger.debug("epoch %d: %d steps agreed for the whole epoch", run.epoch, decision.steps)
-    for _ in range(decision.steps):
-        run.steps_done += 1
-        yield run.hand_out(run.feed.take_one_now())
-    if own_batches is None:
-        run.finish(run.feed.had_more_own_data())
-    else:
+
+    def had_more_own_data() -> bool:
+        if own_batches is None:
+            return run.feed.had_more_own_data()
         # A pass that ended early (a reader losing rows) was not cut by the epoch.
-        run.finish(not run.feed.own_ended and own_batches > run.counts.own_batches)
+        return not run.feed.own_ended and own_batches > run.counts.own_batches
+
+    for step in range(1, decision.steps + 1):
+        run.steps_done += 1
+        batch = run.hand_out(run.feed.take_one_now())
+        if step == decision.steps:
+            yield from _last_batch(run, batch, had_more_own_data)
+            return
+        yield batch
+    run.finish(had_more_own_data())
+
+
+def _last_batch(
+    run: EpochRun[BatchT], batch: BatchT, had_more_own_data: Callable[[], bool]
+) -> Iterator[BatchT]:
+    """Hand out the epoch's last batch; the epoch is complete even if no one asks for more.
+
+    A trainer that knows ``len(loader)`` (Lightning) stops asking after the last batch and
+    closes the epoch at its next ``iter()``, the same point on every rank: the statistics are
+    gathered there, with the collective every rank makes at that point.
+    """
+    try:
+        yield batch
+    except GeneratorExit:
+        if not sys.is_finalizing():
+            run.finish(had_more_own_data())
+        raise
+    run.finish(had_more_own_data())
 
 
 class _LoaderJoinable(Joinable):

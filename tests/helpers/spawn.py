@@ -25,6 +25,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -95,6 +96,7 @@ def _child(
     world_size: int,
     payload: bytes,
     workdir: str,
+    init_method: str,
     env: dict[str, str],
     pg_timeout: float | None,
     parent_pid: int,
@@ -121,7 +123,7 @@ def _child(
             "gloo",
             rank=rank,
             world_size=world_size,
-            init_method=Path(workdir, "rendezvous").as_uri(),
+            init_method=init_method,
             **kwargs,
         )
         # init_process_group can return on one rank before a peer's gloo connectFullMesh is
@@ -217,6 +219,7 @@ def run_ranks(
     env: Mapping[str, str] | None = ...,
     capture_exceptions: Literal[False] = ...,
     pg_timeout: float | None = ...,
+    tcp_store: bool = ...,
 ) -> list[T]: ...
 
 
@@ -229,6 +232,7 @@ def run_ranks(
     env: Mapping[str, str] | None = ...,
     capture_exceptions: Literal[True],
     pg_timeout: float | None = ...,
+    tcp_store: bool = ...,
 ) -> list[T | RankError]: ...
 
 
@@ -240,12 +244,14 @@ def run_ranks(
     env: Mapping[str, str] | None = None,
     capture_exceptions: bool = False,
     pg_timeout: float | None = None,
+    tcp_store: bool = False,
 ) -> list[T] | list[T | RankError]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; values in rank order.
 
     ``timeout`` bounds the whole run (start-up included). ``env`` is added to each child's
     environment before torch is imported there. ``pg_timeout`` (seconds) is passed to
-    ``init_process_group`` (torch's default otherwise).
+    ``init_process_group`` (torch's default otherwise). ``tcp_store``: rendezvous through a
+    TCP store hosted by rank 0's process (as ``env://`` and torchrun do) instead of a file.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -255,6 +261,11 @@ def run_ranks(
 
     ctx = torch_mp.get_context("spawn")
     workdir = Path(tempfile.mkdtemp(prefix="ddp-even-ranks-"))
+    init_method = Path(workdir, "rendezvous").as_uri()
+    if tcp_store:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            init_method = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
     deadline = time.monotonic() + timeout
     procs: list[Any] = []
     try:
@@ -266,6 +277,7 @@ def run_ranks(
                     world_size,
                     payload,
                     str(workdir),
+                    init_method,
                     dict(env or {}),
                     pg_timeout,
                     os.getpid(),

@@ -1,0 +1,1 @@
+"""Glue for trainers (``ddp_even.integrations.lightning``); each submodule imports its trainer."""

@@ -1,0 +1,180 @@
+"""PyTorch Lightning: log every epoch's :class:`~ddp_even.EpochStats` to the trainer's loggers.
+
+An :class:`~ddp_even.EvenLoader` goes to a Lightning ``Trainer(strategy="ddp")`` as it is (return
+it from ``train_dataloader()``, where the process group exists): Lightning injects no sampler
+into it and runs the steps it hands out. Truncate and cycle work; join mode cannot, because
+Lightning makes a collective of its own at every step that torch's ``Join`` cannot shadow.
+:class:`EvenLoaderStats` adds the statistics to the trainer's loggers after each training
+epoch. This is the only module of ddp_even that imports Lightning (``lightning.pytorch``).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from ddp_even.loader import EvenLoader
+from ddp_even.runtime.stats import EpochStats
+
+__all__ = ["EvenLoaderStats", "find_even_loaders", "stats_metrics"]
+
+logger = logging.getLogger("ddp_even")
+
+
+def stats_metrics(stats: EpochStats, prefix: str = "ddp_even/") -> dict[str, float]:
+    """One epoch's statistics as flat numbers for a metrics logger.
+
+    Per-rank fields are summed over the ranks (``steps`` as min and max); fields that are not
+    known (``samples`` with unsized batches, ``dropped_*`` and ``lost_rows`` without a shard
+    plan) are left out.
+
+    Example::
+
+        >>> from ddp_even import EvenLoader
+        >>> loader = EvenLoader([[1, 2], [3]], mode="cycle", steps_per_epoch=3)
+        >>> _ = list(loader)
+        >>> stats_metrics(loader.stats)  # doctest: +NORMALIZE_WHITESPACE
+        {'ddp_even/epoch': 0, 'ddp_even/steps_min': 3, 'ddp_even/steps_max': 3,
+         'ddp_even/own_batches': 2, 'ddp_even/repeated_batches': 1, 'ddp_even/passes_max': 2,
+         'ddp_even/truncated_ranks': 0, 'ddp_even/empty_ranks': 0, 'ddp_even/oversampling': 0.5,
+         'ddp_even/samples': 5}
+    """
+    metrics: dict[str, float] = {
+        "epoch": stats.epoch,
+        "steps_min": min(stats.steps, default=0),
+        "steps_max": max(stats.steps, default=0),
+        "own_batches": sum(stats.own_batches),
+        "repeated_batches": sum(stats.repeated_batches),
+        "passes_max": max(stats.passes, default=0),
+        "truncated_ranks": sum(stats.truncated),
+        "empty_ranks": len(stats.empty_ranks),
+        "oversampling": stats.oversampling,
+    }
+    if None not in stats.samples:
+        metrics["samples"] = sum(rows for rows in stats.samples if rows is not None)
+    for name in ("dropped_batches", "dropped_rows", "lost_rows"):
+        per_rank: tuple[int, ...] | None = getattr(stats, name)
+        if per_rank is not None:
+            metrics[name] = sum(per_rank)
+    return {prefix + name: value for name, value in metrics.items()}
+
+
+def find_even_loaders(dataloaders: object) -> dict[str, EvenLoader[Any]]:
+    """The EvenLoaders in what a trainer holds, by name: ``""`` alone, else key or list index.
+
+    ``dataloaders`` is what ``trainer.train_dataloader`` returns: one loader, or a list or dict
+    of them (nested as Lightning's ``CombinedLoader`` allows).
+
+    Example::
+
+        >>> from ddp_even import EvenLoader
+        >>> loader = EvenLoader([[1], [2]])
+        >>> find_even_loaders(loader) == {"": loader}
+        True
+        >>> sorted(find_even_loaders({"a": loader, "b": [[3]], "c": [loader]}))
+        ['a', 'c/0']
+    """
+    found: dict[str, EvenLoader[Any]] = {}
+    for name, candidate in _walk(dataloaders, ""):
+        if isinstance(candidate, EvenLoader):
+            found[name] = candidate
+    return found
+
+
+def _walk(node: object, name: str) -> Iterator[tuple[str, object]]:
+    if isinstance(node, EvenLoader):
+        yield name, node
+    elif isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from _walk(value, f"{name}/{key}" if name else str(key))
+    elif isinstance(node, Sequence) and not isinstance(node, str | bytes):
+        for index, value in enumerate(node):
+            yield from _walk(value, f"{name}/{index}" if name else str(index))
+
+
+class EvenLoaderStats(Callback):
+    """Logs the statistics of the trainer's EvenLoader(s) to its loggers after each train epoch.
+
+    At ``on_train_epoch_end`` (every rank) the callback takes the :class:`~ddp_even.EpochStats`
+    of the epoch that just ran from each EvenLoader in ``trainer.train_dataloader``, turns them
+    into numbers with :func:`stats_metrics` and passes them to every logger in
+    ``trainer.loggers`` (Lightning's loggers write on global rank 0 only), at the step Lightning
+    logs its own epoch-end metrics at. Several loaders get their name in the key
+    (``ddp_even/<name>/steps_max``). The statistics are equal on every rank, so nothing is
+    reduced; ``metrics`` keeps what was logged, on every rank.
+
+    When Lightning knows the loader's length (a shard plan: ``EvenLoader.from_parquet``) it
+    stops after the last batch without asking for more, which leaves the loader's epoch open
+    until the next ``iter()``. The callback closes it there with ``iter(loader)`` (every rank
+    reaches this hook at the same point), so the statistics of the epoch that just ran,
+    including the last one, are gathered and logged at its end.
+
+    Args:
+        prefix: the start of every metric name.
+
+    Attributes:
+        metrics: what was logged, one dict per train epoch that had statistics.
+
+    Example, on every rank (``examples/train_lightning.py`` is the whole script)::
+
+        class Regression(lightning.pytorch.LightningModule):
+            ...
+
+            def train_dataloader(self):  # called once the process group exists
+                return EvenLoader.from_parquet(url, batch_size=64, mode="cycle")
+
+        trainer = lightning.pytorch.Trainer(
+            accelerator="cpu", devices=4, strategy="ddp", max_epochs=3,
+            logger=CSVLogger("logs"), callbacks=[EvenLoaderStats()],
+        )
+        trainer.fit(Regression())
+        # logs/lightning_logs/version_0/metrics.csv: ddp_even/steps_max, ddp_even/oversampling, ...
+    """
+
+    def __init__(self, prefix: str = "ddp_even/") -> None:
+        super().__init__()
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        self.prefix = prefix
+        self.metrics: list[dict[str, float]] = []
+        # The statistics last logged for each loader.
+        self._logged: weakref.WeakKeyDictionary[EvenLoader[Any], EpochStats] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        loaders = find_even_loaders(trainer.train_dataloader)
+        metrics: dict[str, float] = {}
+        for name, loader in loaders.items():
+            stats = self._new_stats(loader)
+            if stats is None:
+                logger.debug(
+                    "epoch %d: EvenLoader %r has no statistics for this epoch (it ended early)",
+                    trainer.current_epoch,
+                    name,
+                )
+                continue
+            metrics.update(stats_metrics(stats, f"{self.prefix}{name}/" if name else self.prefix))
+        if not metrics:
+            return
+        self.metrics.append(metrics)
+        # Lightning logs its own epoch-end metrics at the step of the epoch's last batch; the
+        # same step keeps step-ordered loggers from seeing a step go backwards.
+        step = max(trainer.global_step - 1, 0)
+        for metrics_logger in trainer.loggers:
+            metrics_logger.log_metrics(metrics, step=step)
+
+    def _new_stats(self, loader: EvenLoader[Any]) -> EpochStats | None:
+        """The statistics of the epoch that just ran, if it ran to its end."""
+        # When Lightning knows the loader's length it stops after the last batch and the epoch
+        # is still open: a new iter() closes it, gathering its statistics, and starts nothing
+        # until a batch is asked for. After an epoch that ended by itself it does nothing.
+        iter(loader)
+        if not loader.history or loader.history[-1] is self._logged.get(loader):
+            return None
+        self._logged[loader] = loader.history[-1]
+        return loader.history[-1]

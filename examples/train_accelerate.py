@@ -1,0 +1,265 @@
+"""Train with Hugging Face accelerate on uneven Petastorm shards with ddp_even.
+
+accelerate prepares the model and the optimizer (DDP over gloo on CPU); the EvenLoader is used
+as it is: ``accelerator.prepare`` only wraps ``torch.utils.data.DataLoader`` objects and hands an
+EvenLoader back unchanged, so there is nothing to gain from passing it. Each rank builds its
+own loader over its own shard, and the loop is accelerate's usual one.
+
+Modes (``--mode``, repeat to train once in each):
+
+* ``truncate``, ``cycle``: ddp_even gives every rank the same number of steps; no Join needed;
+* ``join``: ddp_even's join mode, ``EvenLoader(..., mode="join", joinables=[model])`` with the
+  *prepared* (DDP) model. Do not also wrap the loop in ``accelerator.join_uneven_inputs``:
+  that is torch's ``Join`` again, around a loop ddp_even already runs inside one;
+* ``accelerate-join``: no ddp_even, for comparison: the plain petastorm loader inside
+  ``accelerator.join_uneven_inputs([model], even_batches=False)``. Mind ``even_batches=False``:
+  with accelerate's default (``even_batches=True``) the context does not enable ``Join`` at
+  all, and uneven iterable loaders hang. It trains on every row too, but says nothing about
+  what each rank did.
+
+Run it under torchrun or accelerate launch (2 CPU processes here)::
+
+    python examples/train_accelerate.py --demo --data demo-data      # write a skewed dataset
+    torchrun --nproc-per-node 2 examples/train_accelerate.py --data demo-data --mode cycle
+    accelerate launch --multi_gpu --num_processes 2 examples/train_accelerate.py \\
+        --data demo-data --mode truncate --mode join
+
+(``--multi_gpu`` is accelerate's name for its torchrun launcher; on a machine without GPUs the
+processes are CPU ranks, made so by ``Accelerator(cpu=True)`` below.)
+
+A dataset needs float columns x0..x3 and label.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from accelerate import Accelerator
+from petastorm import make_batch_reader
+from petastorm.pytorch import BatchedDataLoader
+
+from ddp_even import EvenLoader
+
+# petastorm 0.12.1 drives pyarrow 14 through its deprecated legacy API (FutureWarnings), and
+# BatchedDataLoader hands Arrow's read-only buffers to torch (a UserWarning); neither concerns
+# this script.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\.|$)")
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+FEATURES = ("x0", "x1", "x2", "x3")
+LABEL = "label"
+# 334 rows in 8 row groups; with 2 ranks petastorm gives rank 0 row groups 0, 2, 4, 6 (280
+# rows) and rank 1 row groups 1, 3, 5, 7 (54 rows).
+DEMO_ROW_GROUP_SIZES = (120, 8, 60, 16, 90, 20, 10, 10)
+MODES = ("truncate", "cycle", "join", "accelerate-join")
+
+
+def write_skewed_dataset(directory: Path, row_group_sizes: tuple[int, ...]) -> None:
+    """One Parquet file, one row group per size: label = x @ (2, -1, 0.5, 3) + 1 + noise."""
+    rng = np.random.default_rng(0)
+    rows = sum(row_group_sizes)
+    features = rng.standard_normal((rows, len(FEATURES))).astype(np.float32)
+    labels = features @ np.array([2.0, -1.0, 0.5, 3.0], np.float32) + 1.0
+    labels += rng.normal(0.0, 0.1, rows).astype(np.float32)
+    columns: dict[str, Any] = {name: features[:, i] for i, name in enumerate(FEATURES)}
+    columns[LABEL] = labels
+    table = pa.table(columns)
+    directory.mkdir(parents=True, exist_ok=True)
+    with pq.ParquetWriter(directory / "part-00000.parquet", table.schema) as writer:
+        start = 0
+        for size in row_group_sizes:
+            writer.write_table(table.slice(start, size), row_group_size=size)
+            start += size
+
+
+def train(
+    accelerator: Accelerator,
+    data_url: str,
+    mode: str,
+    source: str,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+) -> dict[str, Any]:
+    """Train a fresh model in ``mode``; what this rank saw, as JSON-ready data."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    torch.manual_seed(0)
+    model = torch.nn.Linear(len(FEATURES), 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    # With several processes: DistributedDataParallel over accelerate's process group.
+    model, optimizer = accelerator.prepare(model, optimizer)
+    reader_options = {"schema_fields": [*FEATURES, LABEL], "workers_count": 2}
+
+    def one_pass() -> BatchedDataLoader:
+        """A fresh reader for one pass over this rank's shard (petastorm's round robin)."""
+        reader = make_batch_reader(
+            data_url, num_epochs=1, cur_shard=rank, shard_count=world_size, **reader_options
+        )
+        return BatchedDataLoader(reader, batch_size=batch_size)
+
+    loader: EvenLoader[dict[str, torch.Tensor]] | None = None
+    if mode != "accelerate-join":
+        # Join mode shadows DDP's all-reduces for ranks that ran out: give it the prepared
+        # model (the DDP wrapper accelerate made), not the bare module.
+        joinables = [model] if mode == "join" else []
+        if source == "parquet":
+            loader = EvenLoader.from_parquet(
+                data_url,
+                batch_size=batch_size,
+                mode=mode,
+                reader_kwargs=reader_options,
+                joinables=joinables,
+            )
+        else:
+            loader = EvenLoader(one_pass, mode=mode, joinables=joinables)
+
+    steps: list[int] = []
+    rows: list[int] = []
+    started = time.perf_counter()
+    for _epoch in range(epochs):
+        epoch_steps = epoch_rows = 0
+        if loader is not None:
+            epoch_steps, epoch_rows = train_epoch(accelerator, model, optimizer, loader)
+        else:
+            # accelerate's own recipe for uneven inputs: torch's Join around a plain loop.
+            # even_batches=False is what turns Join on (see the module docstring).
+            with accelerator.join_uneven_inputs([model], even_batches=False):
+                shard = one_pass()
+                try:
+                    epoch_steps, epoch_rows = train_epoch(accelerator, model, optimizer, shard)
+                finally:
+                    shard.reader.stop()
+                    shard.reader.join()
+        steps.append(epoch_steps)
+        rows.append(epoch_rows)
+        if loader is not None and accelerator.is_main_process:
+            print(loader.stats.summary())
+    return {
+        "mode": mode,
+        "source": source if loader is not None else "factory",
+        "rank": rank,
+        "world_size": world_size,
+        "distributed_type": str(accelerator.distributed_type),
+        "steps": steps,
+        "rows": rows,
+        "history": [] if loader is None else [stats.as_dict() for stats in loader.history],
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def train_epoch(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[dict[str, torch.Tensor]],
+) -> tuple[int, int]:
+    """One epoch of accelerate's usual loop; this rank's steps and rows."""
+    steps = rows = 0
+    for batch in batches:
+        features = torch.stack([batch[name] for name in FEATURES], dim=1).float()
+        labels = batch[LABEL].float().unsqueeze(1)
+        features, labels = features.to(accelerator.device), labels.to(accelerator.device)
+        loss = torch.nn.functional.mse_loss(model(features), labels)
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        optimizer.step()
+        steps += 1
+        rows += len(labels)
+    return steps, rows
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """Leave without the interpreter's shutdown: with torch 2.13 a gloo worker thread can abort
+    a finished process there (pytorch/pytorch#190489; see examples/train.py)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--demo", is_flag=True, help="Write a skewed demo dataset to --data and stop.")
+@click.option("--data", required=True, help="Dataset path or petastorm URL (x0..x3, label).")
+@click.option(
+    "--mode",
+    "modes",
+    type=click.Choice(MODES),
+    multiple=True,
+    default=["cycle"],
+    show_default=True,
+    help="Repeat to train once in each.",
+)
+@click.option(
+    "--source",
+    type=click.Choice(["factory", "parquet"]),
+    default="factory",
+    show_default=True,
+    help="factory: EvenLoader(lambda: BatchedDataLoader(make_batch_reader(...))); "
+    "parquet: EvenLoader.from_parquet(...).",
+)
+@click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--lr", type=float, default=0.05, show_default=True)
+@click.option(
+    "--results",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write <mode>-rank<r>.json per rank and mode here.",
+)
+def main(
+    demo: bool,
+    data: str,
+    modes: tuple[str, ...],
+    source: str,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    results: Path | None,
+) -> None:
+    """Train a linear regression with accelerate over uneven Petastorm shards."""
+    if demo:
+        write_skewed_dataset(Path(data), DEMO_ROW_GROUP_SIZES)
+        print(f"wrote {sum(DEMO_ROW_GROUP_SIZES)} rows in {len(DEMO_ROW_GROUP_SIZES)} row groups")
+        return
+    data_url = data if "://" in data else Path(data).resolve().as_uri()
+    torch.set_num_threads(1)  # several ranks share this machine's cores
+    # cpu=True: on a machine without GPUs, Accelerator() under torchrun or `accelerate launch`
+    # finds no device to distribute over and falls back to a single process (num_processes 1,
+    # no process group): every rank would train alone, unsynchronised. cpu=True makes it a
+    # MULTI_CPU job that joins the torchrun ranks in a gloo process group. Drop it on GPUs.
+    accelerator = Accelerator(cpu=True)
+    if accelerator.is_main_process:
+        print(
+            f"{accelerator.num_processes} processes ({accelerator.distributed_type}), "
+            f"data {data_url}, modes {', '.join(modes)}, source {source}"
+        )
+    for mode in modes:
+        result = train(accelerator, data_url, mode, source, epochs, batch_size, lr)
+        # Rows trained on per rank in the last epoch (one all-gather, outside the loop).
+        last = torch.tensor([result["steps"][-1], result["rows"][-1]], device=accelerator.device)
+        per_rank = accelerator.gather(last).view(-1, 2).tolist()
+        if accelerator.is_main_process:
+            print(
+                f"== {mode}: last epoch, steps per rank {[steps for steps, _ in per_rank]}, "
+                f"rows per rank {[rows for _, rows in per_rank]}"
+            )
+        if results is not None:
+            results.mkdir(parents=True, exist_ok=True)
+            path = results / f"{mode}-rank{result['rank']}.json"
+            path.write_text(json.dumps(result, indent=1))
+    accelerator.wait_for_everyone()
+    exit_at_once(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""Train with PyTorch Lightning (``strategy="ddp"``) on uneven Petastorm shards with ddp_even.
+
+The EvenLoader is what ``train_dataloader()`` returns: Lightning calls it once the process
+group exists, injects no sampler into it and runs the steps it hands out, the same number on
+every rank. ``ddp_even.integrations.lightning.EvenLoaderStats`` logs each epoch's statistics to
+the trainer's loggers (here a CSV file per run under ``--results``).
+
+What works in which mode:
+
+* ``truncate`` and ``cycle``: yes, with a factory of petastorm loaders (``--source factory``)
+  or with ``EvenLoader.from_parquet`` (``--source parquet``; Lightning then knows
+  ``len(loader)`` and no collective runs inside the epoch);
+* ``join``: no. Lightning broadcasts a tensor from rank 0 at every step (its SIGTERM check),
+  a collective torch's ``Join`` cannot shadow for the ranks that ran out, so the job would
+  hang; ddp_even raises ``EvenLoaderError`` on every rank at the first epoch instead.
+
+Run it three ways (Lightning starts the other ranks itself, as subprocesses of this script)::
+
+    python examples/train_lightning.py --demo                  # skewed temp dataset, 2 CPU ranks
+    python examples/train_lightning.py --data DATASET --devices 4 --mode cycle --source parquet
+    torchrun --nproc-per-node 2 examples/train_lightning.py --data DATASET --devices 2
+
+A dataset needs float columns x0..x3 and label (``--demo --data DIR`` writes one to keep).
+Several ``--mode`` and ``--source`` options train once per combination, one after the other.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+import lightning.pytorch as pl
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger
+from petastorm import make_batch_reader
+from petastorm.pytorch import BatchedDataLoader
+
+from ddp_even import EvenLoader, EvenLoaderError
+from ddp_even.integrations.lightning import EvenLoaderStats
+
+# petastorm 0.12.1 drives pyarrow 14 through its deprecated legacy API (FutureWarnings), and
+# BatchedDataLoader hands Arrow's read-only buffers to torch (a UserWarning); neither concerns
+# this script. Lightning's hints for this toy run (few batches, no worker processes) neither.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\.|$)")
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+warnings.filterwarnings("ignore", message=".*(does not have many workers|smaller than the logging)")
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+# Lightning's info lines (devices found, tips) for every run; its warnings still show.
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+
+FEATURES = ("x0", "x1", "x2", "x3")
+LABEL = "label"
+# 334 rows in 8 row groups; with 2 ranks petastorm gives rank 0 row groups 0, 2, 4, 6 (280
+# rows) and rank 1 row groups 1, 3, 5, 7 (54 rows).
+DEMO_ROW_GROUP_SIZES = (120, 8, 60, 16, 90, 20, 10, 10)
+# Lightning re-runs this script for ranks 1..N-1 with the environment of rank 0: the demo's
+# first process writes the dataset and names it here, so every rank reads the same one.
+DEMO_DATA_ENV = "DDP_EVEN_LIGHTNING_DEMO_DATA"
+
+
+@dataclass(frozen=True)
+class Run:
+    data_url: str
+    mode: str
+    source: str  # "factory" or "parquet"
+    epochs: int
+    batch_size: int
+    devices: int
+    lr: float
+    results: Path | None
+
+
+# --- Data -------------------------------------------------------------------------------------
+
+
+def write_skewed_dataset(directory: Path, row_group_sizes: tuple[int, ...]) -> None:
+    """One Parquet file, one row group per size: label = x @ (2, -1, 0.5, 3) + 1 + noise."""
+    rng = np.random.default_rng(0)
+    rows = sum(row_group_sizes)
+    features = rng.standard_normal((rows, len(FEATURES))).astype(np.float32)
+    labels = features @ np.array([2.0, -1.0, 0.5, 3.0], np.float32) + 1.0
+    labels += rng.normal(0.0, 0.1, rows).astype(np.float32)
+    columns: dict[str, Any] = {name: features[:, i] for i, name in enumerate(FEATURES)}
+    columns[LABEL] = labels
+    table = pa.table(columns)
+    directory.mkdir(parents=True, exist_ok=True)
+    with pq.ParquetWriter(directory / "part-00000.parquet", table.schema) as writer:
+        start = 0
+        for size in row_group_sizes:
+            writer.write_table(table.slice(start, size), row_group_size=size)
+            start += size
+
+
+def to_tensors(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    features = torch.stack([batch[name] for name in FEATURES], dim=1).float()
+    return features, batch[LABEL].float().unsqueeze(1)
+
+
+# --- The Lightning module ---------------------------------------------------------------------
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, run: Run) -> None:
+        super().__init__()
+        self.settings = run
+        self.net = torch.nn.Linear(len(FEATURES), 1)
+        self.loader: EvenLoader[dict[str, torch.Tensor]] | None = None
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        features, labels = to_tensors(batch)
+        loss = torch.nn.functional.mse_loss(self.net(features), labels)
+        # Averaged over the ranks at the end of the epoch (a collective every rank reaches).
+        self.log(
+            "train_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(labels)
+        )
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.settings.lr)
+
+    def train_dataloader(self) -> EvenLoader[dict[str, torch.Tensor]]:
+        # Called by Lightning once the process group exists and the model is wrapped in DDP.
+        run = self.settings
+        rank, world_size = self.trainer.global_rank, self.trainer.world_size
+        # Join mode needs the DDP model to shadow its all-reduces (and refuses to run under
+        # Lightning, see the module docstring); the other modes need nothing.
+        joinables = [self.trainer.strategy.model] if run.mode == "join" else []
+        reader_options = {"schema_fields": [*FEATURES, LABEL], "workers_count": 2}
+        if run.source == "parquet":
+            # Plans the shards from the Parquet footers: len(loader) is known before the first
+            # step, and the statistics say exactly what each rank dropped.
+            self.loader = EvenLoader.from_parquet(
+                run.data_url,
+                batch_size=run.batch_size,
+                mode=run.mode,
+                reader_kwargs=reader_options,
+                joinables=joinables,
+            )
+        else:
+
+            def one_pass() -> BatchedDataLoader:
+                # A fresh reader for each pass over this rank's shard (petastorm's round robin).
+                reader = make_batch_reader(
+                    run.data_url,
+                    num_epochs=1,
+                    cur_shard=rank,
+                    shard_count=world_size,
+                    **reader_options,
+                )
+                return BatchedDataLoader(reader, batch_size=run.batch_size)
+
+            self.loader = EvenLoader(one_pass, mode=run.mode, joinables=joinables)
+        return self.loader
+
+
+# --- One training run (every rank) ------------------------------------------------------------
+
+
+def train(run: Run) -> dict[str, Any]:
+    """Fit a fresh model for ``run.epochs`` epochs; what this rank saw, as JSON-ready data."""
+    torch.manual_seed(0)
+    module = Regression(run)
+    stats_callback = EvenLoaderStats()
+    name = f"{run.mode}-{run.source}"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=run.devices,
+        strategy="ddp",
+        max_epochs=run.epochs,
+        callbacks=[stats_callback],
+        logger=CSVLogger(run.results / "logs", name=name) if run.results else False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    error = None
+    started = time.perf_counter()
+    try:
+        trainer.fit(module)
+    except EvenLoaderError as raised:  # join mode: raised on every rank at the first epoch
+        error = {"type": type(raised).__name__, "message": str(raised)}
+    seconds = time.perf_counter() - started
+    loader = module.loader
+    return {
+        "mode": run.mode,
+        "source": run.source,
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "history": [] if loader is None else [stats.as_dict() for stats in loader.history],
+        "logged_metrics": stats_callback.metrics,
+        "global_step": trainer.global_step,
+        "error": error,
+        "seconds": seconds,
+    }
+
+
+def report(result: dict[str, Any]) -> None:
+    """Rank 0's lines about one run."""
+    print(f"\n== {result['mode']}, {result['source']}: {result['seconds']:.1f} s")
+    if result["error"] is not None:
+        print(f"{result['error']['type']} on every rank: {result['error']['message']}")
+        return
+    for epoch in result["history"]:
+        print(
+            f"epoch {epoch['epoch']}: steps {epoch['steps']}, own batches {epoch['own_batches']}, "
+            f"repeated {epoch['repeated_batches']}, oversampling {epoch['oversampling']:.0%}, "
+            f"dropped batches {epoch['dropped_batches']}"
+        )
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """Leave without the interpreter's shutdown: with torch 2.13 a gloo worker thread can abort
+    a finished process there (pytorch/pytorch#190489; see examples/train.py)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# --- Command line -----------------------------------------------------------------------------
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--demo", is_flag=True, help="Write a skewed demo dataset (to --data, or a temp dir).")
+@click.option("--data", help="Dataset path or petastorm URL with float columns x0..x3, label.")
+@click.option(
+    "--mode",
+    "modes",
+    type=click.Choice(["truncate", "cycle", "join"]),
+    multiple=True,
+    default=["cycle"],
+    show_default=True,
+    help="EvenLoader mode; repeat to train once in each.",
+)
+@click.option(
+    "--source",
+    "sources",
+    type=click.Choice(["factory", "parquet"]),
+    multiple=True,
+    default=["factory"],
+    show_default=True,
+    help="factory: EvenLoader(lambda: BatchedDataLoader(make_batch_reader(...))); "
+    "parquet: EvenLoader.from_parquet(...). Repeat to train with each.",
+)
+@click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option(
+    "--devices",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="CPU processes on this machine (under torchrun: its --nproc-per-node).",
+)
+@click.option("--lr", type=float, default=0.05, show_default=True)
+@click.option(
+    "--results",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write <mode>-<source>-rank<r>.json per rank and run, and Lightning's CSV logs, here.",
+)
+def main(
+    demo: bool,
+    data: str | None,
+    modes: tuple[str, ...],
+    sources: tuple[str, ...],
+    epochs: int,
+    batch_size: int,
+    devices: int,
+    lr: float,
+    results: Path | None,
+) -> None:
+    """Train a linear regression with Lightning DDP on CPU over uneven Petastorm shards."""
+    temporary = None
+    if demo:
+        if os.environ.get(DEMO_DATA_ENV):
+            data = os.environ[DEMO_DATA_ENV]
+        else:
+            if data is None:
+                data = temporary = tempfile.mkdtemp(prefix="ddp-even-lightning-")
+            if not Path(data, "part-00000.parquet").exists():
+                write_skewed_dataset(Path(data), DEMO_ROW_GROUP_SIZES)
+            os.environ[DEMO_DATA_ENV] = data
+    if data is None:
+        raise click.UsageError("--data is required (or pass --demo)")
+    data_url = data if "://" in data else Path(data).resolve().as_uri()
+    torch.set_num_threads(1)  # several ranks share this machine's cores
+    failed = False
+    for mode in modes:
+        for source in sources:
+            run = Run(data_url, mode, source, epochs, batch_size, devices, lr, results)
+            result = train(run)
+            failed |= result["error"] is not None
+            if results is not None:
+                results.mkdir(parents=True, exist_ok=True)
+                path = results / f"{mode}-{source}-rank{result['rank']}.json"
+                path.write_text(json.dumps(result, indent=1))
+            if result["rank"] == 0:
+                report(result)
+    if dist.is_initialized():
+        dist.barrier()  # every rank is done reading before the demo's dataset is removed
+    if temporary is not None:
+        shutil.rmtree(temporary, ignore_errors=True)
+    exit_at_once(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

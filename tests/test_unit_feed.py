@@ -1,0 +1,349 @@
+"""``ShardFeed`` over real sources: read-ahead, restarts, end-of-epoch checks and failures.
+
+One process, no process group: the feed is what one rank reads; what it must hold is
+counted here from the batches the sources were given.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ddp_even.errors import EvenLoaderError
+from ddp_even.runtime.feed import FedBatch, ShardFeed
+from ddp_even.sources import ShardPass, ShardSource, as_source
+from ddp_even.sources.base import ContinuingStream
+
+# Batches are lists of rows; batch i of a shard holds rows 10*i and 10*i + 1.
+SHARD = [[10 * i, 10 * i + 1] for i in range(5)]
+
+
+class Pulls:
+    """A factory whose passes record every batch pulled from them, and how often it ran."""
+
+    def __init__(self, passes: list[list[Any]], fail_after: int | None = None) -> None:
+        self.passes = passes
+        self.fail_after = fail_after
+        self.calls = 0
+        self.pulled: list[Any] = []
+        self.closed = 0
+
+    def __call__(self) -> Iterator[Any]:
+        batches = self.passes[min(self.calls, len(self.passes) - 1)]
+        self.calls += 1
+        return self._generate(batches)
+
+    def _generate(self, batches: list[Any]) -> Iterator[Any]:
+        try:
+            for index, batch in enumerate(batches):
+                if self.fail_after is not None and index == self.fail_after:
+                    raise OSError(f"disk gone at batch {index}")
+                self.pulled.append(batch)
+                yield batch
+        finally:
+            self.closed += 1
+
+
+def _feed(source: object, *, restarts: bool = False, steps_capped: bool = False) -> ShardFeed[Any]:
+    return ShardFeed(as_source(source), restarts=restarts, steps_capped=steps_capped)
+
+
+def _take_all(feed: ShardFeed[Any]) -> list[FedBatch[Any]]:
+    return [feed.take() for _ in range(feed.buffered)]
+
+
+# --- read-ahead -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_fill_reads_ahead_exactly_to_the_target() -> None:
+    pulls = Pulls([SHARD])
+    feed = _feed(pulls)
+    feed.fill(3)
+    assert pulls.pulled == SHARD[:3]
+    assert (feed.buffered, feed.own_buffered, feed.own_read) == (3, 3, 3)
+    assert not feed.own_ended
+    feed.fill(3)  # already there: reads nothing
+    assert pulls.pulled == SHARD[:3]
+    first = feed.take()
+    assert first.batch == SHARD[0]
+    assert first.pass_number == 1
+    assert not first.repeated
+    assert first.count_samples(first.batch) == 2
+    assert feed.buffered == 2
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["list", "factory", "iterator"])
+def test_without_restarts_the_feed_stops_at_the_end_of_the_shard(kind: str) -> None:
+    source: object = {
+        "list": SHARD,
+        "factory": lambda: list(SHARD),
+        "iterator": iter(SHARD),
+    }[kind]
+    feed = _feed(source)
+    feed.fill(100)
+    assert [fed.batch for fed in _take_all(feed)] == SHARD
+    assert (feed.own_read, feed.own_ended, feed.passes_started) == (5, True, 1)
+    assert feed.failure is None
+    assert not feed.empty_shard
+    feed.fill(3)
+    assert feed.buffered == 0
+
+
+# --- restarts (cycle) -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["list", "factory"])
+def test_restarts_start_fresh_passes_until_the_target(kind: str) -> None:
+    shard = SHARD[:3]
+    pulls = Pulls([shard])
+    feed = _feed(shard if kind == "list" else pulls, restarts=True)
+    feed.fill(8)
+    fed = _take_all(feed)
+    assert [item.batch for item in fed] == shard + shard + shard[:2]
+    assert [item.pass_number for item in fed] == [1, 1, 1, 2, 2, 2, 3, 3]
+    assert [item.repeated for item in fed] == [False] * 3 + [True] * 5
+    assert (feed.passes_started, feed.own_read, feed.own_ended) == (3, 3, True)
+    if kind == "factory":
+        assert pulls.calls == 3
+        assert pulls.closed == 2  # the passes that ended; the third is still open
+        feed.close()
+        assert pulls.closed == 3
+
+
+@pytest.mark.timeout(30)
+def test_own_buffered_counts_only_the_first_pass() -> None:
+    feed = _feed(SHARD[:2], restarts=True)
+    feed.fill(5)
+    assert (feed.buffered, feed.own_buffered) == (5, 2)
+    feed.take()
+    assert (feed.buffered, feed.own_buffered) == (4, 1)
+
+
+# --- had_more_own_data ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_had_more_own_data_when_the_epoch_stopped_mid_shard() -> None:
+    pulls = Pulls([SHARD[:3]])
+    feed = _feed(pulls)
+    feed.fill(2)
+    _take_all(feed)
+    assert feed.had_more_own_data()
+    # It read one batch to tell, and keeps it for whoever reads on.
+    assert pulls.pulled == SHARD[:3]
+    assert feed.buffered == 1
+    assert feed.take().batch == SHARD[2]
+
+
+@pytest.mark.timeout(30)
+def test_had_more_own_data_with_an_own_batch_buffered_reads_nothing() -> None:
+    pulls = Pulls([SHARD])
+    feed = _feed(pulls)
+    feed.fill(2)
+    feed.take()
+    assert feed.had_more_own_data()
+    assert pulls.pulled == SHARD[:2]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("restarts", [False, True])
+def test_had_more_own_data_is_false_after_the_whole_shard(restarts: bool) -> None:
+    pulls = Pulls([SHARD[:3]])
+    feed = _feed(pulls, restarts=restarts)
+    feed.fill(3)  # exactly the shard: its end is not seen yet
+    assert not feed.own_ended
+    _take_all(feed)
+    assert not feed.had_more_own_data()
+    assert feed.own_ended
+    # Checking never starts another pass, not even in cycle mode.
+    assert (pulls.calls, feed.passes_started, feed.buffered) == (1, 1, 0)
+
+
+@pytest.mark.timeout(30)
+def test_had_more_own_data_is_false_with_only_repeats_left() -> None:
+    feed = _feed(SHARD[:3], restarts=True)
+    feed.fill(4)
+    for _ in range(3):
+        feed.take()
+    assert feed.buffered == 1
+    assert not feed.had_more_own_data()
+
+
+@pytest.mark.timeout(30)
+def test_had_more_own_data_is_false_after_a_failure() -> None:
+    feed = _feed(Pulls([SHARD], fail_after=2))
+    feed.fill(5)
+    _take_all(feed)
+    assert feed.failure is not None
+    assert not feed.had_more_own_data()
+
+
+# --- empty shards ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("restarts", [False, True])
+@pytest.mark.parametrize("kind", ["list", "factory", "iterator"])
+def test_an_empty_shard_is_told_once_read(kind: str, restarts: bool) -> None:
+    source: object = {"list": [], "factory": lambda: [], "iterator": iter([])}[kind]
+    feed = _feed(source, restarts=restarts)
+    assert not feed.empty_shard  # nothing read yet: not known
+    feed.fill(4)
+    assert feed.empty_shard
+    assert (feed.buffered, feed.own_read, feed.passes_started) == (0, 0, 1)
+    assert feed.failure is None
+    assert not feed.had_more_own_data()
+
+
+@pytest.mark.timeout(30)
+def test_a_shard_with_batches_is_not_empty() -> None:
+    feed = _feed(SHARD[:1])
+    feed.fill(4)
+    assert feed.own_ended
+    assert not feed.empty_shard
+
+
+# --- failures -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_a_source_raising_mid_pass_is_kept_and_reading_stops() -> None:
+    pulls = Pulls([SHARD], fail_after=2)
+    feed = _feed(pulls)
+    feed.fill(5)
+    assert feed.buffered == 2
+    assert isinstance(feed.failure, OSError)
+    assert str(feed.failure) == "disk gone at batch 2"
+    assert not feed.empty_shard
+    feed.fill(5)  # no further reads once failed
+    assert (feed.buffered, pulls.pulled) == (2, SHARD[:2])
+
+
+@pytest.mark.timeout(30)
+def test_a_factory_raising_is_kept() -> None:
+    def factory() -> list[Any]:
+        raise PermissionError("no access to the shard")
+
+    feed = _feed(factory)
+    assert feed.first_pass_row_groups() is None
+    assert isinstance(feed.failure, PermissionError)
+    feed.fill(3)
+    assert (feed.buffered, feed.passes_started, feed.empty_shard) == (0, 0, False)
+
+
+@pytest.mark.timeout(30)
+def test_a_factory_returning_no_iterable_is_kept() -> None:
+    feed = _feed(lambda: 42)
+    feed.fill(1)
+    assert isinstance(feed.failure, TypeError)
+    assert "returned int, which is not iterable" in str(feed.failure)
+
+
+@pytest.mark.timeout(30)
+def test_a_second_pass_that_yields_nothing_is_a_failure() -> None:
+    pulls = Pulls([SHARD[:2], []])
+    feed = _feed(pulls, restarts=True)
+    feed.fill(5)
+    assert [fed.batch for fed in _take_all(feed)] == SHARD[:2]
+    assert isinstance(feed.failure, EvenLoaderError)
+    assert "pass 2 over this rank's shard yielded nothing" in str(feed.failure)
+    assert "the first pass yielded 2 batch(es)" in str(feed.failure)
+    assert pulls.calls == 2
+
+
+@pytest.mark.timeout(30)
+def test_restarting_a_one_shot_iterator_is_a_failure() -> None:
+    feed = _feed(iter(SHARD[:2]), restarts=True)
+    feed.fill(3)
+    assert feed.buffered == 2
+    assert isinstance(feed.failure, TypeError)
+    assert "one-shot iterator and was already consumed" in str(feed.failure)
+
+
+# --- take_one_now ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_take_one_now_hands_out_in_order_then_says_the_source_ended_early() -> None:
+    feed = _feed(SHARD[:2])
+    assert feed.take_one_now().batch == SHARD[0]
+    assert feed.take_one_now().batch == SHARD[1]
+    with pytest.raises(EvenLoaderError, match="the source ended before the number of batches"):
+        feed.take_one_now()
+
+
+@pytest.mark.timeout(30)
+def test_take_one_now_raises_the_sources_own_exception() -> None:
+    feed = _feed(Pulls([SHARD], fail_after=1))
+    assert feed.take_one_now().batch == SHARD[0]
+    with pytest.raises(OSError, match="disk gone at batch 1") as info:
+        feed.take_one_now()
+    assert info.value is feed.failure
+
+
+# --- passes that never end, and streams that continue ---------------------------------------
+
+
+class _Endless(ShardSource[int]):
+    """A shard that never ends (as a petastorm reader with ``num_epochs=None``)."""
+
+    @property
+    def restartable(self) -> bool:
+        return False
+
+    def open_pass(self) -> ShardPass[int]:
+        return ShardPass(itertools.count(), endless=True)
+
+
+@pytest.mark.timeout(30)
+def test_an_endless_pass_needs_a_step_cap() -> None:
+    uncapped = ShardFeed(_Endless(), restarts=False, steps_capped=False)
+    uncapped.fill(2)
+    assert isinstance(uncapped.failure, ValueError)
+    assert "steps_per_epoch=N" in str(uncapped.failure)
+    capped = ShardFeed(_Endless(), restarts=False, steps_capped=True)
+    capped.fill(4)
+    assert [fed.batch for fed in _take_all(capped)] == [0, 1, 2, 3]
+
+
+class _Continuing(ShardSource[int]):
+    """Each pass continues one stream, as a petastorm reader that never ends does."""
+
+    def __init__(self, batches: Iterator[int]) -> None:
+        self._stream = ContinuingStream(batches)
+
+    @property
+    def restartable(self) -> bool:
+        return False
+
+    def open_pass(self) -> ShardPass[int]:
+        return self._stream.resume()
+
+
+@pytest.mark.timeout(30)
+def test_close_gives_unused_batches_back_to_a_continuing_stream() -> None:
+    source = _Continuing(iter(range(10)))
+    first: ShardFeed[int] = ShardFeed(source, restarts=False, steps_capped=True)
+    first.fill(4)
+    assert [first.take().batch for _ in range(2)] == [0, 1]
+    first.close()
+    assert first.buffered == 0
+    second: ShardFeed[int] = ShardFeed(source, restarts=False, steps_capped=True)
+    second.fill(5)
+    # The two read ahead but never handed out come first, then the stream goes on.
+    assert [fed.batch for fed in _take_all(second)] == [2, 3, 4, 5, 6]
+
+
+@pytest.mark.timeout(30)
+def test_close_stops_a_generator_pass() -> None:
+    pulls = Pulls([SHARD])
+    feed = _feed(pulls)
+    feed.fill(2)
+    feed.close()
+    assert (pulls.closed, feed.buffered) == (1, 0)

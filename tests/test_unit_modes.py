@@ -1,0 +1,398 @@
+"""The modes' pure arithmetic: window decisions, whole-epoch steps and epoch outcomes.
+
+No process group: ``decide`` is fed the agreement every rank would hear, simulated here from
+the shard lengths, and the expected numbers come from the definitions of the modes (truncate
+stops at the shortest shard, cycle runs to the longest or exactly ``steps_per_epoch``, join
+hands out every rank's batches).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ddp_even.agreement.wire import Agreement
+from ddp_even.modes import MODES, Mode, WindowDecision, mode_named
+
+TRUNCATE, CYCLE, JOIN = MODES["truncate"], MODES["cycle"], MODES["join"]
+
+lengths_st = st.lists(st.integers(0, 40), min_size=1, max_size=6)
+positive_lengths_st = st.lists(st.integers(1, 40), min_size=1, max_size=6)
+windows_st = st.integers(1, 9)
+steps_per_epoch_st = st.none() | st.integers(0, 60)
+
+
+def _agreement(min_available: int, max_own_available: int) -> Agreement:
+    return Agreement(
+        min_available=min_available, max_own_available=max_own_available, has_problem=False
+    )
+
+
+def _windowed_epoch(
+    mode: Mode, lengths: list[int], sync_every: int, steps_per_epoch: int | None
+) -> list[WindowDecision]:
+    """Every window's decision, with the offers ranks with shards of ``lengths`` make.
+
+    A rank offers up to a window of batches: what is left of its own shard, or (cycle, where
+    short shards start again) a full window, of which the own batches are what is left.
+    """
+    decisions: list[WindowDecision] = []
+    done = 0
+    for _ in range(1000):
+        window = sync_every if steps_per_epoch is None else min(sync_every, steps_per_epoch - done)
+        own = [min(window, max(0, length - done)) for length in lengths]
+        available = [window] * len(lengths) if mode.restarts_short_shards else own
+        decision = mode.decide(_agreement(min(available), max(own)), window, done, steps_per_epoch)
+        assert 0 <= decision.steps <= window
+        decisions.append(decision)
+        done += decision.steps
+        if decision.last:
+            return decisions
+    raise AssertionError(f"no last window after {len(decisions)} windows: {decisions[-3:]}")
+
+
+# --- decide: worked examples ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("mode", "offered", "window", "steps_done", "steps_per_epoch", "expected"),
+    [
+        # Truncate: the fewest batches any rank offered; the epoch ends when a rank falls short.
+        ("truncate", (2, 3), 3, 0, None, (2, True)),
+        ("truncate", (3, 3), 3, 0, None, (3, False)),
+        ("truncate", (0, 3), 3, 6, None, (0, True)),
+        ("truncate", (5, 9), None, 0, None, (5, True)),
+        # ... and stops at steps_per_epoch even with more data.
+        ("truncate", (3, 3), 3, 8, 10, (2, True)),
+        ("truncate", (2, 2), 2, 8, 10, (2, True)),
+        ("truncate", (2, 2), 2, 6, 10, (2, False)),
+        ("truncate", (9, 9), 10, 0, 10, (9, True)),
+        # Cycle: the most own batches any rank still has; the others repeat.
+        ("cycle", (3, 3), 3, 0, None, (3, False)),
+        ("cycle", (3, 1), 3, 0, None, (1, True)),
+        ("cycle", (3, 0), 3, 9, None, (0, True)),
+        ("cycle", (4, 7), None, 0, None, (7, True)),
+        # Cycle with steps_per_epoch: exactly the window, whatever the own batches.
+        ("cycle", (3, 0), 3, 0, 5, (3, False)),
+        ("cycle", (2, 0), 2, 3, 5, (2, True)),
+        ("cycle", (1, 1), None, 0, 5, (5, True)),
+        ("cycle", (1, 1), 0, 0, 0, (0, True)),
+        # Join (a single rank): as truncate.
+        ("join", (2, 3), 3, 0, None, (2, True)),
+        ("join", (3, 3), 3, 3, None, (3, False)),
+    ],
+)
+def test_decide_examples(
+    mode: str,
+    offered: tuple[int, int],
+    window: int | None,
+    steps_done: int,
+    steps_per_epoch: int | None,
+    expected: tuple[int, bool],
+) -> None:
+    decision = MODES[mode].decide(_agreement(*offered), window, steps_done, steps_per_epoch)
+    assert decision == WindowDecision(steps=expected[0], last=expected[1])
+
+
+# --- decide: properties ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@given(
+    st.integers(0, 50),
+    st.integers(0, 50),
+    st.none() | windows_st,
+    st.integers(0, 30),
+    steps_per_epoch_st,
+)
+def test_truncate_never_exceeds_the_minimum_the_window_or_the_cap(
+    fewest: int, most_own: int, window: int | None, steps_done: int, steps_per_epoch: int | None
+) -> None:
+    if steps_per_epoch is not None:
+        steps_done = min(steps_done, steps_per_epoch)
+    decision = TRUNCATE.decide(_agreement(fewest, most_own), window, steps_done, steps_per_epoch)
+    limits = [fewest]
+    if window is not None:
+        limits.append(window)
+    if steps_per_epoch is not None:
+        limits.append(steps_per_epoch - steps_done)
+    assert decision.steps == min(limits)
+    # It goes on only when a full window was agreed and the cap is not reached.
+    goes_on = (
+        window is not None
+        and decision.steps == window
+        and (steps_per_epoch is None or steps_done + window < steps_per_epoch)
+    )
+    assert decision.last == (not goes_on)
+
+
+@pytest.mark.timeout(30)
+@given(
+    st.integers(0, 50),
+    st.integers(0, 50),
+    st.none() | windows_st,
+    st.integers(0, 30),
+    steps_per_epoch_st,
+)
+def test_join_decides_as_truncate(
+    fewest: int, most_own: int, window: int | None, steps_done: int, steps_per_epoch: int | None
+) -> None:
+    if steps_per_epoch is not None:
+        steps_done = min(steps_done, steps_per_epoch)
+    agreement = _agreement(fewest, most_own)
+    assert JOIN.decide(agreement, window, steps_done, steps_per_epoch) == TRUNCATE.decide(
+        agreement, window, steps_done, steps_per_epoch
+    )
+
+
+@pytest.mark.timeout(30)
+@given(lengths_st, windows_st, steps_per_epoch_st)
+def test_truncate_windows_stop_at_the_shortest_shard(
+    lengths: list[int], sync_every: int, steps_per_epoch: int | None
+) -> None:
+    decisions = _windowed_epoch(TRUNCATE, lengths, sync_every, steps_per_epoch)
+    shortest = min(lengths)
+    expected = shortest if steps_per_epoch is None else min(shortest, steps_per_epoch)
+    assert sum(decision.steps for decision in decisions) == expected
+    # Only the last window may be short.
+    assert all(decision.steps == sync_every for decision in decisions[:-1])
+
+
+@pytest.mark.timeout(30)
+@given(positive_lengths_st, windows_st)
+def test_cycle_windows_run_to_the_longest_shard(lengths: list[int], sync_every: int) -> None:
+    decisions = _windowed_epoch(CYCLE, lengths, sync_every, None)
+    assert sum(decision.steps for decision in decisions) == max(lengths)
+    assert all(decision.steps == sync_every for decision in decisions[:-1])
+
+
+@pytest.mark.timeout(30)
+@given(positive_lengths_st, windows_st, st.integers(0, 60))
+def test_cycle_with_steps_per_epoch_takes_exactly_that_many_steps(
+    lengths: list[int], sync_every: int, steps_per_epoch: int
+) -> None:
+    decisions = _windowed_epoch(CYCLE, lengths, sync_every, steps_per_epoch)
+    assert sum(decision.steps for decision in decisions) == steps_per_epoch
+    assert len(decisions) == max(1, math.ceil(steps_per_epoch / sync_every))
+
+
+@pytest.mark.timeout(30)
+@given(positive_lengths_st, windows_st, steps_per_epoch_st, st.sampled_from(["truncate", "cycle"]))
+def test_windows_add_up_to_the_whole_epoch_decision(
+    lengths: list[int], sync_every: int, steps_per_epoch: int | None, mode_name: str
+) -> None:
+    mode = MODES[mode_name]
+    windowed = sum(d.steps for d in _windowed_epoch(mode, lengths, sync_every, steps_per_epoch))
+    # Known lengths: one agreement over every rank's whole shard; the window is the cap.
+    whole = mode.decide(_agreement(min(lengths), max(lengths)), steps_per_epoch, 0, steps_per_epoch)
+    assert whole.last
+    assert windowed == whole.steps
+    assert mode.steps_per_rank(lengths, steps_per_epoch) == (windowed,) * len(lengths)
+
+
+# --- steps_per_rank -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("mode", "steps_per_epoch", "expected"),
+    [
+        ("truncate", None, (4, 4, 4)),
+        ("truncate", 2, (2, 2, 2)),
+        ("truncate", 10, (4, 4, 4)),
+        ("cycle", None, (7, 7, 7)),
+        ("cycle", 3, (3, 3, 3)),
+        ("cycle", 10, (10, 10, 10)),
+        ("join", None, (7, 4, 5)),
+    ],
+)
+def test_steps_per_rank_examples(
+    mode: str, steps_per_epoch: int | None, expected: tuple[int, ...]
+) -> None:
+    assert MODES[mode].steps_per_rank([7, 4, 5], steps_per_epoch) == expected
+
+
+@pytest.mark.timeout(30)
+@given(lengths_st)
+def test_steps_per_rank_by_definition(lengths: list[int]) -> None:
+    n = len(lengths)
+    assert TRUNCATE.steps_per_rank(lengths) == (min(lengths),) * n
+    assert CYCLE.steps_per_rank(lengths) == (max(lengths),) * n
+    assert JOIN.steps_per_rank(lengths) == tuple(lengths)
+
+
+# --- epoch_outcome --------------------------------------------------------------------------
+
+
+def _batch_sizes(rows: int, batch_size: int) -> list[int]:
+    """The sizes of the batches of a shard of ``rows`` rows (the last one may be short)."""
+    sizes = [batch_size] * (rows // batch_size)
+    if rows % batch_size:
+        sizes.append(rows % batch_size)
+    return sizes
+
+
+shards_st = st.tuples(st.lists(st.integers(0, 60), min_size=1, max_size=6), st.integers(1, 9))
+
+
+def _rounded_percent(reported: float, exact: Fraction) -> bool:
+    """``reported`` is ``exact`` rounded to three decimals."""
+    return abs(Fraction(reported) - exact) <= Fraction(1, 2000) + Fraction(1, 10**9)
+
+
+def _arrays(
+    rows: list[int], batch_size: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    batches = [len(_batch_sizes(count, batch_size)) for count in rows]
+    return np.array(rows, dtype=np.int64), np.array(batches, dtype=np.int64)
+
+
+@pytest.mark.timeout(30)
+@given(shards_st)
+def test_truncate_outcome_drops_what_follows_the_shortest_shard(
+    shards: tuple[list[int], int],
+) -> None:
+    rows, batch_size = shards
+    outcome = TRUNCATE.epoch_outcome(*_arrays(rows, batch_size), batch_size)
+    sizes = [_batch_sizes(count, batch_size) for count in rows]
+    steps = min(len(shard) for shard in sizes)
+    dropped = [sum(shard[steps:]) for shard in sizes]
+    assert outcome.steps == steps
+    assert outcome.dropped_batches.tolist() == [len(shard) - steps for shard in sizes]
+    assert outcome.dropped_rows.tolist() == dropped
+    assert outcome.repeated_batches.tolist() == [0] * len(rows)
+    assert outcome.repeated_rows.tolist() == [0] * len(rows)
+    assert outcome.idle_steps.tolist() == [0] * len(rows)
+    expected = Fraction(100 * sum(dropped), max(sum(rows), 1))
+    assert _rounded_percent(outcome.waste_percent, expected)
+
+
+@pytest.mark.timeout(30)
+@given(shards_st.filter(lambda shards: min(shards[0]) > 0))
+def test_cycle_outcome_repeats_short_shards_from_the_start(shards: tuple[list[int], int]) -> None:
+    rows, batch_size = shards
+    outcome = CYCLE.epoch_outcome(*_arrays(rows, batch_size), batch_size)
+    sizes = [_batch_sizes(count, batch_size) for count in rows]
+    steps = max(len(shard) for shard in sizes)
+    # What each rank hands out: its batches in order, again and again, for `steps` steps.
+    handed = [[shard[step % len(shard)] for step in range(steps)] for shard in sizes]
+    repeated_rows = [sum(out) - count for out, count in zip(handed, rows, strict=True)]
+    assert outcome.steps == steps
+    assert outcome.repeated_batches.tolist() == [steps - len(shard) for shard in sizes]
+    assert outcome.repeated_rows.tolist() == repeated_rows
+    assert outcome.dropped_batches.tolist() == [0] * len(rows)
+    assert outcome.dropped_rows.tolist() == [0] * len(rows)
+    assert outcome.idle_steps.tolist() == [0] * len(rows)
+    expected = Fraction(100 * sum(repeated_rows), sum(rows))
+    assert _rounded_percent(outcome.waste_percent, expected)
+
+
+@pytest.mark.timeout(30)
+@given(shards_st)
+def test_join_outcome_idles_ranks_that_finish_first(shards: tuple[list[int], int]) -> None:
+    rows, batch_size = shards
+    outcome = JOIN.epoch_outcome(*_arrays(rows, batch_size), batch_size)
+    batches = [len(_batch_sizes(count, batch_size)) for count in rows]
+    steps = max(batches)
+    idle = [steps - count for count in batches]
+    assert outcome.steps == steps
+    assert outcome.idle_steps.tolist() == idle
+    assert outcome.dropped_rows.tolist() == [0] * len(rows)
+    assert outcome.repeated_rows.tolist() == [0] * len(rows)
+    expected = Fraction(100 * sum(idle), steps * len(rows)) if steps else Fraction(0)
+    assert _rounded_percent(outcome.waste_percent, expected)
+
+
+@pytest.mark.timeout(30)
+def test_outcomes_on_a_worked_example() -> None:
+    # Shards of 23, 8 and 12 rows in batches of 5: 5, 2 and 3 batches (last ones 3, 3, 2 rows).
+    rows, batches = np.array([23, 8, 12]), np.array([5, 2, 3])
+    truncate = TRUNCATE.epoch_outcome(rows, batches, 5)
+    assert truncate.steps == 2
+    assert truncate.dropped_batches.tolist() == [3, 0, 1]
+    assert truncate.dropped_rows.tolist() == [13, 0, 2]
+    assert _rounded_percent(truncate.waste_percent, Fraction(100 * 15, 43))
+    cycle = CYCLE.epoch_outcome(rows, batches, 5)
+    assert cycle.steps == 5
+    # Rank 1: a whole second pass (8 rows) and one full batch of a third; rank 2: two batches.
+    assert cycle.repeated_batches.tolist() == [0, 3, 2]
+    assert cycle.repeated_rows.tolist() == [0, 13, 10]
+    assert _rounded_percent(cycle.waste_percent, Fraction(100 * 23, 43))
+    join = JOIN.epoch_outcome(rows, batches, 5)
+    assert join.steps == 5
+    assert join.idle_steps.tolist() == [0, 3, 2]
+    assert _rounded_percent(join.waste_percent, Fraction(100 * 5, 15))
+
+
+@pytest.mark.timeout(30)
+def test_outcomes_with_no_rows_waste_nothing() -> None:
+    rows, batches = np.array([0, 0]), np.array([0, 0])
+    for mode in MODES.values():
+        outcome = mode.epoch_outcome(rows, batches, 4)
+        assert outcome.steps == 0
+        assert outcome.waste_percent == 0.0
+
+
+@pytest.mark.timeout(30)
+def test_cycle_repeats_no_rows_of_an_empty_shard_and_cannot_run() -> None:
+    outcome = CYCLE.epoch_outcome(np.array([10, 0]), np.array([3, 0]), 4)
+    assert outcome.repeated_rows.tolist() == [0, 0]
+    runnable, note = CYCLE.note_with_empty_ranks("1", outcome.steps)
+    assert not runnable
+    assert "rank(s) 1" in note
+    assert CYCLE.note_with_empty_ranks("0, 1", 0)[0]
+    assert TRUNCATE.note_with_empty_ranks("1", 0) == (
+        True,
+        "rank(s) 1 have no batch: the epoch has 0 steps, all rows dropped",
+    )
+    assert JOIN.note_with_empty_ranks("2", 5)[0]
+
+
+# --- the registry, check and mode_named -----------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_registry_names_and_flags() -> None:
+    assert list(MODES) == ["truncate", "cycle", "join"]
+    assert [name for name, mode in MODES.items() if mode.restarts_short_shards] == ["cycle"]
+    assert [name for name, mode in MODES.items() if mode.shadows_finished_ranks] == ["join"]
+    assert all(mode.name == name for name, mode in MODES.items())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["truncate", "cycle"])
+def test_check_refuses_joinables_outside_join(mode: str) -> None:
+    MODES[mode].check(steps_per_epoch=None, has_joinables=False)
+    MODES[mode].check(steps_per_epoch=7, has_joinables=False)
+    with pytest.raises(ValueError, match=f"only used in join mode, not in '{mode}'"):
+        MODES[mode].check(steps_per_epoch=None, has_joinables=True)
+
+
+@pytest.mark.timeout(30)
+def test_check_join_needs_joinables_and_no_steps_per_epoch() -> None:
+    JOIN.check(steps_per_epoch=None, has_joinables=True)
+    with pytest.raises(ValueError, match="takes no steps_per_epoch"):
+        JOIN.check(steps_per_epoch=5, has_joinables=True)
+    with pytest.raises(ValueError, match="takes no steps_per_epoch"):
+        JOIN.check(steps_per_epoch=5, has_joinables=False)
+    with pytest.raises(ValueError, match=r"needs joinables=\[ddp_model"):
+        JOIN.check(steps_per_epoch=None, has_joinables=False)
+
+
+@pytest.mark.timeout(30)
+def test_mode_named() -> None:
+    for name, mode in MODES.items():
+        assert mode_named(name) is mode
+        assert mode_named(mode) is mode
+    choices = "choose one of 'truncate', 'cycle', 'join'"
+    for wrong, shown in [("pad", "'pad'"), ("Cycle", "'Cycle'"), ("", "''"), (None, "None")]:
+        with pytest.raises(ValueError) as info:
+            mode_named(wrong)  # type: ignore[arg-type]
+        assert str(info.value) == f"unknown mode {shown}: {choices}"
