@@ -4,16 +4,25 @@
 prints one table of ranks (row groups, rows, batches) and one of modes (steps, dropped,
 repeated, waste), from Parquet metadata only. With ``--balanced`` it plans balanced shards and
 compares them with petastorm's round robin. ``--json`` prints the same for scripts.
+
+Remote datasets (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...) take their credentials
+and endpoint from the environment (``AWS_*`` including ``AWS_ENDPOINT_URL``,
+``GOOGLE_APPLICATION_CREDENTIALS``, ...) and from ``--storage-option KEY=VALUE``, which fills
+the same ``storage_options`` dict petastorm takes (``client_kwargs.endpoint_url=URL`` nests).
+Reading metadata that takes more than a second shows a progress bar on stderr.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Any
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -26,6 +35,8 @@ __all__ = ["main"]
 # Beyond this many ranks the rank table shows a summary unless --all-ranks is given.
 _MAX_LISTED_RANKS = 32
 _BAR_WIDTH = 20
+# Metadata reads faster than this show no progress bar (a local dataset, a small remote one).
+_PROGRESS_AFTER_S = 1.0
 
 
 @click.group()
@@ -51,6 +62,15 @@ def main() -> None:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--all-ranks", is_flag=True, help=f"List every rank even beyond {_MAX_LISTED_RANKS}.")
+@click.option(
+    "--storage-option",
+    "storage_option",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A storage option for a remote dataset (repeatable): endpoint_url=http://host:9000, "
+    "key=..., client_kwargs.region_name=eu-west-1, anon=true. VALUE is read as JSON when it "
+    "is JSON (numbers, true/false), else as text.",
+)
 def plan_command(
     dataset: tuple[str, ...],
     world_size: int,
@@ -58,19 +78,29 @@ def plan_command(
     balanced: bool,
     as_json: bool,
     all_ranks: bool,
+    storage_option: tuple[str, ...],
 ) -> None:
     """Show each rank's rows and batches and each mode's epoch for DATASET.
 
-    DATASET is a file:// URL or a path to a dataset directory or Parquet file, or several
-    Parquet files (read in the order given, as petastorm does). Only metadata is read.
+    DATASET is a URL (file://, s3://, gs://, hdfs://, abfs://, ...) or a path to a dataset
+    directory or Parquet file, or several Parquet files (read in the order given, as petastorm
+    does). Only metadata is read. Credentials and endpoints come from the environment
+    (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS, ...) and
+    --storage-option.
 
     \b
     Example:
       ddp-even plan file:///data/train --world-size 8 --batch-size 256 --balanced
+      AWS_ENDPOINT_URL=http://127.0.0.1:9000 ddp-even plan s3://bucket/train -w 8 -b 256
+      ddp-even plan s3://bucket/train -w 8 -b 256 --storage-option endpoint_url=http://minio:9000
     """
     location: str | list[str] = dataset[0] if len(dataset) == 1 else list(dataset)
+    options = _storage_options(storage_option)
     try:
-        row_groups = read_row_groups(location)
+        with _MetadataProgress(Console(stderr=True)) as progress:
+            row_groups = read_row_groups(
+                location, storage_options=options or None, progress=progress
+            )
     except DatasetError as error:
         raise click.ClickException(str(error)) from error
     round_robin = plan_shards(row_groups, world_size, batch_size)
@@ -92,6 +122,71 @@ def plan_command(
     console.print(_mode_table(plan))
     if balanced:
         console.print(_comparison_table(round_robin, plan))
+
+
+def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as a nested dict: ``client_kwargs.endpoint_url=URL`` nests."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, separator, text = pair.partition("=")
+        if not separator or not key:
+            raise click.BadParameter(
+                f"{pair!r} is not KEY=VALUE (for example endpoint_url=http://127.0.0.1:9000)",
+                param_hint="--storage-option",
+            )
+        try:
+            value: Any = json.loads(text)
+        except ValueError:
+            value = text
+        *parents, leaf = key.split(".")
+        level = options
+        for parent in parents:
+            nested = level.setdefault(parent, {})
+            if not isinstance(nested, dict):
+                raise click.BadParameter(
+                    f"{key!r}: {parent!r} is already a value", param_hint="--storage-option"
+                )
+            level = nested
+        level[leaf] = value
+    return options
+
+
+class _MetadataProgress:
+    """A progress bar for metadata reads, shown only once they have taken over a second."""
+
+    def __init__(self, console: Console) -> None:
+        self._console = console
+        self._started = time.monotonic()
+        self._display: Progress | None = None
+        self._task: Any = None
+
+    def __enter__(self) -> _MetadataProgress:
+        return self
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._display is None:
+            if time.monotonic() - self._started < _PROGRESS_AFTER_S or done >= total:
+                return
+            self._display = Progress(
+                TextColumn("reading Parquet metadata"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=self._console,
+                transient=True,
+            )
+            self._display.start()
+            self._task = self._display.add_task("metadata", total=total)
+        self._display.update(self._task, completed=done, total=total)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._display is not None:
+            self._display.stop()
 
 
 def _as_json(

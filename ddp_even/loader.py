@@ -169,6 +169,8 @@ class EvenLoader(Generic[BatchT]):
         self._next_epoch = 0
         self._running: weakref.ref[_Epoch[BatchT]] | None = None
         self._current_run: EpochRun[BatchT] | None = None
+        # (epoch, step) to resume after, from load_state_dict.
+        self._resume: tuple[int, int] | None = None
         self.history: list[EpochStats] = []
         self.repeating = False
 
@@ -194,6 +196,8 @@ class EvenLoader(Generic[BatchT]):
         group: dist.ProcessGroup | None = None,
         joinables: Sequence[Joinable] = (),
         timeout: float | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        filesystem: Any = None,
     ) -> EvenLoader[Any]:
         """One line for the common case: this rank's petastorm loader, planned from footers.
 
@@ -205,7 +209,10 @@ class EvenLoader(Generic[BatchT]):
         ``balanced=True`` assigns whole row groups so that rows per rank are as even as row
         groups allow, instead of petastorm's round robin. Rank and world size come from the
         process group. Row predicates are refused: they make counts unknowable up front (wrap
-        your own reader factory in :class:`EvenLoader` instead).
+        your own reader factory in :class:`EvenLoader` instead). ``dataset`` may be remote
+        (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...): ``storage_options`` (a dict, as
+        petastorm takes it) or ``filesystem`` (a ``pyarrow.fs`` or fsspec filesystem) reach it,
+        besides the standard environment (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``...).
 
         Example, on every rank::
 
@@ -234,6 +241,8 @@ class EvenLoader(Generic[BatchT]):
             reader=reader,
             reader_kwargs=reader_kwargs,
             loader_kwargs=loader_kwargs,
+            storage_options=storage_options,
+            filesystem=filesystem,
         )
         return cls(
             factory,
@@ -245,6 +254,94 @@ class EvenLoader(Generic[BatchT]):
             timeout=timeout,
             plan=plan,
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is: plain data to save with the model, to resume mid-epoch.
+
+        Call it at the same step on every rank, after the step's optimizer update (the batch
+        last handed out counts as trained on). The state holds the format ``version``, the
+        ddp_even ``library_version``, the loader's ``settings`` (mode, ``steps_per_epoch``,
+        ``sync_every``, plan digest), ``world_size``, this process's global ``rank``, the
+        ``epoch`` in progress (or the next one between epochs) and ``step``: how many of that
+        epoch's steps this rank has handed out. Ints and strings only: safe for ``torch.save``
+        and ``torch.distributed.checkpoint``.
+
+        Example::
+
+            >>> loader = EvenLoader([[1], [2], [3]])
+            >>> epoch = iter(loader)
+            >>> next(epoch)
+            [1]
+            >>> state = loader.state_dict()
+            >>> state["epoch"], state["step"]
+            (0, 1)
+            >>> resumed = EvenLoader([[1], [2], [3]])
+            >>> resumed.load_state_dict(state)
+            >>> list(resumed), resumed.stats.steps, resumed.stats.resumed_at_step
+            ([[2], [3]], (3,), 1)
+        """
+        run = self._current_run
+        epoch, step = self._next_epoch, 0
+        if run is not None and not run.finished and self._running_epoch_is(run):
+            epoch, step = run.epoch, run.counts.steps
+        elif self._resume is not None:
+            epoch, step = self._resume
+        return {
+            "format": _STATE_FORMAT,
+            "version": _STATE_VERSION,
+            "library_version": _library_version(),
+            "settings": self._settings(self._sync_every).description,
+            "world_size": _rank_and_world_size(self._group)[1],
+            "rank": _rank_and_world_size(None)[0],
+            "epoch": epoch,
+            "step": step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`): the next ``for`` resumes its epoch.
+
+        The remaining batches of the interrupted epoch are those an uninterrupted run would
+        have handed out when every pass over a rank's shard yields the same batches in the same
+        order: lists and map-style ``DataLoader`` objects without shuffling (or with a seeded
+        sampler), petastorm readers without shuffling (``shuffle_row_groups=False``, one worker
+        or the dummy pool; a seed alone does not fix the order of a thread pool's results), and
+        factories that build such a source. Each rank gets back to its position by reading
+        again the batches it had handed out (their cost: one read of what was consumed, no
+        training). The epoch's statistics count the whole epoch, and say where it resumed.
+
+        Raises ``ValueError`` when ``state`` is not a loader state of this version, was saved
+        by a loader with other settings, or on another number of ranks.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            raise ValueError("not an EvenLoader state: pass what EvenLoader.state_dict() returned")
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"the loader state has format version {state.get('version')!r} (saved by "
+                f"ddp_even {state.get('library_version')}); this ddp_even "
+                f"({_library_version()}) reads version {_STATE_VERSION}: resume with the "
+                "release that saved it, or start the epoch again"
+            )
+        settings = self._settings(self._sync_every).description
+        if state.get("settings") != settings:
+            raise ValueError(
+                f"the loader state was saved by a loader with other settings "
+                f"({state.get('settings')}) than this one ({settings}): build the EvenLoader "
+                "as it was built when the state was saved"
+            )
+        world_size = _rank_and_world_size(self._group)[1]
+        if state.get("world_size") != world_size:
+            raise ValueError(
+                f"the loader state was saved on {state.get('world_size')} ranks, and this "
+                f"job has {world_size}: resuming mid-epoch on another number of ranks is not "
+                "supported; start the next epoch with loader.set_epoch(epoch + 1)"
+            )
+        epoch, step = state.get("epoch"), state.get("step")
+        for name, value in (("epoch", epoch), ("step", step)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"the loader state's {name} must be an int >= 0, got {value!r}")
+        assert isinstance(epoch, int) and isinstance(step, int)
+        self._next_epoch = epoch
+        self._resume = (epoch, step) if step > 0 else None
 
     def set_epoch(self, epoch: int) -> None:
         """Number the next epoch ``epoch`` (as ``DistributedSampler.set_epoch`` does).
@@ -349,6 +446,9 @@ class EvenLoader(Generic[BatchT]):
         if mode.shadows_finished_ranks and agreer.world_size > 1:
             _refuse_join_inside_lightning()
         self._current_run = run
+        if self._resume is not None and self._resume[0] == epoch:
+            run.resume_after(self._resume[1])
+        self._resume = None
         try:
             if whole_epoch:
                 yield from run_known_lengths(run, known_batches)
@@ -380,6 +480,20 @@ class EvenLoader(Generic[BatchT]):
             return SoloAgreer()
         timeout = self._timeout if self._timeout is not None else training_timeout(self._group)
         return CollectiveAgreer(control_group_for(self._group, timeout), timeout)
+
+    def _running_epoch_is(self, run: EpochRun[BatchT]) -> bool:
+        running = None if self._running is None else self._running()
+        return running is not None and self._current_run is run
+
+
+_STATE_FORMAT = "ddp_even.EvenLoader"
+_STATE_VERSION = 1
+
+
+def _library_version() -> str:
+    from ddp_even import __version__
+
+    return __version__
 
 
 class _Epoch(Generic[BatchT]):

@@ -324,7 +324,7 @@ def exit_at_once() -> NoReturn:
     threads while a DDP model still holds the group, and one of them can still be releasing
     the tensors of the last collective when Python shuts down: it then takes the GIL and the
     process aborts ("terminate called without an active exception", exit code -6) after its
-    work is done. Measured here: about one run in ten with 3-4 ranks on 2 cores, with or
+    work is done. Measured on a 2-core machine: about one run in ten with 3-4 ranks, with or
     without ddp_even (see pytorch/pytorch#190489). Nothing is left to do at this point, so
     flush the output and leave.
     """

@@ -9,13 +9,15 @@ Modes (``--mode``, repeat to train once in each):
 
 * ``truncate``, ``cycle``: ddp_even gives every rank the same number of steps; no Join needed;
 * ``join``: ddp_even's join mode, ``EvenLoader(..., mode="join", joinables=[model])`` with the
-  *prepared* (DDP) model. Do not also wrap the loop in ``accelerator.join_uneven_inputs``:
-  that is torch's ``Join`` again, around a loop ddp_even already runs inside one;
+  *prepared* (DDP) model, and no ``accelerator.join_uneven_inputs`` around the loop: ddp_even
+  already runs each epoch inside torch's ``Join`` with that model (and its own agreement as a
+  second joinable), so accelerate's context, which is torch's ``Join`` again, adds nothing;
 * ``accelerate-join``: no ddp_even, for comparison: the plain petastorm loader inside
-  ``accelerator.join_uneven_inputs([model], even_batches=False)``. Mind ``even_batches=False``:
-  with accelerate's default (``even_batches=True``) the context does not enable ``Join`` at
-  all, and uneven iterable loaders hang. It trains on every row too, but says nothing about
-  what each rank did.
+  ``accelerator.join_uneven_inputs([model], even_batches=False)``. Two traps: with the default
+  ``even_batches=True`` that context does not enable ``Join`` at all, and on CPU (accelerate
+  1.15, ``MULTI_CPU``) it never does ("only supported for multi-GPU training"): uneven shards
+  then hang in DDP's all-reduce. So on CPU this mode uses torch's ``Join([model])`` itself,
+  which is what accelerate does on GPUs. It trains on every row too, but keeps no statistics.
 
 Run it under torchrun or accelerate launch (2 CPU processes here)::
 
@@ -38,6 +40,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -49,14 +52,26 @@ import torch
 from accelerate import Accelerator
 from petastorm import make_batch_reader
 from petastorm.pytorch import BatchedDataLoader
+from torch.distributed.algorithms.join import Join
 
 from ddp_even import EvenLoader
 
-# petastorm 0.12.1 drives pyarrow 14 through its deprecated legacy API (FutureWarnings), and
-# BatchedDataLoader hands Arrow's read-only buffers to torch (a UserWarning); neither concerns
-# this script.
-warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\.|$)")
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+def hide_known_warnings() -> None:
+    """Hide warnings that do not concern this script.
+
+    petastorm 0.12.1 drives pyarrow 14 through its deprecated legacy API (FutureWarnings), its
+    thread pool leaves a file to the garbage collector (a ResourceWarning), and BatchedDataLoader
+    hands Arrow's read-only buffers to torch (a UserWarning). Called again after each epoch:
+    leaving torch's ``Join`` (join modes) runs ``warnings.simplefilter("once")``, which puts every
+    warning in front of these filters.
+    """
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\.|$)")
+    warnings.filterwarnings("ignore", category=ResourceWarning)
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+hide_known_warnings()
 
 FEATURES = ("x0", "x1", "x2", "x3")
 LABEL = "label"
@@ -134,27 +149,36 @@ def train(
             epoch_steps, epoch_rows = train_epoch(accelerator, model, optimizer, loader)
         else:
             # accelerate's own recipe for uneven inputs: torch's Join around a plain loop.
-            # even_batches=False is what turns Join on (see the module docstring).
-            with accelerator.join_uneven_inputs([model], even_batches=False):
+            # even_batches=False is what turns Join on; on CPU accelerate never turns it on, so
+            # use torch's Join directly there (see the module docstring).
+            if accelerator.multi_device:
+                join: AbstractContextManager[Any] = accelerator.join_uneven_inputs(
+                    [model], even_batches=False
+                )
+            else:
+                join = Join([model])
+            with join:
                 shard = one_pass()
                 try:
                     epoch_steps, epoch_rows = train_epoch(accelerator, model, optimizer, shard)
                 finally:
                     shard.reader.stop()
                     shard.reader.join()
+        hide_known_warnings()
         steps.append(epoch_steps)
         rows.append(epoch_rows)
         if loader is not None and accelerator.is_main_process:
             print(loader.stats.summary())
     return {
         "mode": mode,
-        "source": source if loader is not None else "factory",
+        "source": source,
         "rank": rank,
         "world_size": world_size,
         "distributed_type": str(accelerator.distributed_type),
         "steps": steps,
         "rows": rows,
         "history": [] if loader is None else [stats.as_dict() for stats in loader.history],
+        "weights": [value for tensor in model.parameters() for value in tensor.flatten().tolist()],
         "seconds": time.perf_counter() - started,
     }
 
@@ -202,11 +226,14 @@ def exit_at_once(code: int) -> NoReturn:
 )
 @click.option(
     "--source",
+    "sources",
     type=click.Choice(["factory", "parquet"]),
-    default="factory",
+    multiple=True,
+    default=["factory"],
     show_default=True,
     help="factory: EvenLoader(lambda: BatchedDataLoader(make_batch_reader(...))); "
-    "parquet: EvenLoader.from_parquet(...).",
+    "parquet: EvenLoader.from_parquet(...). Repeat to train with each "
+    "(accelerate-join uses neither: it runs once, over the plain petastorm loader).",
 )
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
@@ -214,13 +241,13 @@ def exit_at_once(code: int) -> NoReturn:
 @click.option(
     "--results",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Write <mode>-rank<r>.json per rank and mode here.",
+    help="Write <mode>-<source>-rank<r>.json per rank and run here.",
 )
 def main(
     demo: bool,
     data: str,
     modes: tuple[str, ...],
-    source: str,
+    sources: tuple[str, ...],
     epochs: int,
     batch_size: int,
     lr: float,
@@ -235,28 +262,31 @@ def main(
     torch.set_num_threads(1)  # several ranks share this machine's cores
     # cpu=True: on a machine without GPUs, Accelerator() under torchrun or `accelerate launch`
     # finds no device to distribute over and falls back to a single process (num_processes 1,
-    # no process group): every rank would train alone, unsynchronised. cpu=True makes it a
-    # MULTI_CPU job that joins the torchrun ranks in a gloo process group. Drop it on GPUs.
+    # no process group): every rank would train alone, unsynchronised, and EvenLoader would
+    # only warn that WORLD_SIZE > 1 with no process group. cpu=True makes it a MULTI_CPU job
+    # that joins the launched ranks in a gloo process group. With GPUs use Accelerator().
     accelerator = Accelerator(cpu=True)
     if accelerator.is_main_process:
         print(
             f"{accelerator.num_processes} processes ({accelerator.distributed_type}), "
-            f"data {data_url}, modes {', '.join(modes)}, source {source}"
+            f"data {data_url}"
         )
-    for mode in modes:
+    runs = [(mode, source) for mode in modes if mode != "accelerate-join" for source in sources]
+    if "accelerate-join" in modes:
+        runs.append(("accelerate-join", "plain"))
+    for mode, source in runs:
         result = train(accelerator, data_url, mode, source, epochs, batch_size, lr)
         # Rows trained on per rank in the last epoch (one all-gather, outside the loop).
         last = torch.tensor([result["steps"][-1], result["rows"][-1]], device=accelerator.device)
-        per_rank = accelerator.gather(last).view(-1, 2).tolist()
+        steps, rows = accelerator.gather(last).view(-1, 2).T.tolist()
         if accelerator.is_main_process:
-            print(
-                f"== {mode}: last epoch, steps per rank {[steps for steps, _ in per_rank]}, "
-                f"rows per rank {[rows for _, rows in per_rank]}"
-            )
+            print(f"== {mode}, {source}: last epoch, steps per rank {steps}, rows per rank {rows}")
         if results is not None:
             results.mkdir(parents=True, exist_ok=True)
-            path = results / f"{mode}-rank{result['rank']}.json"
-            path.write_text(json.dumps(result, indent=1))
+            path = results / f"{mode}-{source}-rank{result['rank']}.json"
+            partial = path.with_suffix(".partial")
+            partial.write_text(json.dumps(result, indent=1))
+            partial.replace(path)  # whole or absent, for whoever reads it
     accelerator.wait_for_everyone()
     exit_at_once(0)
 

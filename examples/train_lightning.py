@@ -48,6 +48,8 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from petastorm import make_batch_reader
 from petastorm.pytorch import BatchedDataLoader
+from torch.distributed.algorithms.join import Joinable
+from torch.nn.parallel import DistributedDataParallel
 
 from ddp_even import EvenLoader, EvenLoaderError
 from ddp_even.integrations.lightning import EvenLoaderStats
@@ -138,7 +140,10 @@ class Regression(pl.LightningModule):
         rank, world_size = self.trainer.global_rank, self.trainer.world_size
         # Join mode needs the DDP model to shadow its all-reduces (and refuses to run under
         # Lightning, see the module docstring); the other modes need nothing.
-        joinables = [self.trainer.strategy.model] if run.mode == "join" else []
+        joinables: list[Joinable] = []
+        if run.mode == "join":
+            assert isinstance(self.trainer.strategy.model, DistributedDataParallel)
+            joinables.append(self.trainer.strategy.model)
         reader_options = {"schema_fields": [*FEATURES, LABEL], "workers_count": 2}
         if run.source == "parquet":
             # Plans the shards from the Parquet footers: len(loader) is known before the first
@@ -203,6 +208,7 @@ def train(run: Run) -> dict[str, Any]:
         "history": [] if loader is None else [stats.as_dict() for stats in loader.history],
         "logged_metrics": stats_callback.metrics,
         "global_step": trainer.global_step,
+        "weights": [value for tensor in module.parameters() for value in tensor.flatten().tolist()],
         "error": error,
         "seconds": seconds,
     }
@@ -234,7 +240,9 @@ def exit_at_once(code: int) -> NoReturn:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--demo", is_flag=True, help="Write a skewed demo dataset (to --data, or a temp dir).")
+@click.option(
+    "--demo", is_flag=True, help="Write a skewed demo dataset (to --data, or a temp dir)."
+)
 @click.option("--data", help="Dataset path or petastorm URL with float columns x0..x3, label.")
 @click.option(
     "--mode",
@@ -305,7 +313,9 @@ def main(
             if results is not None:
                 results.mkdir(parents=True, exist_ok=True)
                 path = results / f"{mode}-{source}-rank{result['rank']}.json"
-                path.write_text(json.dumps(result, indent=1))
+                partial = path.with_suffix(".partial")
+                partial.write_text(json.dumps(result, indent=1))
+                partial.replace(path)  # whole or absent, for whoever reads it
             if result["rank"] == 0:
                 report(result)
     if dist.is_initialized():

@@ -237,7 +237,7 @@ def _dicts(results: list[dict[str, Any] | RankError]) -> list[dict[str, Any]]:
             "list",
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="by design (issue #3): with known lengths (a list, a map-style "
+                reason="by design: with known lengths (a list, a map-style "
                 "DataLoader, a plan) the epoch has one agreement, at its start, and no "
                 "collective until its end; a source raising mid-epoch raises on its own rank "
                 "only. README: set sync_every to keep per-step agreement",

@@ -93,12 +93,6 @@ def test_a_very_long_failure_message_is_shortened_to_fit() -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG wire.py:161 report_bytes cuts len(text) - 2040 *characters* off the message, "
-    "but len(text) counts JSON bytes: every '\\n', quote or non-ASCII character of the whole "
-    "message adds bytes, so a long multi-line message is cut to '...' although ~1.8 KB fit",
-)
 def test_a_very_long_multi_line_failure_message_keeps_what_fits() -> None:
     message = "".join(f"line {i}: row group {i} is corrupt\n" for i in range(5000))
     assert 1500 < len(_shortened(message)) < REPORT_BYTES

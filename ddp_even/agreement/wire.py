@@ -156,11 +156,20 @@ def report_bytes(report: Report) -> npt.NDArray[np.uint8]:
     text = json.dumps(fields).encode()
     if len(text) > _REPORT_BYTES and report.failure is not None:
         error_type, message = report.failure
-        fields["failure"] = (
-            error_type,
-            message[: max(0, len(message) - len(text) + _REPORT_BYTES - 8)] + "...",
-        )
-        text = json.dumps(fields).encode()[:_REPORT_BYTES]
+
+        def shortened(kept: int) -> bytes:
+            fields["failure"] = (error_type, message[:kept] + "...")
+            return json.dumps(fields).encode()
+
+        # The longest start of the message that fits (escapes make bytes outnumber characters).
+        fits, too_long = 0, len(message)
+        while too_long - fits > 1:
+            middle = (fits + too_long) // 2
+            if len(shortened(middle)) <= _REPORT_BYTES:
+                fits = middle
+            else:
+                too_long = middle
+        text = shortened(fits)[:_REPORT_BYTES]
     packed = np.zeros(_REPORT_BYTES, dtype=np.uint8)
     packed[: len(text)] = np.frombuffer(text, dtype=np.uint8)
     return packed

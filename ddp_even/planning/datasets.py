@@ -18,52 +18,57 @@ metadata only, so it can be rebuilt here without petastorm and without reading a
      ``num_row_groups_per_file`` key: that many row groups per file, files in sorted order;
    - otherwise every file's footer.
 
-Only local datasets (``file://`` URLs and paths) are supported.
+The dataset can live anywhere ``storage.py`` resolves (local disk, ``s3://``, ``gs://``,
+``hdfs://``, ``abfs://``, fsspec filesystems): the same rules run over remote listings.
+Directories are listed level by level and footers read with bounded concurrency; a data file
+costs at most two requests (its size, then its tail), a ``_metadata`` summary one read in all.
 """
 
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import posixpath
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Literal
-from urllib.parse import urlparse
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow.parquet as pq
 
-__all__ = ["DatasetError", "RowGroup", "RowGroups", "read_row_groups"]
+from ddp_even.planning.storage import (
+    DatasetError,
+    DatasetLocation,
+    ResolvedDataset,
+    Storage,
+    StorageOptions,
+    resolve_dataset,
+)
+
+__all__ = [
+    "DatasetError",
+    "DatasetLocation",
+    "Progress",
+    "RowGroup",
+    "RowGroups",
+    "StorageOptions",
+    "read_row_groups",
+]
 
 #: Where the row-group list came from.
 MetadataSource = Literal["footers", "_metadata", "_common_metadata", "sizes"]
 
-#: A dataset: a ``file://`` URL or a local path (directory or file), or a list of files.
-DatasetLocation = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+#: Called as metadata files are read: ``progress(files_read, files_to_read)``.
+Progress = Callable[[int, int], None]
 
 # The key petastorm's materialize_dataset writes into _common_metadata
 # (petastorm.etl.dataset_metadata.ROW_GROUPS_PER_FILE_KEY); copied so that planning does not
 # import petastorm. tests/test_plan.py checks that the two agree.
 ROW_GROUPS_PER_FILE_KEY = b"dataset-toolkit.num_row_groups_per_file.v1"
 
-# Footers are small reads that release the GIL; petastorm reads them with a thread pool too.
-_FOOTER_THREADS = 16
-
-
-class DatasetError(ValueError):
-    """The dataset cannot be planned: missing, not Parquet, or laid out so petastorm fails too.
-
-    The message names the path and says what to do.
-
-    Example:
-        >>> try:
-        ...     read_row_groups("/no/such/dataset")
-        ... except DatasetError as error:
-        ...     print(error)
-        /no/such/dataset does not exist: check the path or URL
-    """
+_Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ class RowGroup:
         RowGroup(path='/data/part-0.parquet', index_in_file=1, global_index=3, num_rows=100)
     """
 
-    #: Absolute path of the Parquet file holding it.
+    #: Path of the Parquet file holding it, on the dataset's filesystem: absolute on the local
+    #: disk, ``bucket/key`` on object stores (the name petastorm gives it too).
     path: str
     #: Its position among the file's row groups.
     index_in_file: int
@@ -158,13 +164,23 @@ class RowGroups:
         return int(self.num_rows.sum())
 
 
-def read_row_groups(dataset: DatasetLocation) -> RowGroups:
+def read_row_groups(
+    dataset: DatasetLocation | ResolvedDataset,
+    *,
+    storage_options: StorageOptions | None = None,
+    filesystem: Any = None,
+    progress: Progress | None = None,
+) -> RowGroups:
     """List a dataset's row groups in petastorm's global order, from metadata only.
 
-    ``dataset`` is what you would pass to ``make_reader`` / ``make_batch_reader``: a
-    ``file://`` URL or a local path to a directory or file, or a list of files (the order of a
-    list is kept, as petastorm keeps it). Raises :class:`DatasetError` for a missing path, a
-    file that is not Parquet, a layout petastorm rejects, or a dataset without row groups.
+    ``dataset`` is what you would pass to ``make_reader`` / ``make_batch_reader``: a URL
+    (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...) or a local path to a
+    directory or file, or a list of files (the order of a list is kept, as petastorm keeps it).
+    ``storage_options`` / ``filesystem`` say how to reach remote storage (see
+    :func:`~ddp_even.planning.storage.resolve_dataset`); ``progress(done, total)`` is called as
+    metadata files are read. Raises :class:`DatasetError` for a missing path or bucket, denied
+    access, an unreachable endpoint, a file that is not Parquet, a layout petastorm rejects, or
+    a dataset without row groups.
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
@@ -173,57 +189,169 @@ def read_row_groups(dataset: DatasetLocation) -> RowGroups:
         >>> read_row_groups(f"file://{root}").num_rows.tolist()
         [4, 4, 2]
     """
-    if isinstance(dataset, str | os.PathLike):
-        return _read_location(_local_path(dataset))
-    items = list(dataset)
-    if not items:
-        raise DatasetError("the list of dataset files is empty: pass at least one Parquet file")
-    paths = [_local_path(item) for item in items]
-    if len(paths) == 1:
-        # pyarrow treats a one-element list as that single path (file or directory).
-        return _read_location(paths[0])
-    for path in paths:
-        if not os.path.isfile(path):
-            raise DatasetError(
-                f"{path} is not a file: a list must name Parquet files "
-                "(pass a directory on its own instead)"
-            )
-    return _from_footers(paths)
-
-
-def _local_path(location: str | os.PathLike[str]) -> str:
-    text = os.fspath(location)
-    if "://" in text or text.startswith("file:"):
-        parsed = urlparse(text)
-        if parsed.scheme.lower() != "file":
-            raise DatasetError(
-                f"{text}: only local datasets can be planned (file:// URLs or paths), "
-                f"not {parsed.scheme}://"
-            )
-        # Like petastorm (fs_utils.get_dataset_path): the URL path is used as is, not unquoted.
-        path = parsed.path
+    if isinstance(dataset, ResolvedDataset):
+        if storage_options is not None or filesystem is not None:
+            raise ValueError("a resolved dataset already has its filesystem: pass no options")
+        resolved = dataset
     else:
-        path = os.path.abspath(text)
-    # petastorm's normalize_dir_url drops one trailing slash.
-    return path[:-1] if len(path) > 1 and path.endswith("/") else path
+        resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
+    reader = _MetadataReader(resolved.storage, progress)
+    if not resolved.is_list or len(resolved.paths) == 1:
+        # pyarrow treats a one-element list as that single path (file or directory).
+        return reader.read_location(resolved.paths[0])
+    return reader.from_footers(list(resolved.paths), listed=True)
 
 
-def _read_location(path: str) -> RowGroups:
-    if not os.path.exists(path):
-        raise DatasetError(f"{path} does not exist: check the path or URL")
-    if not os.path.isdir(path):
-        return _from_footers([path])
-    layout = _DirectoryLayout.scan(path)
-    metadata = _read_summary(layout.metadata_path) if layout.metadata_path else None
-    common_path = layout.common_metadata_path or layout.metadata_path
-    if metadata is None and common_path is None:
-        return _from_footers(layout.data_files)
-    if metadata is not None and metadata.num_row_groups > 0:
-        assert layout.metadata_path is not None
-        return _from_summary(layout.data_files, metadata, layout.metadata_path)
-    assert common_path is not None
-    common = metadata if common_path == layout.metadata_path else _read_summary(common_path)
-    return _from_row_group_counts(layout.data_files, common, common_path, root=path)
+class _MetadataReader:
+    """Reads one dataset's listings and metadata through its storage, in parallel."""
+
+    def __init__(self, storage: Storage, progress: Progress | None) -> None:
+        self.storage = storage
+        self.progress = progress
+
+    def read_location(self, path: str) -> RowGroups:
+        kind = self.storage.kind(path)
+        if kind == "missing":
+            raise self.storage.missing(path)
+        if kind == "file":
+            return self.from_footers([path], listed=False)
+        layout = _DirectoryLayout.scan(path, self)
+        metadata = self.read_summary(layout.metadata_path) if layout.metadata_path else None
+        common_path = layout.common_metadata_path or layout.metadata_path
+        if metadata is None and common_path is None:
+            return self.from_footers(layout.data_files, listed=False)
+        if metadata is not None and metadata.num_row_groups > 0:
+            assert layout.metadata_path is not None
+            return _from_summary(layout.data_files, metadata, layout.metadata_path)
+        assert common_path is not None
+        common = metadata if common_path == layout.metadata_path else self.read_summary(common_path)
+        return self.from_row_group_counts(layout.data_files, common, common_path, root=path)
+
+    def map(
+        self, function: Callable[[_Item], _Result], items: Sequence[_Item], report: bool
+    ) -> list[_Result]:
+        """``[function(item) for item in items]`` with at most ``storage.concurrency`` at once.
+
+        The first failure cancels what has not started and is raised.
+        """
+        total = len(items)
+        if total <= 1 and not report:
+            return [function(item) for item in items]
+        workers = max(1, min(self.storage.concurrency, total))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ddp-even-meta") as pool:
+            futures = [pool.submit(function, item) for item in items]
+            if report and self.progress is not None:
+                self._report(futures)
+            else:
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                _raise_first_failure(futures, done)
+            return [future.result() for future in futures]
+
+    def _report(self, futures: list[Future[Any]]) -> None:
+        assert self.progress is not None
+        pending = set(futures)
+        total = len(futures)
+        self.progress(0, total)
+        while pending:
+            done, pending = wait(pending, timeout=0.1, return_when=FIRST_EXCEPTION)
+            _raise_first_failure(futures, done)
+            self.progress(total - len(pending), total)
+
+    def read_footer(self, path: str, listed: bool = False) -> pq.FileMetaData:
+        try:
+            return self.storage.read_footer(path)
+        except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+            raise self._unreadable(error, path, listed) from error
+
+    def _unreadable(self, error: BaseException, path: str, listed: bool) -> DatasetError:
+        explained = self.storage.explain(error, path)
+        if explained is not None:
+            return explained
+        if listed and isinstance(error, OSError):
+            # Only now ask what the path is: a listed file costs no extra request otherwise.
+            kind = self.storage.kind(path)
+            if kind == "directory":
+                return DatasetError(
+                    f"{self.storage.url(path)} is not a file: a list must name Parquet files "
+                    "(pass a directory on its own instead)"
+                )
+            if kind == "missing":
+                return self.storage.missing(path)
+        return DatasetError(
+            f"{self.storage.url(path)} is not a readable Parquet file ({error}); remove it from "
+            "the dataset or start its name with '_' or '.' so that petastorm skips it too"
+        )
+
+    def read_summary(self, path: str) -> pq.FileMetaData:
+        try:
+            summary = self.storage.read_summary(path)
+        except (OSError, ValueError) as error:
+            explained = self.storage.explain(error, path)
+            if explained is not None:
+                raise explained from error
+            raise DatasetError(
+                f"{self.storage.url(path)} is not a readable Parquet summary file ({error}); "
+                "petastorm cannot open the dataset either: delete or regenerate it"
+            ) from error
+        if self.progress is not None:
+            self.progress(1, 1)
+        return summary
+
+    def read_footers(self, paths: Sequence[str], listed: bool) -> list[pq.FileMetaData]:
+        return self.map(lambda path: self.read_footer(path, listed), paths, report=True)
+
+    def from_footers(self, paths: list[str], listed: bool) -> RowGroups:
+        sizes = [_footer_sizes(footer) for footer in self.read_footers(paths, listed)]
+        return _build(paths, sizes, "footers", self.storage)
+
+    def from_row_group_counts(
+        self, data_files: Sequence[str], common: pq.FileMetaData, common_path: str, root: str
+    ) -> RowGroups:
+        """petastorm's own key: the number of row groups per file; sizes come from the footers."""
+        url = self.storage.url
+        key_values = common.metadata or {}
+        if ROW_GROUPS_PER_FILE_KEY not in key_values:
+            raise DatasetError(
+                f"{url(common_path)} has no row-group counts "
+                f"({ROW_GROUPS_PER_FILE_KEY.decode()}): petastorm fails on this dataset too; "
+                "delete the file or regenerate it with petastorm-generate-metadata.py"
+            )
+        counts: dict[str, int] = json.loads(key_values[ROW_GROUPS_PER_FILE_KEY].decode())
+        files_and_counts = []
+        for path in data_files:
+            relative = posixpath.relpath(path, root)
+            if relative not in counts:
+                raise DatasetError(
+                    f"{url(path)} is missing from the row-group counts in {url(common_path)}: "
+                    "petastorm fails with KeyError; regenerate the metadata "
+                    "(petastorm-generate-metadata.py)"
+                )
+            files_and_counts.append((path, counts[relative]))
+        footers = self.read_footers([path for path, _ in files_and_counts], listed=False)
+        sizes = []
+        for (path, count), footer in zip(files_and_counts, footers, strict=True):
+            if count > footer.num_row_groups:
+                raise DatasetError(
+                    f"{url(common_path)} says {url(path)} has {count} row groups but its footer "
+                    f"has {footer.num_row_groups}: regenerate the metadata"
+                )
+            sizes.append(_footer_sizes(footer)[:count])
+        return _build(
+            [path for path, _ in files_and_counts], sizes, "_common_metadata", self.storage
+        )
+
+
+def _raise_first_failure(futures: list[Future[Any]], done: set[Future[Any]]) -> None:
+    failed = [future for future in done if future.exception() is not None]
+    if not failed:
+        return
+    for future in futures:
+        future.cancel()
+    # The earliest in input order, so that the same dataset gives the same error every time.
+    first = min(failed, key=futures.index)
+    error = first.exception()
+    assert error is not None
+    raise error
 
 
 @dataclass(frozen=True)
@@ -235,47 +363,54 @@ class _DirectoryLayout:
     common_metadata_path: str | None
 
     @classmethod
-    def scan(cls, root: str) -> _DirectoryLayout:
+    def scan(cls, root: str, reader: _MetadataReader) -> _DirectoryLayout:
+        url = reader.storage.url
         data_files: list[str] = []
         metadata_paths: list[str] = []
         common_paths: list[str] = []
-        pending = [root]
-        while pending:
-            directory = pending.pop()
-            files, subdirectories = _list_directory(directory)
-            level_files = []
-            for name in files:
-                full = f"{directory}/{name}"
-                # The order of these checks is pyarrow's: a summary file is recognised even
-                # where a hidden-file rule would otherwise skip it.
-                if name.endswith("_common_metadata"):
-                    common_paths.append(full)
-                elif name.endswith("_metadata"):
-                    metadata_paths.append(full)
-                elif not _silently_excluded(name):
-                    level_files.append(full)
-            partitions = [name for name in subdirectories if not _private_directory(name)]
-            if level_files and partitions:
-                raise DatasetError(
-                    f"{directory} holds both data files and subdirectories: petastorm cannot "
-                    "read that layout; move the files into a partition directory (key=value)"
-                )
-            for name in partitions:
-                if "=" not in name:
+        level = [root]
+        while level:
+            # Every directory of a level is listed at once: partitions are siblings.
+            listings = reader.map(reader.storage.list_directory, level, report=False)
+            next_level = []
+            for directory, (files, subdirectories) in zip(level, listings, strict=True):
+                level_files = []
+                for name in files:
+                    full = f"{directory}/{name}"
+                    # The order of these checks is pyarrow's: a summary file is recognised even
+                    # where a hidden-file rule would otherwise skip it.
+                    if name.endswith("_common_metadata"):
+                        common_paths.append(full)
+                    elif name.endswith("_metadata"):
+                        metadata_paths.append(full)
+                    elif not _silently_excluded(name):
+                        level_files.append(full)
+                partitions = sorted(name for name in subdirectories if not _private_directory(name))
+                if level_files and partitions:
                     raise DatasetError(
-                        f"{directory}/{name} is not a hive partition directory (key=value): "
-                        "petastorm cannot read it; rename it or start its name with '_'"
+                        f"{url(directory)} holds both data files and subdirectories: petastorm "
+                        "cannot read that layout; move the files into a partition directory "
+                        "(key=value)"
                     )
-                pending.append(f"{directory}/{name}")
-            data_files.extend(level_files)
+                for name in partitions:
+                    if "=" not in name:
+                        raise DatasetError(
+                            f"{url(directory)}/{name} is not a hive partition directory "
+                            "(key=value): petastorm cannot read it; rename it or start its name "
+                            "with '_'"
+                        )
+                    next_level.append(f"{directory}/{name}")
+                data_files.extend(level_files)
+            level = next_level
         for kind, found in (("_metadata", metadata_paths), ("_common_metadata", common_paths)):
             if len(found) > 1:
                 raise DatasetError(
-                    f"several {kind} files under {root} ({', '.join(sorted(found))}): petastorm "
-                    "would use an arbitrary one; keep only the one at the dataset root"
+                    f"several {kind} files under {url(root)} "
+                    f"({', '.join(url(path) for path in sorted(found))}): petastorm would use an "
+                    "arbitrary one; keep only the one at the dataset root"
                 )
         if not data_files:
-            raise DatasetError(f"{root} holds no Parquet data files: check the path")
+            raise DatasetError(f"{url(root)} holds no Parquet data files: check the path")
         # The manifest sorts by full path once all levels are listed.
         data_files.sort()
         return cls(
@@ -283,16 +418,6 @@ class _DirectoryLayout:
             metadata_path=metadata_paths[0] if metadata_paths else None,
             common_metadata_path=common_paths[0] if common_paths else None,
         )
-
-
-def _list_directory(directory: str) -> tuple[list[str], list[str]]:
-    files: list[str] = []
-    subdirectories: list[str] = []
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            # os.walk (what the legacy filesystem uses) counts a symlink to a directory as one.
-            (subdirectories if entry.is_dir() else files).append(entry.name)
-    return files, subdirectories
 
 
 def _silently_excluded(name: str) -> bool:
@@ -308,40 +433,8 @@ def _private_directory(name: str) -> bool:
     return name.startswith(("_", ".")) and "=" not in name
 
 
-def _read_footer(path: str) -> pq.FileMetaData:
-    try:
-        return pq.read_metadata(path)
-    except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
-        raise DatasetError(
-            f"{path} is not a readable Parquet file ({error}); remove it from the dataset "
-            "or start its name with '_' or '.' so that petastorm skips it too"
-        ) from error
-
-
-def _read_summary(path: str) -> pq.FileMetaData:
-    try:
-        return pq.read_metadata(path)
-    except (OSError, ValueError) as error:
-        raise DatasetError(
-            f"{path} is not a readable Parquet summary file ({error}); petastorm cannot open "
-            "the dataset either: delete or regenerate it"
-        ) from error
-
-
-def _read_footers(paths: Sequence[str]) -> list[pq.FileMetaData]:
-    if len(paths) == 1:
-        return [_read_footer(paths[0])]
-    with ThreadPoolExecutor(max_workers=min(_FOOTER_THREADS, len(paths))) as pool:
-        return list(pool.map(_read_footer, paths))
-
-
 def _footer_sizes(footer: pq.FileMetaData) -> list[int]:
     return [footer.row_group(k).num_rows for k in range(footer.num_row_groups)]
-
-
-def _from_footers(paths: Sequence[str]) -> RowGroups:
-    sizes = [_footer_sizes(footer) for footer in _read_footers(paths)]
-    return _build(list(paths), sizes, "footers")
 
 
 def _from_summary(
@@ -353,11 +446,11 @@ def _from_summary(
         row_group = metadata.row_group(k)
         file_path = row_group.column(0).file_path
         sizes_by_file.setdefault(file_path, []).append(row_group.num_rows)
-    base = os.path.normpath(os.path.dirname(metadata_path))
+    base = posixpath.normpath(posixpath.dirname(metadata_path))
     listed = [
         (path, sizes_by_file[relative])
         for path in data_files
-        if (relative := os.path.relpath(path, base)) in sizes_by_file
+        if (relative := posixpath.relpath(path, base)) in sizes_by_file
     ]
     if not listed:
         raise DatasetError(
@@ -368,44 +461,17 @@ def _from_summary(
     return _build([path for path, _ in listed], [sizes for _, sizes in listed], "_metadata")
 
 
-def _from_row_group_counts(
-    data_files: Sequence[str], common: pq.FileMetaData, common_path: str, root: str
+def _build(
+    paths: list[str],
+    sizes: list[list[int]],
+    source: MetadataSource,
+    storage: Storage | None = None,
 ) -> RowGroups:
-    """petastorm's own key: the number of row groups per file; sizes come from the footers."""
-    key_values = common.metadata or {}
-    if ROW_GROUPS_PER_FILE_KEY not in key_values:
-        raise DatasetError(
-            f"{common_path} has no row-group counts ({ROW_GROUPS_PER_FILE_KEY.decode()}): "
-            "petastorm fails on this dataset too; delete the file or regenerate it with "
-            "petastorm-generate-metadata.py"
-        )
-    counts: dict[str, int] = json.loads(key_values[ROW_GROUPS_PER_FILE_KEY].decode())
-    files_and_counts = []
-    for path in data_files:
-        relative = os.path.relpath(path, root)
-        if relative not in counts:
-            raise DatasetError(
-                f"{path} is missing from the row-group counts in {common_path}: petastorm "
-                "fails with KeyError; regenerate the metadata (petastorm-generate-metadata.py)"
-            )
-        files_and_counts.append((path, counts[relative]))
-    footers = _read_footers([path for path, _ in files_and_counts])
-    sizes = []
-    for (path, count), footer in zip(files_and_counts, footers, strict=True):
-        if count > footer.num_row_groups:
-            raise DatasetError(
-                f"{common_path} says {path} has {count} row groups but its footer has "
-                f"{footer.num_row_groups}: regenerate the metadata"
-            )
-        sizes.append(_footer_sizes(footer)[:count])
-    return _build([path for path, _ in files_and_counts], sizes, "_common_metadata")
-
-
-def _build(paths: list[str], sizes: list[list[int]], source: MetadataSource) -> RowGroups:
     kept = [(path, file_sizes) for path, file_sizes in zip(paths, sizes, strict=True) if file_sizes]
     if not kept:
+        where = paths[0] if storage is None else storage.url(paths[0])
         raise DatasetError(
-            f"no row groups in {paths[0] if len(paths) == 1 else f'{len(paths)} files'}: "
+            f"no row groups in {where if len(paths) == 1 else f'{len(paths)} files'}: "
             "petastorm has nothing to read; check that the dataset was written completely"
         )
     counts = np.array([len(file_sizes) for _, file_sizes in kept], dtype=np.int64)

@@ -22,7 +22,14 @@ import numpy.typing as npt
 from ddp_even.checks import check_positive_int
 from ddp_even.modes import MODES, mode_named
 from ddp_even.planning.balance import balanced_assignment, round_robin_assignment
-from ddp_even.planning.datasets import DatasetError, DatasetLocation, RowGroups, read_row_groups
+from ddp_even.planning.datasets import (
+    DatasetError,
+    DatasetLocation,
+    Progress,
+    RowGroups,
+    StorageOptions,
+    read_row_groups,
+)
 
 __all__ = [
     "DatasetError",
@@ -348,12 +355,18 @@ def plan_for_dataset(
     batch_size: int,
     *,
     balanced: bool = False,
+    storage_options: StorageOptions | None = None,
+    filesystem: Any = None,
+    progress: Progress | None = None,
 ) -> tuple[RowGroups, ShardPlan]:
     """Read a dataset's row groups from metadata (no data) and plan its shards.
 
-    ``dataset`` is a ``file://`` URL, a local path, or a list of Parquet files, as given to
-    petastorm. Raises :class:`~ddp_even.planning.datasets.DatasetError` when the dataset cannot be
-    read, and ``ValueError`` for bad arguments.
+    ``dataset`` is a URL (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...), a
+    local path, or a list of Parquet files, as given to petastorm; ``storage_options`` or
+    ``filesystem`` reach remote storage (see :func:`~ddp_even.planning.storage.resolve_dataset`),
+    ``progress(done, total)`` follows the metadata reads. Raises
+    :class:`~ddp_even.planning.datasets.DatasetError` when the dataset cannot be read, and
+    ``ValueError`` for bad arguments.
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
@@ -365,7 +378,9 @@ def plan_for_dataset(
     """
     check_positive_int("world_size", world_size)
     check_positive_int("batch_size", batch_size)
-    row_groups = read_row_groups(dataset)
+    row_groups = read_row_groups(
+        dataset, storage_options=storage_options, filesystem=filesystem, progress=progress
+    )
     logger.debug(
         "ddp_even: %d row groups, %d rows in %d files (from %s)",
         len(row_groups),

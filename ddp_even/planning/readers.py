@@ -17,8 +17,13 @@ it defers to petastorm's own sharding and only checks the result.
 Reader options the plan cannot honour are refused with a ``ValueError``: ``predicate``,
 ``rowgroup_selector`` and ``filters`` change which rows exist; ``cur_shard``,
 ``shard_count``, ``shard_seed`` and ``num_epochs`` are set here; an ``NGram`` in
-``schema_fields`` turns rows into windows; ``filesystem``/``storage_options`` are not used by
-planning. A ``transform_spec`` is passed on, but must not drop rows (the plan counts rows).
+``schema_fields`` turns rows into windows. A ``transform_spec`` is passed on, but must not drop
+rows (the plan counts rows).
+
+Remote datasets (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, fsspec URLs) are planned and
+read through one filesystem, resolved by :mod:`ddp_even.planning.storage` from the URL,
+``storage_options`` or ``filesystem`` (given as arguments or, as petastorm names them, in
+``reader_kwargs``); petastorm gets it as the legacy filesystem it needs.
 """
 
 from __future__ import annotations
@@ -34,6 +39,12 @@ from typing import Any, Literal
 from ddp_even.modes import MODES
 from ddp_even.planning.datasets import DatasetLocation, RowGroups, read_row_groups
 from ddp_even.planning.plans import ShardPlan, plan_shards
+from ddp_even.planning.storage import (
+    ResolvedDataset,
+    StorageOptions,
+    legacy_filesystem,
+    resolve_dataset,
+)
 
 __all__ = [
     "LoaderKind",
@@ -63,8 +74,6 @@ _REFUSED_READER_OPTIONS = {
     "predicate": "a predicate drops rows after reading, so rows per rank cannot be planned",
     "rowgroup_selector": "it changes which row groups exist; the plan cannot follow it",
     "filters": "petastorm 0.12.1 applies filters only to partition directories; the plan does not",
-    "filesystem": "planning reads local files only; pass a file:// URL",
-    "storage_options": "planning reads local files only; pass a file:// URL",
     "pyarrow_serialize": "it is deprecated in petastorm and has no effect",
 }
 
@@ -85,6 +94,9 @@ _ACCEPTED_READER_OPTIONS = (
     "hdfs_driver",
     "transform_spec",
     "zmq_copy_buffers",
+    # Taken out before the reader is built: they choose the filesystem for planning too.
+    "storage_options",
+    "filesystem",
 )
 
 
@@ -99,6 +111,8 @@ def make_shard_factory(
     reader: ReaderKind = "batch",
     reader_kwargs: Mapping[str, Any] | None = None,
     loader_kwargs: Mapping[str, Any] | None = None,
+    storage_options: StorageOptions | None = None,
+    filesystem: Any = None,
 ) -> tuple[ShardPlan, Callable[[], Any]]:
     """Plan the shards of ``dataset`` and return ``(plan, factory)`` for ``rank``.
 
@@ -109,7 +123,9 @@ def make_shard_factory(
     the factory. ``reader_kwargs`` go to the petastorm reader (see the module
     docstring for the few that are refused), ``loader_kwargs`` to the loader (for example
     ``shuffling_queue_capacity``). With ``loader="reader"`` the plan's batches assume you
-    batch the rows yourself with ``batch_size``.
+    batch the rows yourself with ``batch_size``. ``storage_options`` (a dict, as petastorm and
+    fsspec take it) or ``filesystem`` (a ``pyarrow.fs`` or fsspec filesystem) reach remote
+    storage; both plan and readers use them (see :mod:`ddp_even.planning.storage`).
 
     Every rank computes the same plan from the same metadata, so no communication is needed.
     Raises ``ValueError`` when petastorm could not build the readers (more ranks than row
@@ -132,8 +148,11 @@ def make_shard_factory(
     if reader not in _READER_KINDS:
         raise ValueError(f"reader must be one of {', '.join(_READER_KINDS)}; got {reader!r}")
     options = _check_reader_options(dict(reader_kwargs or {}))
+    storage_options = _taken_once("storage_options", storage_options, options)
+    filesystem = _taken_once("filesystem", filesystem, options)
     loader_options = _check_loader_options(loader, dict(loader_kwargs or {}))
-    row_groups = read_row_groups(dataset)
+    resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
+    row_groups = read_row_groups(resolved)
     plan = plan_shards(row_groups, world_size, batch_size, balanced=balanced)
     plan.row_groups_of(rank)  # checks rank
     if plan.petastorm_error is not None:
@@ -143,13 +162,13 @@ def make_shard_factory(
         logger.warning(
             "ddp_even: rank(s) %s get no batch from %s: %s",
             ", ".join(map(str, plan.empty_ranks)),
-            dataset,
+            resolved.describe(),
             "; ".join(f"{mode}: {plan.stats(mode).note}" for mode in MODES),
         )
     url = petastorm_url(dataset)
 
     def factory() -> Any:
-        petastorm_reader = _build_reader(url, reader, row_groups, plan, rank, options)
+        petastorm_reader = _build_reader(url, resolved, reader, row_groups, plan, rank, options)
         try:
             return _build_loader(petastorm_reader, loader, batch_size, loader_options)
         except BaseException:
@@ -181,6 +200,14 @@ def _one_url(location: str | os.PathLike[str]) -> str:
     if "://" in text or text.startswith("file:"):
         return text
     return "file://" + os.path.abspath(text)
+
+
+def _taken_once(name: str, argument: Any, reader_options: dict[str, Any]) -> Any:
+    """An argument that may also come in ``reader_kwargs`` (petastorm's place for it)."""
+    in_reader_options = reader_options.pop(name, None)
+    if argument is not None and in_reader_options is not None:
+        raise ValueError(f"{name} is given twice: pass it once, as an argument or in reader_kwargs")
+    return argument if argument is not None else in_reader_options
 
 
 def _check_reader_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -242,6 +269,7 @@ def _build_loader(
 
 def _build_reader(
     url: str | list[str],
+    resolved: ResolvedDataset,
     kind: ReaderKind,
     row_groups: RowGroups,
     plan: ShardPlan,
@@ -262,9 +290,17 @@ def _build_reader(
     from petastorm.workers_pool.process_pool import ProcessPool
     from petastorm.workers_pool.thread_pool import ThreadPool
 
-    filesystem, dataset_path = get_filesystem_and_path_or_paths(
-        normalize_dataset_url_or_urls(url), options.get("hdfs_driver", "libhdfs3")
-    )
+    filesystem: Any
+    dataset_path: str | list[str]
+    if resolved.storage.filesystem is None:
+        filesystem, dataset_path = get_filesystem_and_path_or_paths(
+            normalize_dataset_url_or_urls(url), options.get("hdfs_driver", "libhdfs3")
+        )
+    else:
+        # The filesystem planning listed, so petastorm names the files as the plan does; as a
+        # legacy one, because pyarrow 14 takes petastorm's legacy dataset path only for those.
+        filesystem = legacy_filesystem(resolved.storage.filesystem)
+        dataset_path = resolved.petastorm_paths
 
     cache_type = options.get("cache_type", "null")
     if cache_type in (None, "null"):

@@ -26,6 +26,7 @@ every asynchronous (current) s3fs. docs/remote-storage.md has the details.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 import os
@@ -124,6 +125,9 @@ _HDFS_PARAMETERS = frozenset(
     {"user", "replication", "buffer_size", "default_block_size", "kerb_ticket", "extra_conf"}
 )
 _FLOAT_PARAMETERS = frozenset({"connect_timeout", "request_timeout", "retry_time_limit"})
+# google-cloud-cpp retries transient errors for 15 minutes by default: an unreachable endpoint
+# would look like a hang. Seconds; storage_options retry_time_limit overrides it.
+_GCS_RETRY_TIME_LIMIT_S = 30.0
 _BOOL_PARAMETERS = frozenset(
     {"anonymous", "background_writes", "allow_bucket_creation", "allow_bucket_deletion"}
 )
@@ -195,9 +199,12 @@ class Storage(ABC):
     the ones about access, reachability and missing buckets into a :class:`DatasetError`.
 
     Example:
-        >>> storage = resolve_dataset("/tmp").storage
-        >>> storage.is_local, storage.kind("/tmp"), storage.url("/tmp/x")
-        (True, 'directory', '/tmp/x')
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> root = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"x": [1, 2, 3]}), f"{root}/a.parquet", row_group_size=2)
+        >>> storage = resolve_dataset(root).storage
+        >>> storage.is_local, storage.kind(root), storage.kind(f"{root}/a.parquet")
+        (True, 'directory', 'file')
     """
 
     #: The URL scheme (``"file"`` for the local disk).
@@ -218,34 +225,87 @@ class Storage(ABC):
     @property
     @abstractmethod
     def filesystem(self) -> pafs.FileSystem | None:
-        """The pyarrow filesystem, or None for the local disk."""
+        """The pyarrow filesystem, or None for the local disk.
+
+        Example:
+            >>> import pyarrow.fs
+            >>> local = resolve_dataset("/data", filesystem=pyarrow.fs.LocalFileSystem())
+            >>> local.storage.filesystem.type_name
+            'local'
+        """
 
     @abstractmethod
     def kind(self, path: str) -> FileKind:
-        """Whether ``path`` is a file, a directory, or missing."""
+        """Whether ``path`` is a file, a directory, or missing.
+
+        Example:
+            >>> resolve_dataset("/").storage.kind("/no/such/path")
+            'missing'
+        """
 
     @abstractmethod
     def list_directory(self, path: str) -> tuple[list[str], list[str]]:
-        """Names of the files and of the subdirectories directly in ``path``."""
+        """Names of the files and of the subdirectories directly in ``path``.
+
+        Example:
+            >>> import pathlib, tempfile
+            >>> root = pathlib.Path(tempfile.mkdtemp())
+            >>> (root / "a.parquet").touch(); (root / "part=1").mkdir()
+            >>> resolve_dataset(str(root)).storage.list_directory(str(root))
+            (['a.parquet'], ['part=1'])
+        """
 
     @abstractmethod
     def read_footer(self, path: str) -> pq.FileMetaData:
-        """A Parquet file's footer, reading the file's tail."""
+        """A Parquet file's footer, reading the file's tail.
+
+        Example:
+            >>> import tempfile
+            >>> path = f"{tempfile.mkdtemp()}/a.parquet"
+            >>> pq.write_table(pa.table({"x": [1, 2, 3]}), path, row_group_size=2)
+            >>> resolve_dataset(path).storage.read_footer(path).num_row_groups
+            2
+        """
 
     @abstractmethod
     def read_summary(self, path: str) -> pq.FileMetaData:
-        """A summary file (``_metadata``, ``_common_metadata``), read whole in one request."""
+        """A summary file (``_metadata``, ``_common_metadata``), read whole in one request.
+
+        Example:
+            >>> import tempfile
+            >>> path = f"{tempfile.mkdtemp()}/_common_metadata"
+            >>> pq.write_metadata(pa.schema([("x", pa.int64())]), path)
+            >>> resolve_dataset(path).storage.read_summary(path).num_columns
+            1
+        """
 
     @abstractmethod
     def url(self, path: str) -> str:
-        """``path`` as people write it: a URL for remote storage, the path for local files."""
+        """``path`` as people write it: a URL for remote storage, the path for local files.
+
+        Example:
+            >>> resolve_dataset("s3://bucket/train", storage_options={"anon": True}).storage.url(
+            ...     "bucket/train/a.parquet")
+            's3://bucket/train/a.parquet'
+        """
 
     def explain(self, error: BaseException, path: str) -> DatasetError | None:
-        """A one-line :class:`DatasetError` for a storage failure, None for other errors."""
+        """A one-line :class:`DatasetError` for a storage failure, None for other errors.
+
+        Example:
+            >>> s3 = resolve_dataset("s3://bucket/train", storage_options={"anon": True}).storage
+            >>> print(s3.explain(OSError("AWS Error ACCESS_DENIED during HeadObject"), "bucket/x"))
+            s3://bucket/x: access denied (ACCESS_DENIED): check the credentials: ...
+        """
         return None
 
     def missing(self, path: str) -> DatasetError:
-        """The error for a ``path`` that does not exist."""
+        """The error for a ``path`` that does not exist.
+
+        Example:
+            >>> print(resolve_dataset("/").storage.missing("/no/such/path"))
+            /no/such/path does not exist: check the path or URL
+        """
         return DatasetError(f"{self.url(path)} does not exist: check the path or URL")
 
 
@@ -344,12 +404,8 @@ class _ArrowStorage(Storage):
         reason = _short_reason(error, text)
         url = self.url(path)
         if isinstance(error, PermissionError) or _mentions(text, _ACCESS_DENIED_WORDS):
-            return DatasetError(
-                f"{url}: access denied ({reason}): check {self._hints.credentials}"
-            )
-        if isinstance(error, ConnectionError | TimeoutError) or _mentions(
-            text, _UNREACHABLE_WORDS
-        ):
+            return DatasetError(f"{url}: access denied ({reason}): check {self._hints.credentials}")
+        if isinstance(error, ConnectionError | TimeoutError) or _mentions(text, _UNREACHABLE_WORDS):
             return DatasetError(
                 f"{url}: cannot reach {self._hints.endpoint} ({reason}): check "
                 f"{self._hints.endpoint_setting} and the network"
@@ -458,7 +514,8 @@ def resolve_dataset(
         ...     "endpoint_url": "http://127.0.0.1:9000", "key": "k", "secret": "s"}).paths
         ('bucket/train',)
         >>> import fsspec
-        >>> memory = resolve_dataset("memory://datasets/train", filesystem=fsspec.filesystem("memory"))
+        >>> in_memory = fsspec.filesystem("memory")
+        >>> memory = resolve_dataset("memory://datasets/train", filesystem=in_memory)
         >>> memory.paths, memory.storage.url(memory.paths[0])
         (('/datasets/train',), 'memory:///datasets/train')
     """
@@ -501,28 +558,30 @@ def _items(dataset: DatasetLocation) -> tuple[list[str], bool]:
     return items, True
 
 
+@dataclass(frozen=True)
 class _ParsedLocation:
-    """A URL's parts, or an empty scheme for a plain path."""
+    """A URL's parts; a plain path has an empty scheme and netloc."""
 
-    def __init__(self, text: str) -> None:
-        if "://" in text or text.startswith("file:"):
-            parsed = urlparse(text)
-            self.scheme = parsed.scheme.lower()
-            self.netloc = parsed.netloc
-            self.path = parsed.path
-            self.hostname = parsed.hostname
-            self.port = parsed.port
-            self.username = parsed.username
-        else:
-            self.scheme = self.netloc = ""
-            self.path = text
-            self.hostname = self.username = None
-            self.port = None
-        self.text = text
+    scheme: str
+    netloc: str
+    path: str
+    hostname: str | None = None
+    port: int | None = None
+    username: str | None = None
 
 
 def _parse(text: str) -> _ParsedLocation:
-    return _ParsedLocation(text)
+    if "://" not in text and not text.startswith("file:"):
+        return _ParsedLocation("", "", text)
+    parsed = urlparse(text)
+    return _ParsedLocation(
+        parsed.scheme.lower(),
+        parsed.netloc,
+        parsed.path,
+        parsed.hostname,
+        parsed.port,
+        parsed.username,
+    )
 
 
 def _trim(path: str) -> str:
@@ -594,7 +653,7 @@ def _s3_filesystem(options: dict[str, Any], url: str) -> tuple[pafs.FileSystem, 
             "or AWS_PROFILE in the environment, or storage_options key / secret / token"
         ),
         endpoint=(
-            f"the S3 endpoint {endpoint} (from {endpoint_source})"
+            f"the S3 endpoint {endpoint} set by {endpoint_source}"
             if endpoint
             else f"AWS S3 in region {kwargs.get('region', 'us-east-1')}"
         ),
@@ -628,13 +687,14 @@ def _gcs_filesystem(options: dict[str, Any], url: str) -> tuple[pafs.FileSystem,
         kwargs[key] = value
     if endpoint is not None and "endpoint_override" not in kwargs:
         kwargs.update(_endpoint_parts(str(endpoint)))
+    kwargs.setdefault("retry_time_limit", _GCS_RETRY_TIME_LIMIT_S)
     hints = _Hints(
         credentials=(
             "GOOGLE_APPLICATION_CREDENTIALS (a service-account key file) or the default "
             "gcloud credentials, or storage_options token='anon' for a public bucket"
         ),
         endpoint=(
-            f"the GCS endpoint {endpoint} (from {endpoint_source})"
+            f"the GCS endpoint {endpoint} set by {endpoint_source}"
             if endpoint
             else "Google Cloud Storage"
         ),
@@ -710,7 +770,7 @@ def _with_fsspec(
 
 
 def _fsspec_package(scheme: str) -> str:
-    from fsspec.registry import known_implementations
+    from fsspec.registry import known_implementations  # type: ignore[import-untyped]
 
     implementation = known_implementations.get(scheme, {}).get("class", "")
     return str(implementation).split(".", 1)[0] or f"the fsspec implementation of {scheme}://"
@@ -719,8 +779,8 @@ def _fsspec_package(scheme: str) -> str:
 def _fsspec_dataset(
     items: list[str], is_list: bool, filesystem: Any, scheme: str
 ) -> ResolvedDataset:
-    protocol = filesystem.protocol if isinstance(filesystem.protocol, str) else None
-    name = scheme or protocol or type(filesystem).__name__
+    protocols = filesystem.protocol
+    name = scheme or (protocols if isinstance(protocols, str) else protocols[0])
     hints = _Hints(
         credentials=(
             "the credentials: for Azure AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY, "
@@ -772,9 +832,7 @@ def _with_filesystem(items: list[str], is_list: bool, filesystem: Any) -> Resolv
     )
 
     def to_url(path: str) -> str:
-        if scheme in ("", "file"):
-            return path
-        return f"{scheme}://{path}" if not path.startswith("/") else f"{scheme}://{path}"
+        return path if scheme in ("", "file") else f"{scheme}://{path}"
 
     storage = _ArrowStorage(
         filesystem,
@@ -792,7 +850,8 @@ def _unwrap_legacy(filesystem: Any) -> Any:
     if legacy is None or not isinstance(filesystem, legacy.FileSystem):
         return filesystem
     if isinstance(filesystem, _legacy_adapter_class()):
-        return filesystem.filesystem
+        adapted: pafs.FileSystem = getattr(filesystem, "filesystem")  # noqa: B009
+        return adapted
     if isinstance(filesystem, legacy.LocalFileSystem):
         return pafs.LocalFileSystem()
     inner = getattr(filesystem, "fs", None)
@@ -825,10 +884,14 @@ def _coerced(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     result = dict(kwargs)
     for name, value in kwargs.items():
         if name in _FLOAT_PARAMETERS and value is not None:
+            if isinstance(value, datetime.timedelta):
+                continue
             try:
                 result[name] = float(value)
             except (TypeError, ValueError) as error:
                 raise DatasetError(f"storage option {name}={value!r} must be a number") from error
+            if name == "retry_time_limit":
+                result[name] = datetime.timedelta(seconds=result[name])
         elif name in _BOOL_PARAMETERS:
             result[name] = _as_bool(name, value)
     return result

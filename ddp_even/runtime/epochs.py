@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -26,6 +27,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddp_even.agreement.transport import Agreer, PendingAgreement
 from ddp_even.agreement.wire import Agreement, Report, error_from_reports
+from ddp_even.errors import RankMismatchError
 from ddp_even.modes import Mode, WindowDecision
 from ddp_even.runtime.feed import FedBatch, ShardFeed
 from ddp_even.runtime.stats import EpochStats, RankCounts, gather_epoch_stats
@@ -89,6 +91,9 @@ class EpochRun(Generic[BatchT]):
     steps_done: int = 0
     # The epoch's step count, once it is known up front (known lengths).
     agreed_steps: int | None = None
+    # The step this epoch resumed after (from a loader state), agreed by every rank.
+    resumed_at: int | None = None
+    finished: bool = False
 
     def hand_out(self, fed: FedBatch[BatchT]) -> BatchT:
         self.counts.count_batch(fed.pass_number, fed.count_samples(fed.batch))
@@ -101,7 +106,46 @@ class EpochRun(Generic[BatchT]):
         # A rank that handed out nothing still started its source once.
         self.counts.passes = max(self.counts.passes, min(self.feed.passes_started, 1))
         mode = self.settings.mode.name
-        self.record(gather_epoch_stats(self.agreer, self.counts, self.epoch, mode))
+        self.finished = True
+        self.record(gather_epoch_stats(self.agreer, self.counts, self.epoch, mode, self.resumed_at))
+
+    def resume_after(self, saved_step: int) -> None:
+        """Continue this epoch after the step a loader state was saved at.
+
+        Every rank first agrees on the step (one agreement under a key of its own): in
+        truncate and cycle every rank must have saved at the same step; in join a rank that had
+        already run out saved earlier, and the latest step counts. Then each rank reads and
+        counts the batches it handed out before that step (all of its shard if it ran out), so
+        that the epoch's statistics are the uninterrupted run's.
+        """
+        report = dataclasses.replace(
+            self.report(saved_step, saved_step, shard_is_empty=False),
+            fingerprint=self.settings.fingerprint ^ _RESUMING,
+            settings=f"{self.settings.description}, resuming after step {saved_step}",
+        )
+        agreement = self.agreer.start(report).wait()
+        self.check(report, agreement)
+        step = agreement.max_own_available
+        if agreement.min_available != step and not self.settings.mode.shadows_finished_ranks:
+            raise RankMismatchError(
+                "the ranks' loader states were saved at different steps "
+                f"({agreement.min_available} to {step}) of epoch {self.epoch}: load on every "
+                "rank the states saved at the same step"
+            )
+        while self.counts.steps < step:
+            self.feed.fill(1)
+            if not self.feed.buffered:
+                break  # a rank that ran out (join), or a failure the next agreement reports
+            fed = self.feed.take()
+            self.counts.count_batch(fed.pass_number, fed.count_samples(fed.batch))
+        self.steps_done = self.resumed_at = step
+        logger.info(
+            "epoch %d resumes after step %d: read %d batch(es) of this rank's source again to "
+            "get there",
+            self.epoch,
+            step,
+            self.counts.steps,
+        )
 
     def report(self, available: int, own_available: int, shard_is_empty: bool) -> Report:
         failure = self.feed.failure
@@ -137,7 +181,7 @@ class EpochRun(Generic[BatchT]):
 
 
 def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
-    window = run.settings.window(0)
+    window = run.settings.window(run.steps_done)
     assert window is not None
     report, first = run.offer_buffered(window)
     pending: PendingAgreement | None = first
@@ -184,7 +228,8 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
         report = run.report(own_batches, own_batches, shard_is_empty=own_batches == 0)
     agreement = run.agreer.start(report).wait()
     run.check(report, agreement)
-    decision = run.decide(agreement, window)
+    # The whole epoch's steps, also when it resumes part-way.
+    decision = run.settings.mode.decide(agreement, window, 0, run.settings.steps_per_epoch)
     run.agreed_steps = decision.steps
     logger.debug("epoch %d: %d steps agreed for the whole epoch", run.epoch, decision.steps)
 
@@ -194,7 +239,7 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
         # A pass that ended early (a reader losing rows) was not cut by the epoch.
         return not run.feed.own_ended and own_batches > run.counts.own_batches
 
-    for step in range(1, decision.steps + 1):
+    for step in range(run.steps_done + 1, decision.steps + 1):
         run.steps_done += 1
         batch = run.hand_out(run.feed.take_one_now())
         if step == decision.steps:
@@ -202,6 +247,10 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
             return
         yield batch
     run.finish(had_more_own_data())
+
+
+# Marks the agreement on the step to resume after, so that it never pairs with an ordinary one.
+_RESUMING = 0x5E5E_5E5E_5E5E
 
 
 def _last_batch(
@@ -289,7 +338,10 @@ def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[B
     with _KeepWarningFilters(Join([loader_joinable, *joinables])):
         try:
             while True:
-                run.feed.fill(window)
+                # Windows start at multiples of `window` (where joined ranks shadow them), also
+                # in an epoch resumed part-way.
+                size = window - run.steps_done % window
+                run.feed.fill(size)
                 if run.feed.buffered == 0 and run.feed.failure is None:
                     break
                 Join.notify_join_context(loader_joinable)
@@ -301,7 +353,7 @@ def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[B
                         Join.notify_join_context(loader_joinable)
                     run.steps_done += 1
                     yield run.hand_out(run.feed.take())
-                if agreed < window:
+                if agreed < size:
                     break
         except GeneratorExit:
             # The consumer stopped (a `break` on every rank at the same step): leave through

@@ -86,6 +86,9 @@ class EpochStats:
         dropped_rows: the same in rows; None without a plan or where a batch's size is unknown.
         lost_rows: rows of its plan each rank's source never delivered although it read its
             whole shard (a reader that loses rows); None without a plan.
+        resumed_at_step: the step after which this epoch resumed from a loader state
+            (:meth:`EvenLoader.load_state_dict`), or None; every other field counts the whole
+            epoch, as if it had not been interrupted.
         oversampling: ``sum(repeated_batches) / sum(own_batches)`` (0.0 without own batches).
 
     Example::
@@ -110,6 +113,7 @@ class EpochStats:
     dropped_batches: tuple[int, ...] | None = None
     dropped_rows: tuple[int, ...] | None = None
     lost_rows: tuple[int, ...] | None = None
+    resumed_at_step: int | None = None
     oversampling: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -150,6 +154,8 @@ class EpochStats:
             line += f"; rows lost by the source {_slashed(self.lost_rows)}"
         if self.empty_ranks:
             line += f"; EMPTY ranks {','.join(map(str, self.empty_ranks))}"
+        if self.resumed_at_step is not None:
+            line += f"; resumed after step {self.resumed_at_step}"
         return line
 
     def as_dict(self) -> dict[str, object]:
@@ -181,7 +187,11 @@ class CountsGatherer(Protocol):
 
 
 def gather_epoch_stats(
-    agreer: CountsGatherer, counts: RankCounts, epoch: int, mode: str
+    agreer: CountsGatherer,
+    counts: RankCounts,
+    epoch: int,
+    mode: str,
+    resumed_at_step: int | None = None,
 ) -> EpochStats:
     """Collect every rank's counts with one all-gather that every rank reaches."""
     columns = RankCounts.columns_of(agreer.gather_counts(counts.as_vector()))
@@ -207,6 +217,7 @@ def gather_epoch_stats(
         dropped_batches=dropped_batches,
         dropped_rows=dropped_rows,
         lost_rows=lost_rows,
+        resumed_at_step=resumed_at_step,
     )
     if agreer.rank == 0:
         _log(stats, agreer.global_ranks, own_rows, planned_batches, planned_rows)

@@ -1,0 +1,181 @@
+"""Run the trainer examples (Lightning, accelerate) as real jobs and read what each rank wrote.
+
+``write_regression_dataset`` writes the columns the examples read (float ``x0..x3`` and
+``label``) with the given row-group sizes; ``expected_epoch`` works out, from those sizes alone,
+what every rank's ``EpochStats`` must say (petastorm's round robin gives rank ``r`` the row
+groups ``i`` with ``i % world_size == r``; a ``BatchedDataLoader`` cuts a shard into full
+batches and one short last batch). ``launch`` runs a command in its own session with a hard
+timeout, waits for the per-rank JSON files, and kills whatever is left of the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tests.helpers.datasets import shard_rows
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+FEATURES = ("x0", "x1", "x2", "x3")
+
+# Launcher variables a test run may have inherited; each job sets its own.
+_LAUNCH_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "DDP_EVEN_LIGHTNING_DEMO_DATA",
+)
+
+
+def write_regression_dataset(directory: Path, row_group_sizes: Sequence[int]) -> str:
+    """One Parquet file with one row group per size; returns its directory's ``file://`` URL."""
+    rows = sum(row_group_sizes)
+    rng = np.random.default_rng(7)
+    features = rng.standard_normal((rows, len(FEATURES))).astype(np.float32)
+    columns: dict[str, Any] = {name: features[:, i] for i, name in enumerate(FEATURES)}
+    columns["label"] = features.sum(axis=1) + np.float32(0.5)
+    table = pa.table(columns)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "part-00000.parquet"
+    with pq.ParquetWriter(path, table.schema) as writer:
+        start = 0
+        for size in row_group_sizes:
+            writer.write_table(table.slice(start, size), row_group_size=size)
+            start += size
+    written = pq.read_metadata(path)
+    assert [written.row_group(i).num_rows for i in range(written.num_row_groups)] == list(
+        row_group_sizes
+    )
+    return directory.resolve().as_uri()
+
+
+def shard_batches(
+    row_group_sizes: Sequence[int], world_size: int, batch_size: int
+) -> list[list[int]]:
+    """Per rank, the sizes of the batches of one pass over its shard."""
+    batches = []
+    for rank in range(world_size):
+        rows = shard_rows(list(row_group_sizes), world_size, rank)
+        full, rest = divmod(rows, batch_size)
+        batches.append([batch_size] * full + ([rest] if rest else []))
+    return batches
+
+
+def expected_epoch(
+    mode: str,
+    row_group_sizes: Sequence[int],
+    world_size: int,
+    batch_size: int,
+    *,
+    planned: bool,
+) -> dict[str, Any]:
+    """The fields of every epoch's ``EpochStats.as_dict()`` (tuples as lists, as JSON has them)."""
+    batches = shard_batches(row_group_sizes, world_size, batch_size)
+    counts = [len(shard) for shard in batches]
+    if mode == "truncate":
+        steps = [min(counts)] * world_size
+    elif mode == "cycle":
+        steps = [max(counts)] * world_size
+    else:
+        steps = counts
+    own = [min(taken, count) for taken, count in zip(steps, counts, strict=True)]
+    expected: dict[str, Any] = {
+        "mode": mode,
+        "world_size": world_size,
+        "steps": steps,
+        "own_batches": own,
+        "repeated_batches": [taken - mine for taken, mine in zip(steps, own, strict=True)],
+        "passes": [-(-taken // count) for taken, count in zip(steps, counts, strict=True)],
+        "samples": [
+            sum(shard[i % len(shard)] for i in range(taken))
+            for taken, shard in zip(steps, batches, strict=True)
+        ],
+        "truncated": [count > taken for taken, count in zip(steps, counts, strict=True)],
+    }
+    if planned:
+        expected["dropped_batches"] = [
+            count - mine for count, mine in zip(counts, own, strict=True)
+        ]
+        expected["dropped_rows"] = [
+            sum(shard) - sum(shard[:mine]) for shard, mine in zip(batches, own, strict=True)
+        ]
+        expected["lost_rows"] = [0] * world_size
+    else:
+        expected["dropped_batches"] = expected["dropped_rows"] = expected["lost_rows"] = None
+    own_total = sum(own)
+    expected["oversampling"] = sum(expected["repeated_batches"]) / own_total if own_total else 0.0
+    return expected
+
+
+def launch(
+    command: Sequence[str],
+    results: Path,
+    expected_files: Sequence[str],
+    *,
+    timeout: float,
+    cwd: Path,
+) -> str:
+    """Run ``command`` until it exits and every expected file is in ``results``; its output.
+
+    The job runs in a session of its own, killed whole at the end (Lightning's ranks 1..N-1 are
+    children that outlive rank 0 by a moment). Raises ``AssertionError`` with the output's tail
+    when the time runs out or a file is missing.
+    """
+    env = {name: value for name, value in os.environ.items() if name not in _LAUNCH_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log_path = cwd / "job.log"
+    deadline = time.monotonic() + timeout
+    with log_path.open("wb") as log:
+        job = subprocess.Popen(
+            list(command),
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                job.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            while time.monotonic() < deadline and not all(
+                (results / name).exists() for name in expected_files
+            ):
+                time.sleep(0.1)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    output = log_path.read_text(errors="replace")
+    missing = [name for name in expected_files if not (results / name).exists()]
+    assert not missing, (
+        f"after {timeout:.0f} s (exit status {job.returncode}) no {missing}; "
+        f"output:\n{output[-6000:]}"
+    )
+    return output
+
+
+def read_ranks(results: Path, name: str, world_size: int) -> list[dict[str, Any]]:
+    """The JSON each rank wrote for the run ``name`` (``<name>-rank<r>.json``), rank 0 first."""
+    return [
+        json.loads((results / f"{name}-rank{rank}.json").read_text()) for rank in range(world_size)
+    ]

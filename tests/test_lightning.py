@@ -1,0 +1,151 @@
+"""EvenLoader inside a real PyTorch Lightning ``Trainer(strategy="ddp")``, 2 CPU ranks.
+
+The test runs ``examples/train_lightning.py`` as a subprocess: Lightning starts rank 1 itself
+(a subprocess of the script) and every rank writes a JSON file per run. One job trains, one
+after the other, in truncate and cycle with a loader factory and with ``from_parquet``; a
+second job tries join mode, which must end on every rank, with a clear error, not hang.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.lightning_and_accelerate import (
+    PYTHON,
+    REPO,
+    expected_epoch,
+    launch,
+    read_ranks,
+    write_regression_dataset,
+)
+
+pytestmark = [pytest.mark.multirank, pytest.mark.skipif(sys.platform != "linux", reason="Linux")]
+
+EXAMPLE = REPO / "examples" / "train_lightning.py"
+WORLD_SIZE = 2
+BATCH_SIZE = 8
+EPOCHS = 3
+# Rank 0 gets row groups 0, 2, 4 (62 rows, 8 batches), rank 1 row groups 1, 3 (12 rows, 2).
+ROW_GROUP_SIZES = (30, 5, 20, 7, 12)
+RUNS = [(mode, source) for mode in ("truncate", "cycle") for source in ("factory", "parquet")]
+
+
+def _command(data_url: str, results: Path, modes: list[str], sources: list[str]) -> list[str]:
+    command = [PYTHON, str(EXAMPLE), "--data", data_url, "--results", str(results)]
+    command += ["--epochs", str(EPOCHS), "--batch-size", str(BATCH_SIZE)]
+    command += ["--devices", str(WORLD_SIZE)]
+    for mode in modes:
+        command += ["--mode", mode]
+    for source in sources:
+        command += ["--source", source]
+    return command
+
+
+@pytest.fixture(scope="module")
+def data_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_regression_dataset(tmp_path_factory.mktemp("skewed"), ROW_GROUP_SIZES)
+
+
+@pytest.fixture(scope="module")
+def trained(data_url: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One Lightning job: the four runs of RUNS, one after the other, on the same 2 ranks."""
+    workdir = tmp_path_factory.mktemp("lightning")
+    results = workdir / "results"
+    expected_files = [
+        f"{mode}-{source}-rank{rank}.json" for mode, source in RUNS for rank in range(WORLD_SIZE)
+    ]
+    command = _command(data_url, results, ["truncate", "cycle"], ["factory", "parquet"])
+    launch(command, results, expected_files, timeout=100, cwd=workdir)
+    return results
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("mode", "source"), RUNS)
+def test_every_epoch_has_the_right_steps_on_every_rank(
+    trained: Path, mode: str, source: str
+) -> None:
+    ranks = read_ranks(trained, f"{mode}-{source}", WORLD_SIZE)
+    expected = expected_epoch(
+        mode, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=source == "parquet"
+    )
+    for rank, result in enumerate(ranks):
+        assert result["error"] is None
+        assert (result["rank"], result["world_size"]) == (rank, WORLD_SIZE)
+        history = result["history"]
+        assert [epoch["epoch"] for epoch in history] == list(range(EPOCHS))
+        for epoch in history:
+            assert {name: epoch[name] for name in expected} == expected, f"rank {rank}"
+        # Lightning ran exactly the steps the loader handed out.
+        assert result["global_step"] == EPOCHS * expected["steps"][0]
+    # The statistics are gathered, so equal everywhere; DDP kept the replicas equal.
+    assert ranks[0]["history"] == ranks[1]["history"]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("mode", "source"), RUNS)
+def test_the_callback_logs_every_epoch_to_the_trainers_logger(
+    trained: Path, mode: str, source: str
+) -> None:
+    expected = expected_epoch(
+        mode, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=source == "parquet"
+    )
+    wanted: dict[str, Any] = {
+        "ddp_even/steps_min": min(expected["steps"]),
+        "ddp_even/steps_max": max(expected["steps"]),
+        "ddp_even/own_batches": sum(expected["own_batches"]),
+        "ddp_even/repeated_batches": sum(expected["repeated_batches"]),
+        "ddp_even/samples": sum(expected["samples"]),
+        "ddp_even/truncated_ranks": sum(expected["truncated"]),
+        "ddp_even/oversampling": pytest.approx(expected["oversampling"]),
+    }
+    if source == "parquet":
+        wanted["ddp_even/dropped_batches"] = sum(expected["dropped_batches"])
+        wanted["ddp_even/dropped_rows"] = sum(expected["dropped_rows"])
+    for result in read_ranks(trained, f"{mode}-{source}", WORLD_SIZE):
+        logged = result["logged_metrics"]
+        assert [metrics["ddp_even/epoch"] for metrics in logged] == list(range(EPOCHS))
+        for metrics in logged:
+            assert {name: metrics[name] for name in wanted} == wanted
+        if source == "factory":
+            assert "ddp_even/dropped_batches" not in logged[0]
+    # Rank 0's CSVLogger wrote them.
+    metrics_csv = trained / "logs" / f"{mode}-{source}" / "version_0" / "metrics.csv"
+    with metrics_csv.open() as file:
+        rows = [row for row in csv.DictReader(file) if row["ddp_even/epoch"]]
+    assert [int(row["ddp_even/epoch"]) for row in rows] == list(range(EPOCHS))
+    assert {int(row["ddp_even/steps_max"]) for row in rows} == {max(expected["steps"])}
+
+
+@pytest.mark.timeout(90)
+def test_join_mode_under_lightning_ends_on_every_rank(data_url: str, tmp_path: Path) -> None:
+    """Lightning's per-step broadcast would hang Join: every rank must stop, with a clear error
+    (or finish), within the job's short timeout."""
+    results = tmp_path / "results"
+    expected_files = [
+        f"join-{source}-rank{rank}.json"
+        for source in ("factory", "parquet")
+        for rank in range(WORLD_SIZE)
+    ]
+    command = _command(data_url, results, ["join"], ["factory", "parquet"])
+    launch(command, results, expected_files, timeout=60, cwd=tmp_path)
+    for source in ("factory", "parquet"):
+        for result in read_ranks(results, f"join-{source}", WORLD_SIZE):
+            error = result["error"]
+            if error is None:  # finished: then every shard was trained on once
+                expected = expected_epoch(
+                    "join", ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=False
+                )
+                assert [epoch["steps"] for epoch in result["history"]] == [
+                    expected["steps"]
+                ] * EPOCHS
+                continue
+            assert error["type"] == "EvenLoaderError"
+            assert "Lightning" in error["message"]
+            assert "truncate" in error["message"] and "cycle" in error["message"]
+            assert result["global_step"] == 0  # raised at the first epoch, before any step
