@@ -165,6 +165,8 @@ class _MetadataProgress:
 
     def __call__(self, done: int, total: int) -> None:
         if self._display is None:
+            if not self._console.is_terminal:  # a log file gets no redrawn bar
+                return
             if time.monotonic() - self._started < _PROGRESS_AFTER_S or done >= total:
                 return
             self._display = Progress(

@@ -173,6 +173,10 @@ class EvenLoader(Generic[BatchT]):
         self._resume: tuple[int, int] | None = None
         self.history: list[EpochStats] = []
         self.repeating = False
+        # What trainers look for to number epochs (Lightning calls sampler.set_epoch); there
+        # is no batch sampler to configure.
+        self.sampler = _EpochNumbering(self)
+        self.batch_sampler = None
 
     @property
     def mode(self) -> str:
@@ -361,6 +365,9 @@ class EvenLoader(Generic[BatchT]):
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        run = self._current_run
+        if run is not None and not run.finished and run.epoch == epoch:
+            return  # that epoch is already running (a trainer fetched its first batch early)
         self._next_epoch = epoch
 
     @property
@@ -484,6 +491,18 @@ class EvenLoader(Generic[BatchT]):
     def _running_epoch_is(self, run: EpochRun[BatchT]) -> bool:
         running = None if self._running is None else self._running()
         return running is not None and self._current_run is run
+
+
+class _EpochNumbering:
+    """``loader.sampler``: forwards ``set_epoch`` the way trainers call it on samplers."""
+
+    def __init__(self, loader: EvenLoader[Any]) -> None:
+        self._loader = weakref.ref(loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        loader = self._loader()
+        if loader is not None:
+            loader.set_epoch(epoch)
 
 
 _STATE_FORMAT = "ddp_even.EvenLoader"

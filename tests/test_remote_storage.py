@@ -15,6 +15,7 @@ import importlib.util
 import io
 import json
 import os
+import pickle
 import socket
 import time
 from collections import Counter
@@ -218,6 +219,10 @@ def test_progress_bar_appears_once_reading_is_slow(monkeypatch: pytest.MonkeyPat
         progress(3, 10)
         progress(10, 10)
     assert "reading Parquet metadata" in screen.getvalue()
+    log_file = io.StringIO()
+    with ddp_even.cli._MetadataProgress(Console(file=log_file)) as progress:
+        progress(3, 10)
+    assert log_file.getvalue() == "", "no bar is drawn into a file or pipe"
     quiet = io.StringIO()
     monkeypatch.setattr(ddp_even.cli, "_PROGRESS_AFTER_S", 60.0)
     with ddp_even.cli._MetadataProgress(Console(file=quiet, force_terminal=True)) as progress:
@@ -340,6 +345,25 @@ def test_storage_options_in_reader_kwargs_are_taken_once(
         )  # fmt: skip
     with pytest.raises(ValueError, match="not both"):
         make_shard_factory(urls["plain"], 0, 2, BATCH, storage_options=options, filesystem=object())
+
+
+@pytest.mark.timeout(30)
+def test_a_pyarrow_s3_filesystem_passed_as_filesystem(s3: S3Server, urls: dict[str, str]) -> None:
+    from_options = read_row_groups(urls["partitioned"], storage_options=s3.storage_options())
+    from_object = read_row_groups(urls["partitioned"], filesystem=s3.filesystem())
+    assert from_object.files == from_options.files
+    assert from_object.num_rows.tolist() == from_options.num_rows.tolist()
+    with pytest.raises(DatasetError, match="bucket 'no-such-bucket' does not exist"):
+        read_row_groups("s3://no-such-bucket/x", filesystem=s3.filesystem())
+
+
+@pytest.mark.timeout(30)
+def test_legacy_filesystem_pickles_for_the_process_pool(s3: S3Server, urls: dict[str, str]) -> None:
+    resolved = resolve_dataset(urls["plain"], storage_options=s3.storage_options())
+    legacy = pickle.loads(pickle.dumps(legacy_filesystem(resolved.storage.filesystem)))
+    assert legacy.isdir(resolved.petastorm_paths)
+    _, directories, files = next(legacy.walk(resolved.petastorm_paths))
+    assert directories == [] and len(files) == len(SIZES)
 
 
 def _read_every_rank(dataset: str, **where: Any) -> tuple[ShardPlan, list[list[int]]]:

@@ -30,7 +30,7 @@ def stats_metrics(stats: EpochStats, prefix: str = "ddp_even/") -> dict[str, flo
 
     Per-rank fields are summed over the ranks (``steps`` as min and max); fields that are not
     known (``samples`` with unsized batches, ``dropped_*`` and ``lost_rows`` without a shard
-    plan) are left out.
+    plan, ``resumed_at_step`` in an epoch that was not resumed) are left out.
 
     Example::
 
@@ -60,6 +60,8 @@ def stats_metrics(stats: EpochStats, prefix: str = "ddp_even/") -> dict[str, flo
         per_rank: tuple[int, ...] | None = getattr(stats, name)
         if per_rank is not None:
             metrics[name] = sum(per_rank)
+    if stats.resumed_at_step is not None:
+        metrics["resumed_at_step"] = stats.resumed_at_step
     return {prefix + name: value for name, value in metrics.items()}
 
 

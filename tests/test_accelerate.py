@@ -1,0 +1,90 @@
+"""EvenLoader inside a real Hugging Face accelerate loop, 2 CPU ranks under torchrun.
+
+One torchrun job runs ``examples/train_accelerate.py`` in every mode, one after the other:
+truncate, cycle and join with a loader factory and with ``from_parquet``, and accelerate's own
+recipe (``accelerate-join``: a plain petastorm loader inside torch's ``Join``). Each rank writes
+a JSON file per run; the test checks them against counts worked out from the row-group sizes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.datasets import shard_rows
+from tests.helpers.lightning_and_accelerate import (
+    REPO,
+    TORCHRUN,
+    expected_epoch,
+    launch,
+    read_ranks,
+    shard_batches,
+    write_regression_dataset,
+)
+
+pytestmark = [pytest.mark.multirank, pytest.mark.skipif(sys.platform != "linux", reason="Linux")]
+
+EXAMPLE = REPO / "examples" / "train_accelerate.py"
+WORLD_SIZE = 2
+BATCH_SIZE = 8
+EPOCHS = 3
+# Rank 0 gets row groups 0, 2, 4 (62 rows, 8 batches), rank 1 row groups 1, 3 (12 rows, 2).
+ROW_GROUP_SIZES = (30, 5, 20, 7, 12)
+EVEN_RUNS = [
+    (mode, source) for mode in ("truncate", "cycle", "join") for source in ("factory", "parquet")
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    workdir = tmp_path_factory.mktemp("accelerate")
+    data_url = write_regression_dataset(workdir / "data", ROW_GROUP_SIZES)
+    results = workdir / "results"
+    runs = [*EVEN_RUNS, ("accelerate-join", "plain")]
+    command = [TORCHRUN, "--standalone", "--nproc-per-node", str(WORLD_SIZE), str(EXAMPLE)]
+    command += ["--data", data_url, "--results", str(results)]
+    command += ["--epochs", str(EPOCHS), "--batch-size", str(BATCH_SIZE)]
+    for mode in ("truncate", "cycle", "join", "accelerate-join"):
+        command += ["--mode", mode]
+    command += ["--source", "factory", "--source", "parquet"]
+    expected_files = [
+        f"{mode}-{source}-rank{rank}.json" for mode, source in runs for rank in range(WORLD_SIZE)
+    ]
+    launch(command, results, expected_files, timeout=100, cwd=workdir)
+    return results
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("mode", "source"), EVEN_RUNS)
+def test_every_rank_trains_the_planned_steps(trained: Path, mode: str, source: str) -> None:
+    ranks = read_ranks(trained, f"{mode}-{source}", WORLD_SIZE)
+    expected = expected_epoch(
+        mode, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=source == "parquet"
+    )
+    for rank, result in enumerate(ranks):
+        # Accelerator(cpu=True) made the torchrun processes one gloo job.
+        assert result["distributed_type"] == "DistributedType.MULTI_CPU"
+        assert (result["rank"], result["world_size"]) == (rank, WORLD_SIZE)
+        history = result["history"]
+        assert [epoch["epoch"] for epoch in history] == list(range(EPOCHS))
+        for epoch in history:
+            assert {name: epoch[name] for name in expected} == expected, f"rank {rank}"
+        # What the training loop itself counted on this rank.
+        assert result["steps"] == [expected["steps"][rank]] * EPOCHS
+        assert result["rows"] == [expected["samples"][rank]] * EPOCHS
+    assert ranks[0]["history"] == ranks[1]["history"]
+    # DDP (and, in join mode, Join's final broadcast) kept the replicas equal.
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+@pytest.mark.timeout(150)
+def test_accelerates_own_join_recipe_trains_every_row_once(trained: Path) -> None:
+    ranks = read_ranks(trained, "accelerate-join-plain", WORLD_SIZE)
+    batches = shard_batches(ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE)
+    for rank, result in enumerate(ranks):
+        assert result["history"] == []  # no EvenLoader, no statistics
+        assert result["steps"] == [len(batches[rank])] * EPOCHS
+        assert result["rows"] == [shard_rows(list(ROW_GROUP_SIZES), WORLD_SIZE, rank)] * EPOCHS
+    assert ranks[0]["weights"] == ranks[1]["weights"]
