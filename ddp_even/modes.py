@@ -40,15 +40,31 @@ class WindowDecision:
 
 @dataclass(frozen=True)
 class EpochOutcome:
-    """A mode's epoch over known shards: per-rank arrays, and the share wasted in percent."""
+    """A mode's epoch over known shards: per-rank arrays, and the share wasted in percent.
+
+    Per-rank arrays a mode does not fill (a truncate epoch repeats nothing) are zeros.
+    """
 
     steps: int
+    waste_percent: float
     dropped_batches: npt.NDArray[np.int64]
     dropped_rows: npt.NDArray[np.int64]
     repeated_batches: npt.NDArray[np.int64]
     repeated_rows: npt.NDArray[np.int64]
     idle_steps: npt.NDArray[np.int64]
-    waste_percent: float
+
+    @classmethod
+    def of(
+        cls, steps: int, waste: float, whole: int, **per_rank: npt.NDArray[np.int64]
+    ) -> EpochOutcome:
+        """An outcome wasting ``waste`` of ``whole``, with the per-rank arrays given."""
+        ranks = len(next(iter(per_rank.values())))
+        zeros = np.zeros(ranks, dtype=np.int64)
+        arrays = {name: per_rank.get(name, zeros) for name in _PER_RANK}
+        return cls(steps=steps, waste_percent=round(100.0 * waste / max(whole, 1), 3), **arrays)
+
+
+_PER_RANK = ("dropped_batches", "dropped_rows", "repeated_batches", "repeated_rows", "idle_steps")
 
 
 class Mode(ABC):
@@ -135,14 +151,6 @@ class Mode(ABC):
         """``(runnable, note)`` when the ranks named in ``empty_ranks`` have no batch."""
 
 
-def _zeros(like: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    return np.zeros_like(like)
-
-
-def _percent(part: float, whole: int) -> float:
-    return round(100.0 * part / max(whole, 1), 3)
-
-
 class Truncate(Mode):
     """Every rank stops at the step where the shortest shard ends."""
 
@@ -161,15 +169,12 @@ class Truncate(Mode):
         steps = int(batches.min())
         # The first `steps` batches are full unless they are all the rank has.
         dropped_rows = rows - np.minimum(rows, steps * batch_size)
-        zeros = _zeros(rows)
-        return EpochOutcome(
-            steps=steps,
+        return EpochOutcome.of(
+            steps,
+            float(dropped_rows.sum()),
+            int(rows.sum()),
             dropped_batches=batches - steps,
             dropped_rows=dropped_rows,
-            repeated_batches=zeros,
-            repeated_rows=zeros,
-            idle_steps=zeros,
-            waste_percent=_percent(float(dropped_rows.sum()), int(rows.sum())),
         )
 
     def note_with_empty_ranks(self, empty_ranks: str, steps: int) -> tuple[bool, str]:
@@ -201,15 +206,12 @@ class Cycle(Mode):
         # batches of one more pass. A rank without batches repeats nothing (cycle cannot run).
         whole_passes, extra_batches = np.divmod(repeated_batches, np.maximum(batches, 1))
         repeated_rows = np.where(batches > 0, whole_passes * rows + extra_batches * batch_size, 0)
-        zeros = _zeros(rows)
-        return EpochOutcome(
-            steps=steps,
-            dropped_batches=zeros,
-            dropped_rows=zeros,
+        return EpochOutcome.of(
+            steps,
+            float(repeated_rows.sum()),
+            int(rows.sum()),
             repeated_batches=repeated_batches,
             repeated_rows=repeated_rows,
-            idle_steps=zeros,
-            waste_percent=_percent(float(repeated_rows.sum()), int(rows.sum())),
         )
 
     def note_with_empty_ranks(self, empty_ranks: str, steps: int) -> tuple[bool, str]:
@@ -255,16 +257,7 @@ class JoinMode(Mode):
     ) -> EpochOutcome:
         steps = int(batches.max())
         idle = steps - batches
-        zeros = _zeros(rows)
-        return EpochOutcome(
-            steps=steps,
-            dropped_batches=zeros,
-            dropped_rows=zeros,
-            repeated_batches=zeros,
-            repeated_rows=zeros,
-            idle_steps=idle,
-            waste_percent=_percent(float(idle.sum()), steps * len(batches)),
-        )
+        return EpochOutcome.of(steps, float(idle.sum()), steps * len(batches), idle_steps=idle)
 
     def note_with_empty_ranks(self, empty_ranks: str, steps: int) -> tuple[bool, str]:
         return True, f"rank(s) {empty_ranks} have no batch and join at once"

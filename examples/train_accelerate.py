@@ -35,23 +35,19 @@ A dataset needs float columns x0..x3 and label.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 import warnings
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from accelerate import Accelerator
 from petastorm import make_batch_reader
 from petastorm.pytorch import BatchedDataLoader
+from skewed_parquet import FEATURES, LABEL, exit_at_once, write_skewed_dataset
 from torch.distributed.algorithms.join import Join
 
 from ddp_even import EvenLoader
@@ -73,30 +69,10 @@ def hide_known_warnings() -> None:
 
 hide_known_warnings()
 
-FEATURES = ("x0", "x1", "x2", "x3")
-LABEL = "label"
 # 334 rows in 8 row groups; with 2 ranks petastorm gives rank 0 row groups 0, 2, 4, 6 (280
 # rows) and rank 1 row groups 1, 3, 5, 7 (54 rows).
 DEMO_ROW_GROUP_SIZES = (120, 8, 60, 16, 90, 20, 10, 10)
 MODES = ("truncate", "cycle", "join", "accelerate-join")
-
-
-def write_skewed_dataset(directory: Path, row_group_sizes: tuple[int, ...]) -> None:
-    """One Parquet file, one row group per size: label = x @ (2, -1, 0.5, 3) + 1 + noise."""
-    rng = np.random.default_rng(0)
-    rows = sum(row_group_sizes)
-    features = rng.standard_normal((rows, len(FEATURES))).astype(np.float32)
-    labels = features @ np.array([2.0, -1.0, 0.5, 3.0], np.float32) + 1.0
-    labels += rng.normal(0.0, 0.1, rows).astype(np.float32)
-    columns: dict[str, Any] = {name: features[:, i] for i, name in enumerate(FEATURES)}
-    columns[LABEL] = labels
-    table = pa.table(columns)
-    directory.mkdir(parents=True, exist_ok=True)
-    with pq.ParquetWriter(directory / "part-00000.parquet", table.schema) as writer:
-        start = 0
-        for size in row_group_sizes:
-            writer.write_table(table.slice(start, size), row_group_size=size)
-            start += size
 
 
 def train(
@@ -202,14 +178,6 @@ def train_epoch(
         steps += 1
         rows += len(labels)
     return steps, rows
-
-
-def exit_at_once(code: int) -> NoReturn:
-    """Leave without the interpreter's shutdown: with torch 2.13 a gloo worker thread can abort
-    a finished process there (pytorch/pytorch#190489; see examples/train.py)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

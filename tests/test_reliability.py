@@ -276,15 +276,7 @@ def _endless_without_steps(rank: int, world_size: int, url: str, as_factory: boo
         )
 
     if not as_factory:
-        reader = endless()
-        try:
-            EvenLoader(reader, "truncate")
-        except ValueError as error:
-            return str(error)
-        finally:
-            reader.stop()
-            reader.join()
-        return "accepted"
+        return _construction_error(endless())
     try:
         list(EvenLoader(endless, "truncate", timeout=20))
     except ValueError as error:
@@ -305,10 +297,16 @@ def test_an_endless_reader_without_steps_per_epoch_is_refused(
 def _mis_sharded_worker(rank: int, world_size: int, url: str, shard_count: int | None) -> str:
     from petastorm import make_batch_reader
 
+    sharding = {} if shard_count is None else {"cur_shard": rank, "shard_count": shard_count}
+    return _construction_error(
+        make_batch_reader(url, num_epochs=1, reader_pool_type="dummy", **sharding)
+    )
+
+
+def _construction_error(reader: Any) -> str:
+    """What ``EvenLoader(reader)`` says when it refuses the reader (which is stopped after)."""
     from ddp_even import EvenLoader
 
-    sharding = {} if shard_count is None else {"cur_shard": rank, "shard_count": shard_count}
-    reader = make_batch_reader(url, num_epochs=1, reader_pool_type="dummy", **sharding)
     try:
         EvenLoader(reader, "truncate")
     except ValueError as error:

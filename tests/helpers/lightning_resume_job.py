@@ -1,0 +1,254 @@
+"""A Lightning ``Trainer(strategy="ddp")`` job that stops mid-epoch and resumes from its checkpoint.
+
+Run as ``python tests/helpers/lightning_resume_job.py --results DIR --save-at K [--save-at ...]
+[--mode ...] [--source ...] [--recipe]``; Lightning starts rank 1 itself (a subprocess of this
+script). For each mode and source, one after the other on the same two ranks, it fits a tiny
+linear model for ``EPOCHS`` epochs over per-rank lists of batches of sample ids of uneven
+lengths (``BATCHES``), with an :class:`~ddp_even.EvenLoader` as the train dataloader:
+
+* ``full``: uninterrupted;
+* ``stop<K>``: the same, but Lightning's ``ModelCheckpoint(every_n_train_steps=K)`` saves a
+  checkpoint at global step ``K`` and a callback stops the fit there (``should_stop``);
+* ``resume<K>``: a fresh module, trainer and loader, ``trainer.fit(..., ckpt_path=...)`` from
+  that checkpoint.
+
+Nothing but the checkpoint file passes from ``stop<K>`` to ``resume<K>``. Every rank writes
+``<mode>-<source>-<run>-rank<r>.json``: the sample ids of every training step (with Lightning's
+epoch, batch index and global step), the loader's ``history``, the final weights and, for
+``stop<K>``, the loader states found in the checkpoint (``loops.fit_loop.state_dict.
+combined_loader``, where Lightning 2.x keeps the ``state_dict()`` of stateful train loaders).
+
+``--recipe`` adds :class:`TrainedSteps`, a callback that corrects the saved loader state to the
+steps Lightning has trained (see its docstring), to the ``stop`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ddp_even import EvenLoader
+
+warnings.filterwarnings("ignore", message=".*(does not have many workers|smaller than the logging)")
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+warnings.filterwarnings("ignore", category=FutureWarning)
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+
+EPOCHS = 2
+# Batches per rank; sample ids of rank r are r * 1000 + 0, 1, ... in batches of BATCH_SIZE,
+# the last one short.
+BATCHES = (9, 5)
+BATCH_SIZE = 3
+FEATURES = 4
+LR = 0.1
+# Where the loader states sit in a Lightning 2.x checkpoint.
+LOADER_STATES_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
+
+
+def shard(rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s batches of sample ids; the last batch has BATCH_SIZE - 1 ids."""
+    count = BATCHES[rank] * BATCH_SIZE - 1
+    ids = torch.arange(count, dtype=torch.int64) + rank * 1000
+    return list(ids.split(BATCH_SIZE))
+
+
+def features_and_labels(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic regression sample per id."""
+    scales = torch.arange(1, FEATURES + 1, dtype=torch.float64) * 0.37
+    features = torch.sin(ids.to(torch.float64).unsqueeze(1) * scales)
+    labels = features @ torch.tensor([2.0, -1.0, 0.5, 3.0], dtype=torch.float64) + 1.0
+    return features.float(), labels.float().unsqueeze(1)
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, mode: str, source: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.source = source
+        self.net = torch.nn.Linear(FEATURES, 1)
+        self.loader: EvenLoader[torch.Tensor] | None = None
+        self.steps: list[dict[str, Any]] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.steps.append(
+            {
+                "epoch": self.trainer.current_epoch,
+                "batch_idx": batch_idx,
+                "global_step": self.trainer.global_step,
+                "ids": batch.tolist(),
+            }
+        )
+        features, labels = features_and_labels(batch)
+        return torch.nn.functional.mse_loss(self.net(features), labels)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def train_dataloader(self) -> EvenLoader[torch.Tensor]:
+        batches = shard(self.trainer.global_rank)
+        source: list[torch.Tensor] | Callable[[], Iterator[torch.Tensor]]
+        if self.source == "list":
+            source = batches  # known length: one agreement per epoch
+        else:
+            source = lambda: iter(batches)  # noqa: E731 (unknown length: agreements as it goes)
+        self.loader = EvenLoader(source, mode=self.mode, timeout=30)
+        return self.loader
+
+
+class StopAt(pl.Callback):
+    """Stops the fit after global step ``step`` (after that step's checkpoint)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+class TrainedSteps(pl.Callback):
+    """Saves the steps Lightning trained as the EvenLoader's position, not the batches fetched.
+
+    Lightning's fetcher reads one batch ahead when it does not know ``len(loader)``, so at a
+    checkpoint the loader has handed out one batch more than was trained on; this sets the
+    saved loader state's ``step`` back to the batches of the epoch Lightning has processed.
+    """
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        states = checkpoint["loops"]["fit_loop"]["state_dict"].get("combined_loader", [])
+        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        for state in states:
+            if state.get("format") == "ddp_even.EvenLoader" and state["step"] > processed:
+                if state["epoch"] == trainer.current_epoch:
+                    state["step"] = processed
+                elif state["epoch"] == trainer.current_epoch + 1 and state["step"] == 0:
+                    pass  # the read-ahead ended the epoch: the last batch was trained on
+                else:
+                    raise RuntimeError(f"unexpected loader state {state} at {processed} steps")
+
+
+def fit(
+    mode: str,
+    source: str,
+    workdir: Path,
+    *,
+    stop_at: int | None = None,
+    ckpt_path: Path | None = None,
+    recipe: bool = False,
+) -> tuple[Regression, pl.Trainer]:
+    torch.manual_seed(0)
+    module = Regression(mode, source)
+    callbacks: list[pl.Callback] = []
+    if stop_at is not None:
+        callbacks.append(StopAt(stop_at))
+        if recipe:
+            callbacks.append(TrainedSteps())
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=workdir,
+                filename="saved",
+                every_n_train_steps=stop_at,
+                save_top_k=-1,
+                enable_version_counter=False,
+            )
+        )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=EPOCHS,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=stop_at is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=workdir,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def record(module: Regression, trainer: pl.Trainer) -> dict[str, Any]:
+    loader = module.loader
+    return {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "steps": module.steps,
+        "history": [] if loader is None else [stats.as_dict() for stats in loader.history],
+        "weights": [value for tensor in module.parameters() for value in tensor.flatten().tolist()],
+    }
+
+
+def write(results: Path, name: str, rank: int, document: dict[str, Any]) -> None:
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{name}-rank{rank}.json"
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(document, indent=1))
+    partial.replace(path)  # whole or absent, for whoever reads it
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """Leave without the interpreter's shutdown (a gloo worker thread can abort it, see
+    examples/train_lightning.py)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@click.command()
+@click.option("--results", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--mode", "modes", multiple=True, default=["truncate", "cycle"])
+@click.option("--source", "sources", multiple=True, default=["list"])
+@click.option("--save-at", "save_at", type=int, multiple=True, required=True)
+@click.option("--recipe", is_flag=True)
+def main(
+    results: Path,
+    modes: tuple[str, ...],
+    sources: tuple[str, ...],
+    save_at: tuple[int, ...],
+    recipe: bool,
+) -> None:
+    torch.set_num_threads(1)
+    for mode in modes:
+        for source in sources:
+            name = f"{mode}-{source}"
+            module, trainer = fit(mode, source, results / name / "full")
+            write(results, f"{name}-full", trainer.global_rank, record(module, trainer))
+            for step in save_at:
+                workdir = results / name / f"at{step}"
+                module, trainer = fit(mode, source, workdir, stop_at=step, recipe=recipe)
+                saved = workdir / "saved.ckpt"
+                document = record(module, trainer)
+                checkpoint = torch.load(saved, map_location="cpu", weights_only=False)
+                states: Any = checkpoint
+                for key in LOADER_STATES_PATH:
+                    states = states.get(key, {}) if isinstance(states, dict) else None
+                document["checkpoint_global_step"] = checkpoint["global_step"]
+                document["checkpoint_epoch"] = checkpoint["epoch"]
+                document["checkpoint_loader_states"] = states
+                write(results, f"{name}-stop{step}", trainer.global_rank, document)
+                module, trainer = fit(mode, source, workdir / "resumed", ckpt_path=saved)
+                write(results, f"{name}-resume{step}", trainer.global_rank, record(module, trainer))
+    if dist.is_initialized():
+        dist.barrier()
+    exit_at_once(0)
+
+
+if __name__ == "__main__":
+    main()
