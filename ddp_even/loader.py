@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-import sys
-import types
 import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
@@ -24,15 +21,18 @@ from ddp_even.agreement.transport import (
 from ddp_even.checks import check_positive_int
 from ddp_even.errors import EvenLoaderError
 from ddp_even.modes import mode_named
+from ddp_even.runtime.environment import (
+    refuse_join_inside_lightning,
+    warn_if_launched_without_a_group,
+)
 from ddp_even.runtime.epochs import EpochRun, Settings, run_join, run_known_lengths, run_windows
 from ddp_even.runtime.feed import ShardFeed
+from ddp_even.runtime.saved_state import resume_point, saved_state
 from ddp_even.runtime.stats import EpochStats, RankCounts
 from ddp_even.sources import as_source
 
 if TYPE_CHECKING:
     from ddp_even.planning.plans import ShardPlan
-
-logger = logging.getLogger("ddp_even")
 
 BatchT = TypeVar("BatchT")
 
@@ -49,7 +49,8 @@ class EvenLoader(Generic[BatchT]):
             a petastorm reader (``make_reader`` / ``make_batch_reader``), any re-iterable
             iterable (a list, a ``torch.utils.data.DataLoader``), a one-shot iterator
             (truncate and join, one epoch), or a factory returning a fresh iterable for one
-            pass over the shard. Each epoch starts the source afresh.
+            pass over the shard. Each epoch starts the source afresh, except a petastorm reader
+            with ``num_epochs=None``, which each epoch continues (``steps_per_epoch`` needed).
         mode: ``"truncate"`` (every rank stops where the shortest shard ends), ``"cycle"``
             (short shards start again until the longest ends, or for ``steps_per_epoch``
             steps) or ``"join"`` (every rank yields all its batches; ranks that finish early
@@ -63,8 +64,10 @@ class EvenLoader(Generic[BatchT]):
         joinables: join mode only, and required there: the DDP model and any other
             :class:`~torch.distributed.algorithms.join.Joinable` (e.g. a
             ``ZeroRedundancyOptimizer``) whose collectives joined ranks must shadow.
-        timeout: seconds a rank waits for the others at an agreement before raising
-            :class:`~ddp_even.PeerTimeoutError`.
+        timeout: seconds a rank may itself wait for the others at an agreement before
+            raising :class:`~ddp_even.PeerTimeoutError` (time spent outside the loader, a
+            checkpoint or an evaluation between steps, does not count). ``None`` (default): the
+            training group's own collective timeout.
         plan: a :class:`~ddp_even.planning.ShardPlan` of the dataset this rank reads (from
             :func:`~ddp_even.planning.plan_for_dataset`, no row predicate): every rank's batch
             count is then known up front, ``len()`` answers before the first step, and the
@@ -290,16 +293,13 @@ class EvenLoader(Generic[BatchT]):
             epoch, step = run.epoch, run.counts.steps
         elif self._resume is not None:
             epoch, step = self._resume
-        return {
-            "format": _STATE_FORMAT,
-            "version": _STATE_VERSION,
-            "library_version": _library_version(),
-            "settings": self._settings(self._sync_every).description,
-            "world_size": _rank_and_world_size(self._group)[1],
-            "rank": _rank_and_world_size(None)[0],
-            "epoch": epoch,
-            "step": step,
-        }
+        return saved_state(
+            settings=self._settings(self._sync_every).description,
+            world_size=_rank_and_world_size(self._group)[1],
+            rank=_rank_and_world_size(None)[0],
+            epoch=epoch,
+            step=step,
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`): the next ``for`` resumes its epoch.
@@ -316,34 +316,11 @@ class EvenLoader(Generic[BatchT]):
         Raises ``ValueError`` when ``state`` is not a loader state of this version, was saved
         by a loader with other settings, or on another number of ranks.
         """
-        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
-            raise ValueError("not an EvenLoader state: pass what EvenLoader.state_dict() returned")
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"the loader state has format version {state.get('version')!r} (saved by "
-                f"ddp_even {state.get('library_version')}); this ddp_even "
-                f"({_library_version()}) reads version {_STATE_VERSION}: resume with the "
-                "release that saved it, or start the epoch again"
-            )
-        settings = self._settings(self._sync_every).description
-        if state.get("settings") != settings:
-            raise ValueError(
-                f"the loader state was saved by a loader with other settings "
-                f"({state.get('settings')}) than this one ({settings}): build the EvenLoader "
-                "as it was built when the state was saved"
-            )
-        world_size = _rank_and_world_size(self._group)[1]
-        if state.get("world_size") != world_size:
-            raise ValueError(
-                f"the loader state was saved on {state.get('world_size')} ranks, and this "
-                f"job has {world_size}: resuming mid-epoch on another number of ranks is not "
-                "supported; start the next epoch with loader.set_epoch(epoch + 1)"
-            )
-        epoch, step = state.get("epoch"), state.get("step")
-        for name, value in (("epoch", epoch), ("step", step)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"the loader state's {name} must be an int >= 0, got {value!r}")
-        assert isinstance(epoch, int) and isinstance(step, int)
+        epoch, step = resume_point(
+            state,
+            settings=self._settings(self._sync_every).description,
+            world_size=_rank_and_world_size(self._group)[1],
+        )
         self._next_epoch = epoch
         self._resume = (epoch, step) if step > 0 else None
 
@@ -449,9 +426,9 @@ class EvenLoader(Generic[BatchT]):
             record=self.history.append,
         )
         if self._plan is not None:
-            run.off_plan = _off_plan(feed, self._plan.shards[rank])
+            run.off_plan = feed.differs_from(self._plan.shards[rank])
         if mode.shadows_finished_ranks and agreer.world_size > 1:
-            _refuse_join_inside_lightning()
+            refuse_join_inside_lightning()
         self._current_run = run
         if self._resume is not None and self._resume[0] == epoch:
             run.resume_after(self._resume[1])
@@ -483,7 +460,7 @@ class EvenLoader(Generic[BatchT]):
         if not (dist.is_available() and dist.is_initialized()) or (
             dist.get_world_size(self._group) == 1
         ):
-            _warn_if_launched_without_a_group()
+            warn_if_launched_without_a_group()
             return SoloAgreer()
         timeout = self._timeout if self._timeout is not None else training_timeout(self._group)
         return CollectiveAgreer(control_group_for(self._group, timeout), timeout)
@@ -503,16 +480,6 @@ class _EpochNumbering:
         loader = self._loader()
         if loader is not None:
             loader.set_epoch(epoch)
-
-
-_STATE_FORMAT = "ddp_even.EvenLoader"
-_STATE_VERSION = 1
-
-
-def _library_version() -> str:
-    from ddp_even import __version__
-
-    return __version__
 
 
 class _Epoch(Generic[BatchT]):
@@ -540,47 +507,6 @@ class _Epoch(Generic[BatchT]):
 
     def close(self) -> None:
         self._batches.close()
-
-
-def _off_plan(feed: ShardFeed[Any], planned: Sequence[int]) -> str | None:
-    """How this rank's first pass differs from its shard of the plan, when it can tell."""
-    read = feed.first_pass_row_groups()
-    if read is None or read == frozenset(planned):
-        return None
-    return (
-        f"it reads row groups {_few(sorted(read))}, its shard of the plan is "
-        f"{_few(sorted(planned))}"
-    )
-
-
-def _few(indices: list[int]) -> str:
-    return f"{indices[:8]}{'...' if len(indices) > 8 else ''}"
-
-
-def _refuse_join_inside_lightning() -> None:
-    """Join mode cannot work inside Lightning's fit loop: fail at once, on every rank."""
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module.startswith(("lightning.pytorch.", "pytorch_lightning.")):
-            raise EvenLoaderError(
-                "join mode cannot run inside a Lightning Trainer: Lightning makes a collective "
-                "of its own at every step (it broadcasts a stop signal), which torch's Join "
-                "cannot shadow for the ranks that ran out, so the job would hang. Use "
-                "mode='truncate' or mode='cycle' under Lightning"
-            )
-        frame = frame.f_back
-
-
-def _warn_if_launched_without_a_group() -> None:
-    launched = os.environ.get("WORLD_SIZE", "1")
-    if launched.isdigit() and int(launched) > 1:
-        logger.warning(
-            "WORLD_SIZE=%s but no torch.distributed process group is initialized: every "
-            "process runs its own step count and nothing is kept even. Call "
-            "torch.distributed.init_process_group() before iterating the EvenLoader",
-            launched,
-        )
 
 
 def _rank_and_world_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

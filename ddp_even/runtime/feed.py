@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 from ddp_even.errors import EvenLoaderError
@@ -31,6 +31,10 @@ class FedBatch(NamedTuple, Generic[BatchT]):
     @property
     def repeated(self) -> bool:
         return self.pass_number > 1
+
+
+def _few(indices: list[int]) -> str:
+    return f"{indices[:8]}{'...' if len(indices) > 8 else ''}"
 
 
 class _ShardEnded(Exception):
@@ -80,6 +84,14 @@ class ShardFeed(Generic[BatchT]):
             except Exception as error:  # reported at the agreement, as any source failure
                 self.failure = error
         return None if self._pass is None else self._pass.row_groups
+
+    def differs_from(self, planned: Sequence[int]) -> str | None:
+        """How the first pass's row groups differ from ``planned``, when the source can tell."""
+        read = self.first_pass_row_groups()
+        if read is None or read == frozenset(planned):
+            return None
+        ours = _few(sorted(planned))
+        return f"it reads row groups {_few(sorted(read))}, its shard of the plan is {ours}"
 
     def fill(self, target: int) -> None:
         """Read until ``target`` batches are buffered, the shard ends, or the source raises."""

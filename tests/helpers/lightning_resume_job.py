@@ -1,25 +1,26 @@
 """A Lightning ``Trainer(strategy="ddp")`` job that stops mid-epoch and resumes from its checkpoint.
 
-Run as ``python tests/helpers/lightning_resume_job.py --results DIR --save-at K [--save-at ...]
-[--mode ...] [--source ...] [--recipe]``; Lightning starts rank 1 itself (a subprocess of this
-script). For each mode and source, one after the other on the same two ranks, it fits a tiny
-linear model for ``EPOCHS`` epochs over per-rank lists of batches of sample ids of uneven
-lengths (``BATCHES``), with an :class:`~ddp_even.EvenLoader` as the train dataloader:
+Run as ``python tests/helpers/lightning_resume_job.py --results DIR --case MODE:SOURCE:K[,K...]
+[--case ...]``; Lightning starts rank 1 itself (a subprocess of this script). For each case, one
+after the other on the same two ranks, it fits a tiny linear model for ``EPOCHS`` epochs over
+per-rank lists of batches of sample ids of uneven lengths (``BATCHES``), with an
+:class:`~ddp_even.EvenLoader` over them (``SOURCE``: the list itself, whose length the loader
+knows, or a factory of iterators over it, whose length it does not) as the train dataloader:
 
 * ``full``: uninterrupted;
-* ``stop<K>``: the same, but Lightning's ``ModelCheckpoint(every_n_train_steps=K)`` saves a
-  checkpoint at global step ``K`` and a callback stops the fit there (``should_stop``);
-* ``resume<K>``: a fresh module, trainer and loader, ``trainer.fit(..., ckpt_path=...)`` from
-  that checkpoint.
+* ``stop<K>-<variant>``: the same, but Lightning's ``ModelCheckpoint(every_n_train_steps=K)``
+  saves a checkpoint at global step ``K`` and a callback stops the fit there
+  (``trainer.should_stop``);
+* ``resume<K>-<variant>``: a fresh module, trainer and loader; ``trainer.fit(...,
+  ckpt_path=...)`` from that checkpoint.
 
-Nothing but the checkpoint file passes from ``stop<K>`` to ``resume<K>``. Every rank writes
-``<mode>-<source>-<run>-rank<r>.json``: the sample ids of every training step (with Lightning's
-epoch, batch index and global step), the loader's ``history``, the final weights and, for
-``stop<K>``, the loader states found in the checkpoint (``loops.fit_loop.state_dict.
-combined_loader``, where Lightning 2.x keeps the ``state_dict()`` of stateful train loaders).
-
-``--recipe`` adds :class:`TrainedSteps`, a callback that corrects the saved loader state to the
-steps Lightning has trained (see its docstring), to the ``stop`` runs.
+Nothing but the checkpoint file passes from ``stop`` to ``resume``. The variant ``lightning``
+relies on Lightning alone (it saves ``loader.state_dict()`` in the checkpoint and calls
+``load_state_dict``); ``recipe`` adds :class:`TrainedSteps` to the stopped run. Every rank
+writes ``<mode>-<source>-<run>-rank<r>.json``: the sample ids of every training step (with
+Lightning's epoch, batch index and global step), the loader's ``history``, the final weights
+and, for the stopped runs, the loader states found in the checkpoint
+(``loops.fit_loop.state_dict.combined_loader``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 warnings.filterwarnings("ignore", category=FutureWarning)
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 
-EPOCHS = 2
+EPOCHS = 3
 # Batches per rank; sample ids of rank r are r * 1000 + 0, 1, ... in batches of BATCH_SIZE,
 # the last one short.
 BATCHES = (9, 5)
@@ -55,6 +56,9 @@ FEATURES = 4
 LR = 0.1
 # Where the loader states sit in a Lightning 2.x checkpoint.
 LOADER_STATES_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
+LOADER_STATE_FORMAT = "ddp_even.EvenLoader"
+# "lightning": Lightning's own checkpointing alone; "recipe": with the TrainedSteps callback.
+VARIANTS = ("lightning", "recipe")
 
 
 def shard(rank: int) -> list[torch.Tensor]:
@@ -119,26 +123,34 @@ class StopAt(pl.Callback):
 
 
 class TrainedSteps(pl.Callback):
-    """Saves the steps Lightning trained as the EvenLoader's position, not the batches fetched.
+    """Saves, as each EvenLoader's position, where Lightning resumes, not what it fetched.
 
-    Lightning's fetcher reads one batch ahead when it does not know ``len(loader)``, so at a
-    checkpoint the loader has handed out one batch more than was trained on; this sets the
-    saved loader state's ``step`` back to the batches of the epoch Lightning has processed.
+    Lightning keeps ``loader.state_dict()`` in the checkpoint, taken when the checkpoint is
+    made. Two things make that position differ from the one Lightning resumes at: its fetcher
+    reads one batch ahead when ``len(loader)`` is unknown (then the loader has handed out one
+    batch more than was trained on), and at the last batch of an epoch Lightning counts the
+    epoch as done while the loader, asked for nothing more, still holds it open. This callback
+    rewrites the saved states to Lightning's own position: the batches of the current epoch it
+    will not train again, or the start of the next epoch after the last batch.
     """
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        states = checkpoint["loops"]["fit_loop"]["state_dict"].get("combined_loader", [])
-        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        for state in states:
-            if state.get("format") == "ddp_even.EvenLoader" and state["step"] > processed:
-                if state["epoch"] == trainer.current_epoch:
-                    state["step"] = processed
-                elif state["epoch"] == trainer.current_epoch + 1 and state["step"] == 0:
-                    pass  # the read-ahead ended the epoch: the last batch was trained on
-                else:
-                    raise RuntimeError(f"unexpected loader state {state} at {processed} steps")
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        current = progress.current
+        # Lightning restarts after the last completed batch, or after the batch whose
+        # on_train_batch_end is running (as _TrainingEpochLoop.reset works it out).
+        done = current.completed
+        if current.ready == current.started == current.processed == current.completed + 1:
+            done += 1
+        epoch, step = trainer.current_epoch, done
+        if progress.is_last_batch and done == current.processed:
+            epoch, step = epoch + 1, 0
+        fit_state = checkpoint["loops"]["fit_loop"]["state_dict"]
+        for state in fit_state.get("combined_loader", []):
+            if state.get("format") == LOADER_STATE_FORMAT:
+                state["epoch"], state["step"] = epoch, step
 
 
 def fit(
@@ -211,40 +223,45 @@ def exit_at_once(code: int) -> NoReturn:
     os._exit(code)
 
 
+def run_case(results: Path, mode: str, source: str, save_at: list[int]) -> None:
+    """The uninterrupted run, then for each step and variant a stopped and a resumed run."""
+    name = f"{mode}-{source}"
+    module, trainer = fit(mode, source, results / name / "full")
+    write(results, f"{name}-full", trainer.global_rank, record(module, trainer))
+    for step in save_at:
+        for variant in VARIANTS:
+            run = f"{step}-{variant}"
+            workdir = results / name / run
+            module, trainer = fit(
+                mode, source, workdir, stop_at=step, recipe=variant == "recipe"
+            )
+            saved = workdir / "saved.ckpt"
+            document = record(module, trainer)
+            checkpoint = torch.load(saved, map_location="cpu", weights_only=False)
+            states: Any = checkpoint
+            for key in LOADER_STATES_PATH:
+                states = states.get(key) if isinstance(states, dict) else None
+            document["checkpoint_global_step"] = checkpoint["global_step"]
+            document["checkpoint_loader_states"] = states
+            write(results, f"{name}-stop{run}", trainer.global_rank, document)
+            module, trainer = fit(mode, source, workdir / "resumed", ckpt_path=saved)
+            write(results, f"{name}-resume{run}", trainer.global_rank, record(module, trainer))
+
+
 @click.command()
 @click.option("--results", type=click.Path(file_okay=False, path_type=Path), required=True)
-@click.option("--mode", "modes", multiple=True, default=["truncate", "cycle"])
-@click.option("--source", "sources", multiple=True, default=["list"])
-@click.option("--save-at", "save_at", type=int, multiple=True, required=True)
-@click.option("--recipe", is_flag=True)
-def main(
-    results: Path,
-    modes: tuple[str, ...],
-    sources: tuple[str, ...],
-    save_at: tuple[int, ...],
-    recipe: bool,
-) -> None:
+@click.option(
+    "--case",
+    "cases",
+    multiple=True,
+    required=True,
+    help="MODE:SOURCE:K[,K...]: save and stop at each global step K (source: list, factory).",
+)
+def main(results: Path, cases: tuple[str, ...]) -> None:
     torch.set_num_threads(1)
-    for mode in modes:
-        for source in sources:
-            name = f"{mode}-{source}"
-            module, trainer = fit(mode, source, results / name / "full")
-            write(results, f"{name}-full", trainer.global_rank, record(module, trainer))
-            for step in save_at:
-                workdir = results / name / f"at{step}"
-                module, trainer = fit(mode, source, workdir, stop_at=step, recipe=recipe)
-                saved = workdir / "saved.ckpt"
-                document = record(module, trainer)
-                checkpoint = torch.load(saved, map_location="cpu", weights_only=False)
-                states: Any = checkpoint
-                for key in LOADER_STATES_PATH:
-                    states = states.get(key, {}) if isinstance(states, dict) else None
-                document["checkpoint_global_step"] = checkpoint["global_step"]
-                document["checkpoint_epoch"] = checkpoint["epoch"]
-                document["checkpoint_loader_states"] = states
-                write(results, f"{name}-stop{step}", trainer.global_rank, document)
-                module, trainer = fit(mode, source, workdir / "resumed", ckpt_path=saved)
-                write(results, f"{name}-resume{step}", trainer.global_rank, record(module, trainer))
+    for case in cases:
+        mode, source, steps = case.split(":")
+        run_case(results, mode, source, [int(step) for step in steps.split(",")])
     if dist.is_initialized():
         dist.barrier()
     exit_at_once(0)

@@ -1,0 +1,43 @@
+"""Checks of where the loader runs that no argument shows: a trainer, a launcher's variables."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import types
+
+from ddp_even.errors import EvenLoaderError
+
+logger = logging.getLogger("ddp_even")
+
+
+def refuse_join_inside_lightning() -> None:
+    """Join mode cannot work inside Lightning's fit loop: fail at once, on every rank.
+
+    Lightning makes a collective of its own at every step, which torch's ``Join`` cannot
+    shadow; every rank runs this check at the same point, so every rank raises.
+    """
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(("lightning.pytorch.", "pytorch_lightning.")):
+            raise EvenLoaderError(
+                "join mode cannot run inside a Lightning Trainer: Lightning makes a collective "
+                "of its own at every step (it broadcasts a stop signal), which torch's Join "
+                "cannot shadow for the ranks that ran out, so the job would hang. Use "
+                "mode='truncate' or mode='cycle' under Lightning"
+            )
+        frame = frame.f_back
+
+
+def warn_if_launched_without_a_group() -> None:
+    """A launcher said several processes, but no process group joins them: say how to fix it."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        logger.warning(
+            "WORLD_SIZE=%s but no torch.distributed process group is initialized: every "
+            "process runs its own step count and nothing is kept even. Call "
+            "torch.distributed.init_process_group() before iterating the EvenLoader",
+            launched,
+        )
