@@ -220,8 +220,8 @@ class CollectiveAgreer:
             detail += f"; which ranks did not answer is unknown: {attendance.unknown_because}"
         elif not attendance.missing:
             detail += (
-                "; every rank reached this agreement but a peer answered too late or its "
-                "connection failed"
+                "; every rank reached this collective, some only after this rank had stopped "
+                "waiting: a peer was late (slow or paused inside the loader), not gone"
             )
         return PeerTimeoutError(
             tuple(self.global_ranks[rank] for rank in attendance.missing),

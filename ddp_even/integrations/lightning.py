@@ -16,11 +16,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loops.progress import _ProcessedTracker
 
 from ddp_even.loader import EvenLoader
+from ddp_even.runtime.saved_state import STATE_FORMAT
 from ddp_even.runtime.stats import EpochStats
 
-__all__ = ["EvenLoaderStats", "find_even_loaders", "stats_metrics"]
+__all__ = ["EvenLoaderCheckpoints", "EvenLoaderStats", "find_even_loaders", "stats_metrics"]
 
 logger = logging.getLogger("ddp_even")
 
@@ -180,3 +182,43 @@ class EvenLoaderStats(Callback):
             return None
         self._logged[loader] = loader.history[-1]
         return loader.history[-1]
+
+
+class EvenLoaderCheckpoints(Callback):
+    """Saves, as each EvenLoader's position in a checkpoint, the step Lightning resumes at.
+
+    Lightning stores ``loader.state_dict()`` in its checkpoints and restores it with
+    ``load_state_dict`` (an EvenLoader is a stateful dataloader to it). Two things make the
+    loader's own position differ from Lightning's: its fetcher reads one batch ahead when
+    ``len(loader)`` is not known yet (the loader has then handed out one batch more than was
+    trained on), and after an epoch's last batch Lightning counts the epoch as done while the
+    loader, asked for nothing more, still holds it open. Without this callback a resumed fit
+    can skip a batch or a whole epoch; with it, the resumed fit trains on exactly the batches
+    the uninterrupted one would have (tested in truncate and cycle, mid-epoch and at an
+    epoch's end).
+
+    Example::
+
+        trainer = Trainer(strategy="ddp", callbacks=[EvenLoaderCheckpoints(), EvenLoaderStats()])
+        trainer.fit(module, ckpt_path="last.ckpt")
+    """
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        current = progress.current
+        if not isinstance(current, _ProcessedTracker):  # another Lightning: leave it be
+            return
+        # Lightning restarts after the last completed batch, or after the batch whose
+        # on_train_batch_end is running (as its training epoch loop's reset works it out).
+        done = current.completed
+        if current.ready == current.started == current.processed == current.completed + 1:
+            done += 1
+        epoch, step = trainer.current_epoch, done
+        if progress.is_last_batch and done == current.ready:  # the epoch's last batch is done
+            epoch, step = epoch + 1, 0
+        fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        for state in fit_state.get("combined_loader", []):
+            if isinstance(state, dict) and state.get("format") == STATE_FORMAT:
+                state["epoch"], state["step"] = epoch, step

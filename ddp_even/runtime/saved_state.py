@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-_FORMAT = "ddp_even.EvenLoader"
+#: What the ``format`` key of every loader state says.
+STATE_FORMAT = "ddp_even.EvenLoader"
 # Raised when what the state holds, or what it means, changes.
 _VERSION = 1
 
@@ -15,7 +16,7 @@ def saved_state(
 ) -> dict[str, Any]:
     """The state :meth:`ddp_even.EvenLoader.state_dict` returns: plain ints and strings."""
     return {
-        "format": _FORMAT,
+        "format": STATE_FORMAT,
         "version": _VERSION,
         "library_version": _library_version(),
         "settings": settings,
@@ -28,7 +29,7 @@ def saved_state(
 
 def resume_point(state: Mapping[str, Any], *, settings: str, world_size: int) -> tuple[int, int]:
     """``(epoch, step)`` to resume after; ``ValueError`` saying why ``state`` cannot be used."""
-    if not isinstance(state, Mapping) or state.get("format") != _FORMAT:
+    if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
         raise ValueError("not an EvenLoader state: pass what EvenLoader.state_dict() returned")
     if state.get("version") != _VERSION:
         raise ValueError(

@@ -16,7 +16,8 @@ knows, or a factory of iterators over it, whose length it does not) as the train
 
 Nothing but the checkpoint file passes from ``stop`` to ``resume``. The variant ``lightning``
 relies on Lightning alone (it saves ``loader.state_dict()`` in the checkpoint and calls
-``load_state_dict``); ``recipe`` adds :class:`TrainedSteps` to the stopped run. Every rank
+``load_state_dict``); ``recipe`` adds ddp_even's ``EvenLoaderCheckpoints`` to the stopped
+run. Every rank
 writes ``<mode>-<source>-<run>-rank<r>.json``: the sample ids of every training step (with
 Lightning's epoch, batch index and global step), the loader's ``history``, the final weights
 and, for the stopped runs, the loader states found in the checkpoint
@@ -30,7 +31,6 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -41,11 +41,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ddp_even import EvenLoader
-
-warnings.filterwarnings("ignore", message=".*(does not have many workers|smaller than the logging)")
-warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-warnings.filterwarnings("ignore", category=FutureWarning)
-logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+from ddp_even.integrations.lightning import EvenLoaderCheckpoints
 
 EPOCHS = 3
 # Batches per rank; sample ids of rank r are r * 1000 + 0, 1, ... in batches of BATCH_SIZE,
@@ -56,8 +52,7 @@ FEATURES = 4
 LR = 0.1
 # Where the loader states sit in a Lightning 2.x checkpoint.
 LOADER_STATES_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
-LOADER_STATE_FORMAT = "ddp_even.EvenLoader"
-# "lightning": Lightning's own checkpointing alone; "recipe": with the TrainedSteps callback.
+# "lightning": Lightning's own checkpointing alone; "recipe": with EvenLoaderCheckpoints.
 VARIANTS = ("lightning", "recipe")
 
 
@@ -65,7 +60,7 @@ def shard(rank: int) -> list[torch.Tensor]:
     """Rank ``rank``'s batches of sample ids; the last batch has BATCH_SIZE - 1 ids."""
     count = BATCHES[rank] * BATCH_SIZE - 1
     ids = torch.arange(count, dtype=torch.int64) + rank * 1000
-    return list(ids.split(BATCH_SIZE))
+    return [ids[start : start + BATCH_SIZE] for start in range(0, count, BATCH_SIZE)]
 
 
 def features_and_labels(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,12 +97,10 @@ class Regression(pl.LightningModule):
 
     def train_dataloader(self) -> EvenLoader[torch.Tensor]:
         batches = shard(self.trainer.global_rank)
-        source: list[torch.Tensor] | Callable[[], Iterator[torch.Tensor]]
-        if self.source == "list":
-            source = batches  # known length: one agreement per epoch
-        else:
-            source = lambda: iter(batches)  # noqa: E731 (unknown length: agreements as it goes)
-        self.loader = EvenLoader(source, mode=self.mode, timeout=30)
+        if self.source == "list":  # known length: one agreement per epoch
+            self.loader = EvenLoader(batches, mode=self.mode, timeout=30)
+        else:  # a factory, unknown length: agreements as it goes
+            self.loader = EvenLoader(lambda: iter(batches), mode=self.mode, timeout=30)
         return self.loader
 
 
@@ -120,37 +113,6 @@ class StopAt(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step >= self.step:
             trainer.should_stop = True
-
-
-class TrainedSteps(pl.Callback):
-    """Saves, as each EvenLoader's position, where Lightning resumes, not what it fetched.
-
-    Lightning keeps ``loader.state_dict()`` in the checkpoint, taken when the checkpoint is
-    made. Two things make that position differ from the one Lightning resumes at: its fetcher
-    reads one batch ahead when ``len(loader)`` is unknown (then the loader has handed out one
-    batch more than was trained on), and at the last batch of an epoch Lightning counts the
-    epoch as done while the loader, asked for nothing more, still holds it open. This callback
-    rewrites the saved states to Lightning's own position: the batches of the current epoch it
-    will not train again, or the start of the next epoch after the last batch.
-    """
-
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        current = progress.current
-        # Lightning restarts after the last completed batch, or after the batch whose
-        # on_train_batch_end is running (as _TrainingEpochLoop.reset works it out).
-        done = current.completed
-        if current.ready == current.started == current.processed == current.completed + 1:
-            done += 1
-        epoch, step = trainer.current_epoch, done
-        if progress.is_last_batch and done == current.processed:
-            epoch, step = epoch + 1, 0
-        fit_state = checkpoint["loops"]["fit_loop"]["state_dict"]
-        for state in fit_state.get("combined_loader", []):
-            if state.get("format") == LOADER_STATE_FORMAT:
-                state["epoch"], state["step"] = epoch, step
 
 
 def fit(
@@ -168,7 +130,7 @@ def fit(
     if stop_at is not None:
         callbacks.append(StopAt(stop_at))
         if recipe:
-            callbacks.append(TrainedSteps())
+            callbacks.append(EvenLoaderCheckpoints())
         callbacks.append(
             ModelCheckpoint(
                 dirpath=workdir,
@@ -232,9 +194,7 @@ def run_case(results: Path, mode: str, source: str, save_at: list[int]) -> None:
         for variant in VARIANTS:
             run = f"{step}-{variant}"
             workdir = results / name / run
-            module, trainer = fit(
-                mode, source, workdir, stop_at=step, recipe=variant == "recipe"
-            )
+            module, trainer = fit(mode, source, workdir, stop_at=step, recipe=variant == "recipe")
             saved = workdir / "saved.ckpt"
             document = record(module, trainer)
             checkpoint = torch.load(saved, map_location="cpu", weights_only=False)
@@ -258,6 +218,12 @@ def run_case(results: Path, mode: str, source: str, save_at: list[int]) -> None:
     help="MODE:SOURCE:K[,K...]: save and stop at each global step K (source: list, factory).",
 )
 def main(results: Path, cases: tuple[str, ...]) -> None:
+    # Lightning's hints for this toy run, its info lines, and the warning that ckpt_path comes
+    # without the callbacks that saved it (on purpose: the resumed run only trains).
+    warnings.filterwarnings("ignore", message=".*(does not have many workers|smaller than the)")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     torch.set_num_threads(1)
     for case in cases:
         mode, source, steps = case.split(":")
