@@ -203,7 +203,10 @@ def test_loader_options_reach_the_loader(tmp_path: Path) -> None:
         ({"reader_kwargs": {"num_epochs": 2}}, "one pass"),
         ({"reader_kwargs": {"filters": [("id", ">", 3)]}}, "partition directories"),
         ({"reader_kwargs": {"rowgroup_selector": object()}}, "which row groups exist"),
-        ({"reader_kwargs": {"storage_options": {}}}, "local files only"),
+        (
+            {"reader_kwargs": {"storage_options": {}}, "storage_options": {"anon": True}},
+            "given twice",
+        ),
         ({"reader_kwargs": {"shuffle": True}}, "unknown reader option 'shuffle'"),
         ({"loader_kwargs": {"collate": None}}, "unknown option 'collate'"),
         ({"loader_kwargs": {"batch_size": 8}}, "pass batch_size to make_shard_factory"),
