@@ -291,11 +291,16 @@ def _mode_table(plan: ShardPlan) -> Table:
             style="" if stats.runnable else "red",
         )
         notes.append(f"{mode}: {stats.note}")
-    table.caption = (
-        "waste: rows dropped (truncate) or repeated (cycle) as % of all rows; join: idle "
-        "rank-steps as % of rank-steps\n" + "\n".join(notes)
-    )
+    table.caption = "waste: " + _waste_meanings() + "\n" + "\n".join(notes)
     return table
+
+
+def _number(value: float) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else f"{value:,}"
+
+
+def _waste_meanings() -> str:
+    return "; ".join(f"{name}: {mode.waste_means}" for name, mode in MODES.items())
 
 
 def _comparison_table(round_robin: ShardPlan, balanced: ShardPlan) -> Table:
@@ -309,17 +314,16 @@ def _comparison_table(round_robin: ShardPlan, balanced: ShardPlan) -> Table:
         ("most rows above the lower bound", lambda p: max(p.rows_per_rank) - p.lower_bound_rows),
         ("spread (rows)", lambda p: p.spread_rows),
         ("spread (batches)", lambda p: max(p.batches_per_rank) - min(p.batches_per_rank)),
-        ("truncate: steps", lambda p: p.steps("truncate")),
-        ("truncate: rows dropped", lambda p: p.stats("truncate").total_dropped_rows),
-        ("cycle: steps", lambda p: p.steps("cycle")),
-        ("cycle: rows repeated", lambda p: p.stats("cycle").total_repeated_rows),
-        ("join: idle rank-steps", lambda p: sum(p.stats("join").idle_steps)),
     ]
+    for name in MODES:
+        metrics.append((f"{name}: steps", lambda p, name=name: p.steps(name)))
+        metrics.append((f"{name}: waste %", lambda p, name=name: p.stats(name).waste_percent))
     for label, metric in metrics:
-        table.add_row(label, f"{metric(round_robin):,}", f"{metric(balanced):,}")
+        table.add_row(label, _number(metric(round_robin)), _number(metric(balanced)))
     table.caption = (
         f"lower bound for the fullest rank: {balanced.lower_bound_rows:,} rows "
-        "(the larger of ceil(total rows / ranks) and the largest row group)"
+        "(the larger of ceil(total rows / ranks) and the largest row group); waste: "
+        + _waste_meanings()
     )
     return table
 
