@@ -71,12 +71,6 @@ warnings.filterwarnings(
 )
 
 
-MODE_DESCRIPTIONS = {
-    "truncate": "every rank stops where the shortest shard ends",
-    "cycle": "short shards start again until the longest shard ends",
-    "join": "every rank trains on all its rows; ranks done early wait in Join",
-}
-
 # The demo dataset: 400 rows in 10 row groups of very different sizes. With 4 ranks, petastorm
 # gives rank 0 row groups 0, 4, 8 (260 rows), rank 1 row groups 1, 5, 9 (22 rows), rank 2
 # row groups 2, 6 (90 rows) and rank 3 row groups 3, 7 (28 rows).
@@ -364,7 +358,7 @@ def ranks_phrase(flags: Sequence[bool]) -> str:
 
 def print_mode(console: Console, result: ModeResult) -> None:
     table = Table(
-        title=f"[bold]{result.mode}[/]: {MODE_DESCRIPTIONS[result.mode]}",
+        title=f"[bold]{result.mode}[/]: {MODES[result.mode].summary}",
         title_justify="left",
         caption=mode_caption(result),
         caption_justify="left",
