@@ -1,0 +1,109 @@
+"""The legacy ``pyarrow.filesystem`` interface petastorm 0.12.1 reads through.
+
+pyarrow 14 takes its legacy dataset path, the one petastorm's ``validate_schema=`` needs, only
+for a legacy filesystem; :func:`legacy_filesystem` gives it one over the ``pyarrow.fs``
+filesystem planning used, so petastorm names its files exactly as the plan does.
+:func:`unwrap_legacy` goes the other way for a legacy filesystem a user passes.
+"""
+
+from __future__ import annotations
+
+import functools
+import posixpath
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow.fs as pafs
+
+__all__ = ["legacy_filesystem", "unwrap_legacy"]
+
+
+def legacy_filesystem(filesystem: pafs.FileSystem) -> Any:
+    """``filesystem`` as the legacy ``pyarrow.filesystem`` object petastorm 0.12.1 reads through.
+
+    pyarrow 14 takes its legacy dataset path (the one petastorm's ``validate_schema=`` needs)
+    only for a legacy filesystem; this adapter gives it one that lists and opens files with
+    the ``pyarrow.fs`` filesystem planning used. It pickles (for petastorm's process pool)
+    when ``filesystem`` does.
+
+    Example:
+        >>> import pyarrow.fs
+        >>> legacy = legacy_filesystem(pyarrow.fs.LocalFileSystem())
+        >>> legacy.isdir("/tmp"), legacy.pathsep
+        (True, '/')
+    """
+    adapter: Any = _legacy_adapter_class()(filesystem)
+    return adapter
+
+
+@functools.cache
+def _legacy_adapter_class() -> type:
+    """Defined on first use: importing ``pyarrow.filesystem`` is needed only for reading."""
+    from pyarrow.filesystem import FileSystem as LegacyFileSystem
+
+    class ArrowLegacyFileSystem(LegacyFileSystem):  # type: ignore[misc]  # pyarrow is untyped
+        """What pyarrow 14's legacy ``ParquetDataset`` calls, answered by a ``pyarrow.fs``."""
+
+        pathsep = "/"
+
+        def __init__(self, filesystem: pafs.FileSystem) -> None:
+            self.filesystem = filesystem
+
+        def __reduce__(self) -> tuple[Any, tuple[pafs.FileSystem]]:
+            return legacy_filesystem, (self.filesystem,)
+
+        def _type(self, path: str) -> Any:
+            return self.filesystem.get_file_info(path).type
+
+        def isdir(self, path: str) -> bool:
+            return bool(self._type(path) == pafs.FileType.Directory)
+
+        def isfile(self, path: str) -> bool:
+            return bool(self._type(path) == pafs.FileType.File)
+
+        def exists(self, path: str) -> bool:
+            return bool(self._type(path) != pafs.FileType.NotFound)
+
+        def _isfilestore(self) -> bool:
+            return bool(self.filesystem.type_name == "local")
+
+        def ls(self, path: str) -> list[str]:
+            return [info.path for info in self.filesystem.get_file_info(pafs.FileSelector(path))]
+
+        def walk(self, path: str) -> Iterator[tuple[str, list[str], list[str]]]:
+            # Lazily, level by level: pyarrow's manifest takes only the first level of each.
+            pending = [path]
+            while pending:
+                directory = pending.pop(0)
+                infos = self.filesystem.get_file_info(pafs.FileSelector(directory))
+                names = [info.base_name for info in infos if info.type == pafs.FileType.Directory]
+                files = [info.base_name for info in infos if info.type != pafs.FileType.Directory]
+                yield directory, names, files
+                pending.extend(posixpath.join(directory, name) for name in names)
+
+        def open(self, path: str, mode: str = "rb") -> Any:
+            if mode != "rb":
+                raise OSError(f"ddp_even reads datasets only; cannot open {path} with mode {mode}")
+            return self.filesystem.open_input_file(path)
+
+    return ArrowLegacyFileSystem
+
+
+def unwrap_legacy(filesystem: Any) -> Any:
+    """The filesystem inside a legacy ``pyarrow.filesystem`` wrapper (``S3FSWrapper``...)."""
+    legacy = sys.modules.get("pyarrow.filesystem")
+    if legacy is None or not isinstance(filesystem, legacy.FileSystem):
+        return filesystem
+    if isinstance(filesystem, _legacy_adapter_class()):
+        adapted: pafs.FileSystem = getattr(filesystem, "filesystem")  # noqa: B009
+        return adapted
+    if isinstance(filesystem, legacy.LocalFileSystem):
+        return pafs.LocalFileSystem()
+    inner = getattr(filesystem, "fs", None)
+    if inner is None:
+        raise TypeError(
+            f"cannot read through the legacy {type(filesystem).__name__}: pass a "
+            "pyarrow.fs.FileSystem or an fsspec filesystem"
+        )
+    return inner
