@@ -344,7 +344,7 @@ def test_a_break_on_one_rank_only_never_hangs() -> None:
                 capture_exceptions=True,
                 # Gloo cannot cancel a collective in flight: a rank left in one exits when the
                 # training group's timeout ends it.
-                pg_timeout=15,
+                pg_timeout=9,
             )
         )
     results = outcomes[("truncate", "factory", False)]
