@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 #: Where the row-group list came from.
-MetadataSource = Literal["footers", "_metadata", "_common_metadata", "sizes"]
+MetadataSource = Literal["footers", "_metadata", "_common_metadata"]
 
 #: Called as metadata files are read: ``progress(files_read, files_to_read)``.
 Progress = Callable[[int, int], None]
@@ -99,9 +99,12 @@ class RowGroups:
     ``num_rows[i]`` rows. Columns rather than objects keep 100,000 row groups cheap to plan.
 
     Example:
-        >>> groups = RowGroups.from_sizes([100, 250, 80])
-        >>> len(groups), groups.total_rows, groups[1].num_rows
-        (3, 430, 250)
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> root = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
+        >>> groups = read_row_groups(root)
+        >>> len(groups), groups.total_rows, groups[2].num_rows, groups[2].index_in_file
+        (3, 10, 2, 2)
     """
 
     #: Data files holding at least one listed row group, in the order their row groups appear.
@@ -112,7 +115,7 @@ class RowGroups:
     index_in_file: npt.NDArray[np.int64]
     #: Per row group: number of rows.
     num_rows: npt.NDArray[np.int64]
-    #: Where the list came from (``"sizes"`` for :meth:`from_sizes`).
+    #: Where the list came from.
     source: MetadataSource = "footers"
 
     def __post_init__(self) -> None:
@@ -121,26 +124,6 @@ class RowGroups:
             raise ValueError("file_of, index_in_file and num_rows must have the same length")
         for column in columns:
             column.setflags(write=False)
-
-    @classmethod
-    def from_sizes(cls, num_rows: Sequence[int] | npt.ArrayLike) -> RowGroups:
-        """Row groups with the given sizes and no files: for planning what-ifs and benchmarks.
-
-        Example:
-            >>> RowGroups.from_sizes([5, 7]).num_rows.tolist()
-            [5, 7]
-        """
-        sizes = np.array(num_rows, dtype=np.int64).reshape(-1)
-        if (sizes < 0).any():
-            raise ValueError("row-group sizes must be >= 0")
-        zeros = np.zeros(len(sizes), dtype=np.int64)
-        return cls(
-            files=("<sizes>",),
-            file_of=zeros,
-            index_in_file=np.arange(len(sizes), dtype=np.int64),
-            num_rows=sizes,
-            source="sizes",
-        )
 
     def __len__(self) -> int:
         return len(self.num_rows)
@@ -158,7 +141,10 @@ class RowGroups:
         """Rows in the whole dataset.
 
         Example:
-            >>> RowGroups.from_sizes([3, 4]).total_rows
+            >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+            >>> root = tempfile.mkdtemp()
+            >>> pq.write_table(pa.table({"x": list(range(7))}), f"{root}/a.parquet")
+            >>> read_row_groups(root).total_rows
             7
         """
         return int(self.num_rows.sum())
