@@ -18,6 +18,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from abc import abstractmethod
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from petastorm.pytorch import LoaderBase
@@ -114,21 +116,30 @@ class _PetastormSource(ShardSource[Any]):
     def _closer(self) -> Any:
         return (lambda: _stop(self._reader)) if self._owned else None
 
-    def _open(self, batches: Any, count_samples: Any = None) -> ShardPass[Any]:
+    def open_pass(self) -> ShardPass[Any]:
         row_groups = row_groups_read_by(self._reader)
-        if self.continues:
-            if self._stream is None:
-                self._stream = ContinuingStream(batches)
-            return self._stream.resume(
-                count_samples=count_samples, row_groups=row_groups, endless=True
-            )
-        return ShardPass(
-            batches,
-            on_close=self._closer(),
-            count_samples=count_samples,
-            row_groups=row_groups,
-            endless=self.endless,
-        )
+        count_samples = self._count_samples()
+        if self._stream is None:
+            self._begin_pass()
+            batches = self._fresh_pass()
+            if not self.continues:
+                return ShardPass(
+                    batches,
+                    on_close=self._closer(),
+                    count_samples=count_samples,
+                    row_groups=row_groups,
+                    endless=self.endless,
+                )
+            self._stream = ContinuingStream(batches)
+        # An endless reader: every epoch continues the one stream.
+        return self._stream.resume(count_samples=count_samples, row_groups=row_groups, endless=True)
+
+    @abstractmethod
+    def _fresh_pass(self) -> Iterator[Any]:
+        """The batches of a new pass (``_begin_pass`` has run)."""
+
+    def _count_samples(self) -> Callable[[Any], int | None] | None:
+        return None  # the default: rows from the batch's shape
 
 
 class PetastormLoaderSource(_PetastormSource):
@@ -138,30 +149,25 @@ class PetastormLoaderSource(_PetastormSource):
         super().__init__(loader.reader, owned=owned)
         self._loader = loader
 
-    def open_pass(self) -> ShardPass[Any]:
-        if self.continues and self._stream is not None:
-            return self._open(None)
-        self._begin_pass()
+    def _fresh_pass(self) -> Iterator[Any]:
         # DataLoader would emit the previous pass's short last batch again (see module doc).
         self._loader._batch_acc = []
-        return self._open(iter(self._loader))
+        return iter(self._loader)
 
 
 class PetastormReaderSource(_PetastormSource):
     """A reader from ``make_reader`` (one row per item) or ``make_batch_reader``."""
 
-    def open_pass(self) -> ShardPass[Any]:
-        counter = count_rows if self._reader.batched_output else _one_row
-        if self.continues and self._stream is not None:
-            return self._open(None, counter)
-        first_pass = self._passes_opened == 0
-        self._begin_pass()
-        if not first_pass:
+    def _fresh_pass(self) -> Iterator[Any]:
+        if self._passes_opened > 1:
             self._reader.reset()
-        return self._open(_items(self._reader), counter)
+        return _items(self._reader)
+
+    def _count_samples(self) -> Callable[[Any], int | None] | None:
+        return count_rows if self._reader.batched_output else _one_row
 
 
-def _items(reader: Reader) -> Any:
+def _items(reader: Reader) -> Iterator[Any]:
     yield from reader
 
 
