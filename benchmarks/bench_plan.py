@@ -69,7 +69,7 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, list[
 
 
 def balanced_with_stats(sizes: npt.NDArray[np.int64], world_size: int, batch_size: int) -> object:
-    plan = plan_shards(sizes, world_size, batch_size, balanced=True)
+    plan = plan_shards(sizes, world_size, batch_size, sharding="row_groups")
     return [plan.stats(mode) for mode in MODES]
 
 
@@ -77,7 +77,7 @@ def timing(row_groups: int, world_size: int, batch_size: int, repeats: int) -> l
     sizes = lognormal_sizes(row_groups, median=2_000, seed=0)
     cases: list[tuple[str, Callable[[], object]]] = [
         ("round robin", lambda: plan_shards(sizes, world_size, batch_size)),
-        ("balanced", lambda: plan_shards(sizes, world_size, batch_size, balanced=True)),
+        ("balanced", lambda: plan_shards(sizes, world_size, batch_size, sharding="row_groups")),
         ("balanced + stats of 3 modes", lambda: balanced_with_stats(sizes, world_size, batch_size)),
     ]
     results = []
@@ -142,7 +142,7 @@ def skew(workdir: Path) -> list[dict[str, Any]]:
         compare(
             f"Parquet on disk ({len(footers)} row groups from footers)",
             plan_shards(footers, 16, 64),
-            plan_shards(footers, 16, 64, balanced=True),
+            plan_shards(footers, 16, 64, sharding="row_groups"),
         )
     ]
     for name, sizes, world_size, batch_size in scenarios:
@@ -150,7 +150,7 @@ def skew(workdir: Path) -> list[dict[str, Any]]:
             compare(
                 name,
                 plan_shards(sizes, world_size, batch_size),
-                plan_shards(sizes, world_size, batch_size, balanced=True),
+                plan_shards(sizes, world_size, batch_size, sharding="row_groups"),
             )
         )
     return results

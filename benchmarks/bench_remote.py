@@ -107,7 +107,7 @@ def write_datasets(server: S3Server, files: int, console: Console) -> dict[str, 
 
 def ddp_even_plan(url: str, options: dict[str, Any]) -> int:
     row_groups = read_row_groups(url, storage_options=options)
-    plan_shards(row_groups, WORLD_SIZE, BATCH_SIZE, balanced=True)
+    plan_shards(row_groups, WORLD_SIZE, BATCH_SIZE, sharding="row_groups")
     return len(row_groups)
 
 

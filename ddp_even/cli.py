@@ -1,9 +1,12 @@
 """``ddp-even``: see how a dataset's shards come out before training.
 
-``ddp-even plan URL --world-size N --batch-size B [--balanced] [--json] [--all-ranks]``
+``ddp-even plan URL --world-size N --batch-size B [--sharding S] [--json] [--all-ranks]``
 prints one table of ranks (row groups, rows, batches) and one of modes (steps, dropped,
-repeated, waste), from Parquet metadata only. With ``--balanced`` it plans balanced shards and
-compares them with petastorm's round robin. ``--json`` prints the same for scripts.
+repeated, waste), from Parquet metadata only. ``--sharding`` (``round_robin``, ``row_groups``,
+``rows``, ``replicate``; see :mod:`ddp_even.planning.sharding`) plans other shards than
+petastorm's round robin and compares them with it; with ``rows`` a table lists the row groups
+split between ranks and each rank's range of them. ``--balanced`` is the deprecated spelling of
+``--sharding row_groups``. ``--json`` prints the same for scripts.
 
 Remote datasets (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...) take their credentials
 and endpoint from the environment (``AWS_*`` including ``AWS_ENDPOINT_URL``,
@@ -29,12 +32,19 @@ from rich.text import Text
 from ddp_even.modes import MODES
 from ddp_even.planning.datasets import DatasetError, RowGroups, read_row_groups
 from ddp_even.planning.plans import ShardPlan, plan_shards
+from ddp_even.planning.sharding import SHARDINGS, check_sharding
 
 __all__ = ["main"]
 
 # Beyond this many ranks the rank table shows a summary unless --all-ranks is given.
 _MAX_LISTED_RANKS = 32
 _BAR_WIDTH = 20
+_SHARDING_NAMES = {
+    "round_robin": "petastorm round robin",
+    "row_groups": "balanced row groups",
+    "rows": "equal row ranges",
+    "replicate": "replicated",
+}
 # Metadata reads faster than this show no progress bar (a local dataset, a small remote one).
 _PROGRESS_AFTER_S = 1.0
 
@@ -58,8 +68,14 @@ def main() -> None:
     "--batch-size", "-b", type=click.IntRange(min=1), required=True, help="Rows per batch."
 )
 @click.option(
-    "--balanced", is_flag=True, help="Plan balanced shards and compare with the round robin."
+    "--sharding",
+    type=click.Choice(SHARDINGS),
+    default="round_robin",
+    show_default=True,
+    help="Who reads what: petastorm's round robin, whole balanced row groups, equal row "
+    "ranges (rows), or every row group on every rank (replicate).",
 )
+@click.option("--balanced", is_flag=True, help="Deprecated: the same as --sharding row_groups.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--all-ranks", is_flag=True, help=f"List every rank even beyond {_MAX_LISTED_RANKS}.")
 @click.option(
@@ -75,6 +91,7 @@ def plan_command(
     dataset: tuple[str, ...],
     world_size: int,
     batch_size: int,
+    sharding: str,
     balanced: bool,
     as_json: bool,
     all_ranks: bool,
@@ -90,12 +107,19 @@ def plan_command(
 
     \b
     Example:
-      ddp-even plan file:///data/train --world-size 8 --batch-size 256 --balanced
+      ddp-even plan file:///data/train --world-size 8 --batch-size 256 --sharding rows
       AWS_ENDPOINT_URL=http://127.0.0.1:9000 ddp-even plan s3://bucket/train -w 8 -b 256
       ddp-even plan s3://bucket/train -w 8 -b 256 --storage-option endpoint_url=http://minio:9000
     """
     location: str | list[str] = dataset[0] if len(dataset) == 1 else list(dataset)
     options = _storage_options(storage_option)
+    if balanced:
+        if sharding not in ("round_robin", "row_groups"):
+            raise click.BadParameter(
+                f"--balanced contradicts --sharding {sharding}", param_hint="--balanced"
+            )
+        click.echo("--balanced is deprecated: use --sharding row_groups", err=True)
+        sharding = "row_groups"
     try:
         with _MetadataProgress(Console(stderr=True)) as progress:
             row_groups = read_row_groups(
@@ -105,22 +129,22 @@ def plan_command(
         raise click.ClickException(str(error)) from error
     round_robin = plan_shards(row_groups, world_size, batch_size)
     too_many = round_robin.describe_too_many_ranks()
-    if too_many is not None:
+    if too_many is not None and sharding == "round_robin":
         raise click.ClickException(
-            f"{too_many}. Use --world-size {len(row_groups)} or less, or write the dataset "
-            f"with at least {world_size} row groups"
+            f"{too_many}. Use --world-size {len(row_groups)} or less, --sharding rows, or write "
+            f"the dataset with at least {world_size} row groups"
         )
-    plan = (
-        plan_shards(row_groups, world_size, batch_size, balanced=True) if balanced else round_robin
-    )
+    plan = plan_shards(row_groups, world_size, batch_size, sharding=check_sharding(sharding))
     if as_json:
         click.echo(json.dumps(_as_json(location, row_groups, plan, round_robin), indent=2))
         return
     console = Console(highlight=False)
     console.print(_header(location, row_groups, plan))
     console.print(_rank_table(plan, all_ranks))
+    if plan.row_ranges:
+        console.print(_split_table(plan, row_groups, all_ranks))
     console.print(_mode_table(plan))
-    if balanced:
+    if plan.sharding != "round_robin":
         console.print(_comparison_table(round_robin, plan))
 
 
@@ -200,14 +224,14 @@ def _as_json(
         "num_files": len(row_groups.files),
         "plan": plan.to_dict(),
     }
-    if plan.balanced:
+    if plan.sharding != "round_robin":
         document["round_robin"] = round_robin.to_dict()
     return document
 
 
 def _header(location: str | Sequence[str], row_groups: RowGroups, plan: ShardPlan) -> Text:
     name = location if isinstance(location, str) else f"{len(location)} files"
-    sharding = "balanced" if plan.balanced else "petastorm round robin"
+    sharding = _SHARDING_NAMES[plan.sharding]
     return Text.assemble(
         (str(name), "bold"),
         f"\n{plan.num_row_groups:,} row groups in {len(row_groups.files):,} file(s) "
@@ -236,10 +260,12 @@ def _rank_table(plan: ShardPlan, all_ranks: bool) -> Table:
             _bar(rows, most),
             style=style,
         )
-    table.caption = (
-        f"spread {plan.spread_rows:,} rows; lower bound for the fullest rank "
-        f"{plan.lower_bound_rows:,} rows (red: fewest, yellow: most)"
+    bound = (
+        f"lower bound for the fullest rank {plan.lower_bound_rows:,} rows; "
+        if plan.sharding in ("round_robin", "row_groups")
+        else ""
     )
+    table.caption = f"spread {plan.spread_rows:,} rows; {bound}(red: fewest, yellow: most)"
     return table
 
 
@@ -303,15 +329,45 @@ def _waste_meanings() -> str:
     return "; ".join(f"{name}: {mode.waste_means}" for name, mode in MODES.items())
 
 
-def _comparison_table(round_robin: ShardPlan, balanced: ShardPlan) -> Table:
-    table = Table(title="Round robin vs balanced", title_justify="left")
+def _split_table(plan: ShardPlan, row_groups: RowGroups, all_ranks: bool) -> Table:
+    """The row groups ``"rows"`` sharding splits, and which rows of each every rank reads."""
+    ranks_of: dict[int, list[tuple[int, int, int]]] = {}
+    for rank in range(plan.world_size):
+        for group, start, stop in plan.row_ranges_of(rank):
+            ranks_of.setdefault(group, []).append((rank, start, stop))
+    table = Table(
+        title="Split row groups (each read whole by every rank listed)", title_justify="left"
+    )
+    for column in ("row group", "file #", "rows"):
+        table.add_column(column, justify="right")
+    table.add_column("rank: rows [start, stop)")
+    listed = sorted(ranks_of.items())
+    shown = listed if all_ranks or len(listed) <= _MAX_LISTED_RANKS else listed[:_MAX_LISTED_RANKS]
+    for group, pieces in shown:
+        where = row_groups[group]
+        table.add_row(
+            str(group),
+            f"{where.path.rsplit('/', 1)[-1]} #{where.index_in_file}",
+            f"{where.num_rows:,}",
+            "; ".join(f"{rank}: {start:,}-{stop:,}" for rank, start, stop in pieces),
+        )
+    table.caption = (
+        f"{len(listed):,} split row group(s) (at most world size - 1): that many extra row-group "
+        "reads per epoch"
+        + (f"; first {len(shown)} shown, --all-ranks lists all" if len(shown) < len(listed) else "")
+    )
+    return table
+
+
+def _comparison_table(round_robin: ShardPlan, planned: ShardPlan) -> Table:
+    name = _SHARDING_NAMES[planned.sharding]
+    table = Table(title=f"Round robin vs {name}", title_justify="left")
     table.add_column("")
     table.add_column("round robin", justify="right")
-    table.add_column("balanced", justify="right")
+    table.add_column(name, justify="right")
     metrics: list[tuple[str, Any]] = [
         ("fewest rows on a rank", lambda p: min(p.rows_per_rank)),
         ("most rows on a rank", lambda p: max(p.rows_per_rank)),
-        ("most rows above the lower bound", lambda p: max(p.rows_per_rank) - p.lower_bound_rows),
         ("spread (rows)", lambda p: p.spread_rows),
         ("spread (batches)", lambda p: max(p.batches_per_rank) - min(p.batches_per_rank)),
     ]
@@ -319,10 +375,10 @@ def _comparison_table(round_robin: ShardPlan, balanced: ShardPlan) -> Table:
         metrics.append((f"{name}: steps", lambda p, name=name: p.steps(name)))
         metrics.append((f"{name}: waste %", lambda p, name=name: p.stats(name).waste_percent))
     for label, metric in metrics:
-        table.add_row(label, _number(metric(round_robin)), _number(metric(balanced)))
+        table.add_row(label, _number(metric(round_robin)), _number(metric(planned)))
     table.caption = (
-        f"lower bound for the fullest rank: {balanced.lower_bound_rows:,} rows "
-        "(the larger of ceil(total rows / ranks) and the largest row group); waste: "
+        f"lower bound for the fullest rank with whole row groups: {planned.lower_bound_rows:,} "
+        "rows (the larger of ceil(total rows / ranks) and the largest row group); waste: "
         + _waste_meanings()
     )
     return table

@@ -32,7 +32,7 @@ def test_every_row_group_once_and_spread_at_most_the_largest(
 @settings(max_examples=100, deadline=None)
 @given(sizes=row_group_sizes, world_size=world_sizes)
 def test_plan_shards_partition_the_row_groups(sizes: list[int], world_size: int) -> None:
-    plan = plan_shards(sizes, world_size, batch_size=16, balanced=True)
+    plan = plan_shards(sizes, world_size, batch_size=16, sharding="row_groups")
     every = sorted(index for shard in plan.shards for index in shard)
     assert every == list(range(len(sizes)))
     assert all(list(shard) == sorted(shard) for shard in plan.shards)
@@ -54,7 +54,7 @@ def test_deterministic(sizes: list[int], world_size: int) -> None:
 @settings(max_examples=100, deadline=None)
 @given(sizes=row_group_sizes, world_size=world_sizes)
 def test_never_more_uneven_than_round_robin(sizes: list[int], world_size: int) -> None:
-    balanced = plan_shards(sizes, world_size, batch_size=8, balanced=True)
+    balanced = plan_shards(sizes, world_size, batch_size=8, sharding="row_groups")
     round_robin = plan_shards(sizes, world_size, batch_size=8)
     assert balanced.spread_rows <= round_robin.spread_rows
 
@@ -81,7 +81,7 @@ def test_reaches_the_best_split_on_small_cases(
 def test_skewed_sizes_land_on_the_lower_bound() -> None:
     rng = np.random.default_rng(0)
     sizes = np.clip(np.rint(rng.lognormal(np.log(2000), 1.0, 4096)), 1, 50_000).astype(np.int64)
-    plan = plan_shards(sizes, world_size=64, batch_size=256, balanced=True)
+    plan = plan_shards(sizes, world_size=64, batch_size=256, sharding="row_groups")
     assert max(plan.rows_per_rank) - plan.lower_bound_rows <= 1
     assert max(plan.batches_per_rank) - min(plan.batches_per_rank) <= 1
 

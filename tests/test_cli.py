@@ -41,22 +41,62 @@ def test_tables(dataset: str) -> None:
 
 @pytest.mark.timeout(30)
 def test_balanced_shows_the_comparison(dataset: str) -> None:
-    result = run(dataset, "-w", "2", "-b", "8", "--balanced")
+    result = run(dataset, "-w", "2", "-b", "8", "--sharding", "row_groups")
     assert result.exit_code == 0, result.output
-    assert "Round robin vs balanced" in result.output
-    assert "balanced" in result.output.splitlines()[2]
+    assert "Round robin vs balanced row groups" in result.output
+    assert "batch size 8; balanced row groups" in " ".join(result.output.split())
+
+
+@pytest.mark.timeout(30)
+def test_deprecated_balanced_flag_still_works(dataset: str) -> None:
+    result = CliRunner().invoke(main, ["plan", dataset, "-w", "2", "-b", "8", "--balanced"])
+    assert result.exit_code == 0, result.output
+    assert "--balanced is deprecated: use --sharding row_groups" in result.output
+    assert "Round robin vs balanced row groups" in result.output
+    clash = run(dataset, "-w", "2", "-b", "8", "--balanced", "--sharding", "rows")
+    assert clash.exit_code == 2 and "--balanced contradicts --sharding rows" in clash.output
+
+
+@pytest.mark.timeout(30)
+def test_rows_prints_the_split_row_groups(dataset: str) -> None:
+    # 91 rows over 3 ranks: 30, 30, 31. Row groups in order: 40, 3 | 30, 5 | 1, 6, 4, 2.
+    result = run(dataset, "-w", "3", "-b", "8", "--sharding", "rows")
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "Split row groups" in out and "equal row ranges" in out
+    # Row group 0 (40 rows) is split 0-30 / 30-40; row group 2 (30 rows, rows 43-73 of the
+    # epoch) is split 0-17 / 17-30 at row 60.
+    assert "0: 0-30; 1: 30-40" in out and "1: 0-17; 2: 17-30" in out
+    assert "2 split row group(s)" in out
+    document = json.loads(run(dataset, "-w", "3", "-b", "8", "--sharding", "rows", "--json").output)
+    assert document["plan"]["rows_per_rank"] == [30, 30, 31]
+    assert document["plan"]["sharding"] == "rows"
+    assert document["plan"]["row_ranges_per_rank"] == [
+        [[0, 0, 30]],
+        [[0, 30, 40], [2, 0, 17]],
+        [[2, 17, 30]],
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_rows_with_more_ranks_than_row_groups_is_a_plan(dataset: str) -> None:
+    document = json.loads(
+        run(dataset, "-w", "10", "-b", "4", "--sharding", "rows", "--json").output
+    )
+    assert document["plan"]["rows_per_rank"] == [9] * 9 + [10]
+    assert document["plan"]["petastorm_error"] is None
 
 
 @pytest.mark.timeout(30)
 def test_json(dataset: str) -> None:
-    result = run(dataset, "-w", "2", "-b", "8", "--balanced", "--json")
+    result = run(dataset, "-w", "2", "-b", "8", "--sharding", "row_groups", "--json")
     assert result.exit_code == 0, result.output
     document = json.loads(result.output)
     assert document["metadata_source"] == "footers"
     assert document["round_robin"]["rows_per_rank"] == [75, 16]
     assert document["round_robin"]["modes"]["truncate"]["dropped_rows"] == [59, 0]
     assert sorted(document["plan"]["rows_per_rank"]) == [45, 46]
-    assert document["plan"]["balanced"] is True
+    assert document["plan"]["sharding"] == "row_groups"
     every = sorted(i for shard in document["plan"]["row_groups_per_rank"] for i in shard)
     assert every == list(range(8))
 
@@ -120,7 +160,7 @@ def test_more_ranks_than_row_groups(dataset: str) -> None:
         "truncate runs 0 steps",
         "cycle cannot run",
         "join trains on 8 rank(s)",
-        "Use --world-size 8 or less",
+        "Use --world-size 8 or less, --sharding rows",
     ):
         assert words in out
 

@@ -71,7 +71,12 @@ def test_every_epoch_has_the_right_steps_on_every_rank(
 ) -> None:
     ranks = read_ranks(trained, f"{mode}-{source}", WORLD_SIZE)
     expected = expected_epoch(
-        mode, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=source == "parquet"
+        mode,
+        ROW_GROUP_SIZES,
+        WORLD_SIZE,
+        BATCH_SIZE,
+        # A petastorm factory sharded with cur_shard/shard_count has footer-known lengths too.
+        planned=source == "parquet" or mode != "join",
     )
     for rank, result in enumerate(ranks):
         assert result["error"] is None
@@ -93,7 +98,12 @@ def test_the_callback_logs_every_epoch_to_the_trainers_logger(
     trained: Path, mode: str, source: str
 ) -> None:
     expected = expected_epoch(
-        mode, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=source == "parquet"
+        mode,
+        ROW_GROUP_SIZES,
+        WORLD_SIZE,
+        BATCH_SIZE,
+        # A petastorm factory sharded with cur_shard/shard_count has footer-known lengths too.
+        planned=source == "parquet" or mode != "join",
     )
     wanted: dict[str, Any] = {
         "ddp_even/steps_min": min(expected["steps"]),

@@ -34,7 +34,7 @@ with_metadata, unischema = LAYOUTS.with_metadata, LAYOUTS.unischema
 
 
 def read_all_ranks(
-    url: str, world_size: int, *, balanced: bool = True, **options: Any
+    url: str, world_size: int, *, sharding: str = "row_groups", **options: Any
 ) -> tuple[Any, list[list[int]], list[int]]:
     """(plan, ids per rank, batches per rank), reading each rank's shard in turn."""
     ids_per_rank: list[list[int]] = []
@@ -42,7 +42,7 @@ def read_all_ranks(
     plan = None
     for rank in range(world_size):
         plan, factory = make_shard_factory(
-            url, rank, world_size, BATCH, balanced=balanced, **options
+            url, rank, world_size, BATCH, sharding=sharding, **options
         )
         with factory() as shard_pass:
             got = collect(shard_pass)
@@ -99,7 +99,7 @@ def test_balanced_readers_read_exactly_their_row_groups(
 @pytest.mark.timeout(60)
 def test_balanced_evens_out_the_skewed_dataset(tmp_path: Path) -> None:
     url = plain(tmp_path / "ds")
-    round_robin, rr_ids, _ = read_all_ranks(url, 2, balanced=False, reader_kwargs=DUMMY)
+    round_robin, rr_ids, _ = read_all_ranks(url, 2, sharding="round_robin", reader_kwargs=DUMMY)
     balanced, balanced_ids, _ = read_all_ranks(url, 2, reader_kwargs=DUMMY)
     # Global order 40, 3, 30, 5, 1, 6, 4, 2: rank 0 gets 40+30+1+4, rank 1 gets 3+5+6+2.
     assert [len(ids) for ids in rr_ids] == [75, 16] == list(round_robin.rows_per_rank)
@@ -127,7 +127,9 @@ def test_shuffled_threaded_reads_keep_the_same_row_groups(tmp_path: Path) -> Non
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_round_robin_factory_reads_what_petastorm_reads(tmp_path: Path, world_size: int) -> None:
     url = plain(tmp_path / "ds")
-    _, ids_per_rank, batches = read_all_ranks(url, world_size, balanced=False, reader_kwargs=DUMMY)
+    _, ids_per_rank, batches = read_all_ranks(
+        url, world_size, sharding="round_robin", reader_kwargs=DUMMY
+    )
     for rank in range(world_size):
         petastorm = read_shard(url, rank, world_size, batch_size=BATCH)
         assert ids_per_rank[rank] == petastorm.ids
@@ -160,14 +162,14 @@ def test_balanced_rank_without_row_groups_reads_nothing(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_round_robin_with_more_ranks_than_row_groups_is_refused(tmp_path: Path) -> None:
     url = write_plain_dataset(tmp_path / "ds", [[5, 5], [5]])
-    with pytest.raises(ValueError, match=r"NoDataAvailableError.*balanced=True"):
+    with pytest.raises(ValueError, match=r"NoDataAvailableError.*sharding='rows'"):
         make_shard_factory(url, 0, 4, BATCH)
 
 
 @pytest.mark.timeout(60)
 def test_dataset_changed_after_planning_is_caught(tmp_path: Path) -> None:
     url = plain(tmp_path / "ds")
-    _, factory = make_shard_factory(url, 0, 2, BATCH, balanced=True, reader_kwargs=DUMMY)
+    _, factory = make_shard_factory(url, 0, 2, BATCH, sharding="row_groups", reader_kwargs=DUMMY)
     write_plain_dataset(tmp_path / "ds2", [[7]])
     (tmp_path / "ds2" / "part-00000.parquet").rename(tmp_path / "ds" / "part-00003.parquet")
     with pytest.raises(PlanMismatchError, match="petastorm lists 9 row groups, the plan 8"):
@@ -198,7 +200,11 @@ def test_loader_options_reach_the_loader(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
-        ({"reader_kwargs": {"predicate": object()}}, "predicate drops rows"),
+        ({"sharding": "halves"}, "sharding must be one of"),
+        (
+            {"sharding": "rows", "reader_kwargs": {"shuffle_row_drop_partitions": 2}},
+            "already splits row groups",
+        ),
         ({"reader_kwargs": {"cur_shard": 0}}, "pass rank and world_size"),
         ({"reader_kwargs": {"num_epochs": 2}}, "one pass"),
         ({"reader_kwargs": {"filters": [("id", ">", 3)]}}, "partition directories"),

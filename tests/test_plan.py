@@ -94,7 +94,7 @@ def test_too_many_ranks_petastorm_refuses_and_the_plan_says_so(tmp_path: Path) -
     assert message is not None
     for words in ("truncate runs 0 steps", "cycle cannot run", "join trains on 3 rank(s)"):
         assert words in message
-    _, balanced = plan_for_dataset(url, world_size=4, batch_size=2, balanced=True)
+    _, balanced = plan_for_dataset(url, world_size=4, batch_size=2, sharding="row_groups")
     assert balanced.petastorm_error is None
     assert balanced.empty_ranks == (3,)
     assert balanced.steps("truncate") == 0
@@ -161,7 +161,7 @@ def test_batches_are_ceil_of_rows() -> None:
 def test_to_dict_is_json_ready() -> None:
     import json
 
-    document = plan_shards([3, 5, 2], world_size=2, batch_size=2, balanced=True).to_dict()
+    document = plan_shards([3, 5, 2], world_size=2, batch_size=2, sharding="row_groups").to_dict()
     assert json.loads(json.dumps(document)) == document
     assert set(document["modes"]) == set(MODES)
 

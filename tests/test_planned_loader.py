@@ -95,7 +95,7 @@ def run_planned(
             url,
             BATCH_SIZE,
             mode,
-            balanced=balanced,
+            sharding="row_groups" if balanced else "round_robin",
             joinables=joinables,
             reader_kwargs={"workers_count": 2},
         )
@@ -156,7 +156,7 @@ def test_round_robin_plan_counts_match_what_petastorm_delivers(url: str, mode: s
 @pytest.mark.timeout(300)
 def test_balanced_plan_reads_every_row_group_once_and_drops_at_most_one_batch(url: str) -> None:
     runs = run_ranks(run_planned, WORLD_SIZE, url, "truncate", True, False, timeout=240)
-    _, plan = plan_for_dataset(url, WORLD_SIZE, BATCH_SIZE, balanced=True)
+    _, plan = plan_for_dataset(url, WORLD_SIZE, BATCH_SIZE, sharding="row_groups")
     assert max(plan.rows_per_rank) - min(plan.rows_per_rank) <= max(ROW_GROUP_SIZES)
     for rank, run in enumerate(runs):
         assert run.steps == min(plan.batches_per_rank)

@@ -430,7 +430,7 @@ def _off_plan_worker(rank: int, world_size: int, url: str, mode: str) -> dict[st
     from ddp_even.planning import plan_for_dataset
 
     model, _ = _ddp_model()
-    _, balanced = plan_for_dataset(url, world_size, 4, balanced=True)
+    _, balanced = plan_for_dataset(url, world_size, 4, sharding="row_groups")
 
     def round_robin() -> Any:
         reader = make_batch_reader(

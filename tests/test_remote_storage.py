@@ -185,12 +185,12 @@ def test_cli_reaches_s3_through_aws_endpoint_url(s3: S3Server, urls: dict[str, s
 @pytest.mark.parametrize("key", ["endpoint_url", "client_kwargs.endpoint_url"])
 def test_cli_storage_option(s3: S3Server, urls: dict[str, str], key: str) -> None:
     result = _cli(
-        urls["unischema"], "-w", "4", "-b", "8", "--balanced", "--storage-option",
+        urls["unischema"], "-w", "4", "-b", "8", "--sharding", "row_groups", "--storage-option",
         f"{key}={s3.endpoint}", "--storage-option", "connect_timeout=5",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert f"{len(flat_sizes(SIZES))} row groups in {len(SIZES)} file(s)" in result.output
-    assert "Round robin vs balanced" in result.output
+    assert "Round robin vs balanced row groups" in result.output
 
 
 @pytest.mark.timeout(60)
@@ -371,7 +371,7 @@ def _read_every_rank(dataset: str, **where: Any) -> tuple[ShardPlan, list[list[i
     plan = None
     for rank in range(WORLD_SIZE):
         plan, factory = make_shard_factory(
-            dataset, rank, WORLD_SIZE, BATCH, balanced=True,
+            dataset, rank, WORLD_SIZE, BATCH, sharding="row_groups",
             reader_kwargs={"workers_count": 2}, **where,
         )  # fmt: skip
         with factory() as batches:
@@ -387,7 +387,7 @@ def test_memory_filesystem_through_fsspec(tmp_path: Path) -> None:
     local = Path(Layouts(SIZES).partitioned(tmp_path / "ds")[len("file://") :])
     memory = fsspec.filesystem("memory")
     memory.put(str(local), "/ddp-even-memory/ds", recursive=True)
-    _, local_plan = plan_for_dataset(str(local), WORLD_SIZE, BATCH, balanced=True)
+    _, local_plan = plan_for_dataset(str(local), WORLD_SIZE, BATCH, sharding="row_groups")
     plan, shards = _read_every_rank("memory://ddp-even-memory/ds")
     assert plan.shards == local_plan.shards
     for rank, rows in enumerate(shards):
@@ -429,7 +429,7 @@ def train_from_s3(
             url,
             BATCH,
             mode,
-            balanced=True,
+            sharding="row_groups",
             storage_options=storage_options,
             joinables=[model] if mode == "join" else (),
             reader_kwargs={"workers_count": 2},
@@ -451,7 +451,7 @@ def train_from_s3(
 def test_four_ranks_train_from_s3_in_every_mode(s3: S3Server, urls: dict[str, str]) -> None:
     options = s3.storage_options()
     _, plan = plan_for_dataset(
-        urls["plain"], WORLD_SIZE, BATCH, balanced=True, storage_options=options
+        urls["plain"], WORLD_SIZE, BATCH, sharding="row_groups", storage_options=options
     )
     assert plan.spread_rows <= max(flat_sizes(SIZES))
     runs = run_ranks(train_from_s3, WORLD_SIZE, urls["plain"], options, timeout=150, env=s3.env())

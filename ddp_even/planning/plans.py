@@ -12,6 +12,7 @@ you already have.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,9 +20,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ddp_even.agreement.wire import MAX_COUNT
 from ddp_even.checks import check_positive_int
 from ddp_even.modes import MODES, mode_named
-from ddp_even.planning.balance import balanced_assignment, round_robin_assignment
 from ddp_even.planning.datasets import (
     DatasetError,
     DatasetLocation,
@@ -30,6 +31,7 @@ from ddp_even.planning.datasets import (
     StorageOptions,
     read_row_groups,
 )
+from ddp_even.planning.sharding import RowRange, Sharding, check_sharding, shard_rows
 
 __all__ = [
     "DatasetError",
@@ -115,10 +117,12 @@ class ShardPlan:
 
     world_size: int
     batch_size: int
-    #: True for :func:`~ddp_even.planning.balance.balanced_assignment`; False: petastorm's
-    #: round robin.
-    balanced: bool
-    #: Global row-group indices rank ``r`` reads, in the order petastorm reads them unshuffled.
+    #: How rows are shared out: ``"round_robin"`` (petastorm's), ``"row_groups"`` (whole row
+    #: groups, balanced), ``"rows"`` (equal shards, a few row groups split) or
+    #: ``"replicate"`` (every rank reads everything); see :mod:`ddp_even.planning.sharding`.
+    sharding: Sharding
+    #: Global row-group indices rank ``r`` reads (whole or in part), in the order petastorm
+    #: reads them unshuffled.
     shards: tuple[tuple[int, ...], ...]
     rows_per_rank: tuple[int, ...]
     #: ``ceil(rows / batch_size)``: petastorm loaders emit a short last batch.
@@ -126,12 +130,45 @@ class ShardPlan:
     num_row_groups: int
     total_rows: int
     largest_row_group: int
+    #: ``"rows"`` sharding: the row groups rank ``r`` reads only in part, as
+    #: ``(row group, start, stop)``; empty otherwise.
+    row_ranges: tuple[tuple[RowRange, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not (len(self.shards) == len(self.rows_per_rank) == len(self.batches_per_rank)):
             raise ValueError(
                 "shards, rows_per_rank and batches_per_rank must have one entry per rank"
             )
+
+    @property
+    def balanced(self) -> bool:
+        """True unless the shards are petastorm's round robin (kept from 0.1's ``balanced``).
+
+        Example:
+            >>> plan_shards([5, 5, 5], world_size=2, batch_size=4, sharding="rows").balanced
+            True
+        """
+        return self.sharding != "round_robin"
+
+    def row_ranges_of(self, rank: int) -> tuple[RowRange, ...]:
+        """The split row groups ``rank`` reads part of: ``(row group, start, stop)`` each.
+
+        Example:
+            >>> plan_shards([5, 5, 5], world_size=2, batch_size=4, sharding="rows").row_ranges_of(1)
+            ((1, 2, 5),)
+        """
+        _check_rank(rank, self.world_size)
+        return self.row_ranges[rank] if self.row_ranges else ()
+
+    @property
+    def split_row_groups(self) -> int:
+        """Row groups read by more than one rank (``"rows"``): the epoch's extra reads.
+
+        Example:
+            >>> plan_shards([5, 5, 5], world_size=2, batch_size=4, sharding="rows").split_row_groups
+            1
+        """
+        return len({piece[0] for pieces in self.row_ranges for piece in pieces})
 
     def row_groups_of(self, rank: int) -> tuple[int, ...]:
         """Global row-group indices ``rank`` reads.
@@ -193,14 +230,14 @@ class ShardPlan:
         """Why petastorm refuses to build this plan's readers, or None when it will build them.
 
         Petastorm's round robin raises ``NoDataAvailableError`` on every rank when there are
-        fewer row groups than ranks (``Reader._partition_row_groups``). The balanced readers
-        do not shard through that check and accept empty ranks.
+        fewer row groups than ranks (``Reader._partition_row_groups``). ddp_even's own readers
+        (every other sharding) do not shard through that check and accept empty ranks.
 
         Example:
             >>> plan_shards([5, 5], world_size=3, batch_size=4).petastorm_error is not None
             True
         """
-        if self.balanced or self.world_size <= self.num_row_groups:
+        if self.sharding != "round_robin" or self.world_size <= self.num_row_groups:
             return None
         return (
             f"petastorm raises NoDataAvailableError on every rank: {self.num_row_groups} row "
@@ -258,8 +295,9 @@ class ShardPlan:
             >>> print(plan.describe_too_many_ranks())  # doctest: +NORMALIZE_WHITESPACE
             world size 3 is larger than the 2 row groups: with petastorm's round robin every
             rank's reader raises NoDataAvailableError, so truncate, cycle and join all fail;
-            balanced, rank(s) 2 get no rows: truncate runs 0 steps, cycle cannot run, join
-            trains on 2 rank(s)
+            with whole balanced row groups, rank(s) 2 get no rows: truncate runs 0 steps, cycle
+            cannot run, join trains on 2 rank(s); sharding="rows" splits row groups so that
+            every rank gets rows
         """
         if self.world_size <= self.num_row_groups:
             return None
@@ -267,9 +305,10 @@ class ShardPlan:
         return (
             f"world size {self.world_size} is larger than the {self.num_row_groups} row groups: "
             "with petastorm's round robin every rank's reader raises NoDataAvailableError, so "
-            f"truncate, cycle and join all fail; balanced, rank(s) {empty} get no rows: "
-            f"truncate runs 0 steps, cycle cannot run, join trains on {self.num_row_groups} "
-            "rank(s)"
+            f"truncate, cycle and join all fail; with whole balanced row groups, rank(s) {empty} "
+            f"get no rows: truncate runs 0 steps, cycle cannot run, join trains on "
+            f'{self.num_row_groups} rank(s); sharding="rows" splits row groups so that every '
+            "rank gets rows"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -282,7 +321,12 @@ class ShardPlan:
         return {
             "world_size": self.world_size,
             "batch_size": self.batch_size,
-            "balanced": self.balanced,
+            "sharding": self.sharding,
+            "split_row_groups": self.split_row_groups,
+            "row_ranges_per_rank": [
+                [list(piece) for piece in self.row_ranges_of(rank)]
+                for rank in range(self.world_size)
+            ],
             "num_row_groups": self.num_row_groups,
             "total_rows": self.total_rows,
             "largest_row_group": self.largest_row_group,
@@ -302,51 +346,79 @@ def plan_shards(
     world_size: int,
     batch_size: int,
     *,
-    balanced: bool = False,
+    sharding: Sharding = "round_robin",
+    balanced: bool | None = None,
 ) -> ShardPlan:
     """Plan ``world_size`` shards of row groups whose sizes are known.
 
     ``row_groups`` is a :class:`~ddp_even.planning.datasets.RowGroups` or the row counts in
-    petastorm's global order. With ``balanced=False`` the shards are petastorm's
-    (``i % world_size``); with ``balanced=True`` they come from
-    :func:`~ddp_even.planning.balance.balanced_assignment`. Planning is vectorised: 100,000
-    row groups over 1,024 ranks take well under a second.
+    petastorm's global order. ``sharding`` chooses who reads what (see
+    :mod:`ddp_even.planning.sharding`): ``"round_robin"`` (petastorm's ``i % world_size``),
+    ``"row_groups"`` (whole row groups, balanced), ``"rows"`` (``floor(N / W)`` or
+    ``ceil(N / W)`` rows per rank, a few row groups split) or ``"replicate"`` (every rank
+    reads every row group). ``balanced=True`` is the deprecated spelling of
+    ``sharding="row_groups"``. Planning is vectorised: 100,000 row groups over 1,024 ranks
+    take well under a second.
 
     Example:
         >>> plan_shards([40, 40, 40, 40, 160], world_size=2, batch_size=40).rows_per_rank
         (240, 80)
-        >>> plan_shards([40, 40, 40, 40, 160], 2, 40, balanced=True).rows_per_rank
+        >>> plan_shards([40, 40, 40, 40, 160], 2, 40, sharding="row_groups").rows_per_rank
         (160, 160)
+        >>> plan_shards([10, 90], world_size=2, batch_size=40, sharding="rows").rows_per_rank
+        (50, 50)
     """
     check_positive_int("world_size", world_size)
     check_positive_int("batch_size", batch_size)
-    if not isinstance(balanced, bool):
-        raise TypeError(f"balanced must be True or False, got {balanced!r}")
+    sharding = sharding_from(sharding, balanced)
     sizes = row_groups.num_rows if isinstance(row_groups, RowGroups) else _sizes(row_groups)
     if len(sizes) == 0:
         raise ValueError("there are no row groups to plan: check the dataset")
-    if balanced:
-        ranks = balanced_assignment(sizes, world_size)
-    else:
-        ranks = round_robin_assignment(len(sizes), world_size)
-    rows = np.bincount(ranks, weights=sizes, minlength=world_size).astype(np.int64)
-    batches = -(-rows // batch_size)
-    # One stable sort groups row groups by rank, keeping ascending global index inside a rank:
-    # the order petastorm ventilates them when row groups are not shuffled.
-    by_rank = np.argsort(ranks, kind="stable")
-    bounds = np.cumsum(np.bincount(ranks, minlength=world_size))[:-1]
-    shards = tuple(tuple(part.tolist()) for part in np.split(by_rank, bounds))
+    shards = shard_rows(sizes, world_size, sharding)
+    batches = -(-shards.rows_per_rank // batch_size)
+    if int(batches.max()) > MAX_COUNT:
+        raise ValueError(
+            f"a rank would get {int(batches.max()):,} batches in one epoch, more than the "
+            f"{MAX_COUNT:,} ddp_even can agree on: use a larger batch_size or more ranks"
+        )
     return ShardPlan(
         world_size=world_size,
         batch_size=batch_size,
-        balanced=balanced,
-        shards=shards,
-        rows_per_rank=_as_tuple(rows),
+        sharding=sharding,
+        shards=shards.row_groups,
+        rows_per_rank=_as_tuple(shards.rows_per_rank),
         batches_per_rank=_as_tuple(batches),
         num_row_groups=len(sizes),
         total_rows=int(sizes.sum()),
         largest_row_group=int(sizes.max()),
+        row_ranges=shards.row_ranges if sharding == "rows" else (),
     )
+
+
+def sharding_from(sharding: object, balanced: bool | None) -> Sharding:
+    """The sharding asked for, taking the deprecated ``balanced`` flag into account.
+
+    Example:
+        >>> sharding_from("rows", None)
+        'rows'
+    """
+    checked = check_sharding(sharding)
+    if balanced is None:
+        return checked
+    if not isinstance(balanced, bool):
+        raise TypeError(f"balanced must be True or False, got {balanced!r}")
+    warnings.warn(
+        'balanced= is deprecated: pass sharding="row_groups" (balanced=True) or '
+        'sharding="round_robin" (balanced=False); sharding="rows" gives equal shards',
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    from_flag: Sharding = "row_groups" if balanced else "round_robin"
+    if checked != "round_robin" and checked != from_flag:
+        raise ValueError(
+            f"balanced={balanced} contradicts sharding={checked!r}: pass only sharding"
+        )
+    return from_flag
 
 
 def plan_for_dataset(
@@ -354,7 +426,8 @@ def plan_for_dataset(
     world_size: int,
     batch_size: int,
     *,
-    balanced: bool = False,
+    sharding: Sharding = "round_robin",
+    balanced: bool | None = None,
     storage_options: StorageOptions | None = None,
     filesystem: Any = None,
     progress: Progress | None = None,
@@ -388,7 +461,8 @@ def plan_for_dataset(
         len(row_groups.files),
         row_groups.source,
     )
-    return row_groups, plan_shards(row_groups, world_size, batch_size, balanced=balanced)
+    sharding = sharding_from(sharding, balanced)
+    return row_groups, plan_shards(row_groups, world_size, batch_size, sharding=sharding)
 
 
 def _stats_dict(stats: ModeStats) -> dict[str, Any]:

@@ -14,8 +14,10 @@ against the plan's (same files, same row groups, same order) and raises if they 
 plan can never silently describe different shards from the ones read. For round-robin plans
 it defers to petastorm's own sharding and only checks the result.
 
-Reader options the plan cannot honour are refused with a ``ValueError``: ``predicate``,
-``rowgroup_selector`` and ``filters`` change which rows exist; ``cur_shard``,
+A row ``predicate`` is counted before planning (:mod:`ddp_even.planning.predicate_counts`)
+and then applied by the readers as petastorm applies it. Reader options the plan cannot honour
+are refused with a ``ValueError``: ``rowgroup_selector`` and ``filters`` change which rows
+exist; ``cur_shard``,
 ``shard_count``, ``shard_seed`` and ``num_epochs`` are set here; an ``NGram`` in
 ``schema_fields`` turns rows into windows. A ``transform_spec`` is passed on, but must not drop
 rows (the plan counts rows).
@@ -28,6 +30,7 @@ read through one filesystem, resolved by :mod:`ddp_even.planning.storage` from t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -36,9 +39,13 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import numpy as np
+
 from ddp_even.modes import MODES
 from ddp_even.planning.datasets import DatasetLocation, RowGroups, read_row_groups
-from ddp_even.planning.plans import ShardPlan, plan_shards
+from ddp_even.planning.plans import ShardPlan, plan_shards, sharding_from
+from ddp_even.planning.predicate_counts import Share, check_predicate_fields, matching_rows
+from ddp_even.planning.sharding import RowRange, Sharding
 from ddp_even.planning.storage import (
     ResolvedDataset,
     StorageOptions,
@@ -49,6 +56,7 @@ from ddp_even.planning.storage import (
 __all__ = [
     "LoaderKind",
     "PlanMismatchError",
+    "PlannedPasses",
     "ReaderKind",
     "make_shard_factory",
     "petastorm_url",
@@ -71,7 +79,6 @@ _REFUSED_READER_OPTIONS = {
     "shard_count": "sharding follows the plan; pass rank and world_size instead",
     "shard_seed": "sharding follows the plan; use seed to shuffle the reading order",
     "num_epochs": "each factory() call reads one pass; call it again for the next pass",
-    "predicate": "a predicate drops rows after reading, so rows per rank cannot be planned",
     "rowgroup_selector": "it changes which row groups exist; the plan cannot follow it",
     "filters": "petastorm 0.12.1 applies filters only to partition directories; the plan does not",
     "pyarrow_serialize": "it is deprecated in petastorm and has no effect",
@@ -94,9 +101,11 @@ _ACCEPTED_READER_OPTIONS = (
     "hdfs_driver",
     "transform_spec",
     "zmq_copy_buffers",
-    # Taken out before the reader is built: they choose the filesystem for planning too.
+    # Taken out before the reader is built: they choose the filesystem for planning too,
+    # and the predicate is counted before planning.
     "storage_options",
     "filesystem",
+    "predicate",
 )
 
 
@@ -106,26 +115,43 @@ def make_shard_factory(
     world_size: int,
     batch_size: int,
     *,
-    balanced: bool = False,
+    sharding: Sharding = "round_robin",
+    balanced: bool | None = None,
     loader: LoaderKind = "batched_dataloader",
     reader: ReaderKind = "batch",
     reader_kwargs: Mapping[str, Any] | None = None,
     loader_kwargs: Mapping[str, Any] | None = None,
     storage_options: StorageOptions | None = None,
     filesystem: Any = None,
-) -> tuple[ShardPlan, Callable[[], Any]]:
+    predicate: Any = None,
+    share: Share | None = None,
+) -> tuple[ShardPlan, PlannedPasses]:
     """Plan the shards of ``dataset`` and return ``(plan, factory)`` for ``rank``.
 
-    ``factory()`` builds a fresh petastorm reader (``num_epochs=1``) over exactly
-    ``plan.row_groups_of(rank)``, wraps it in the chosen loader with ``batch_size``, and
-    returns that loader (or the reader itself with ``loader="reader"``); leaving its ``with``
-    block stops the reader, and :class:`~ddp_even.EvenLoader` does the same when it is given
-    the factory. ``reader_kwargs`` go to the petastorm reader (see the module
-    docstring for the few that are refused), ``loader_kwargs`` to the loader (for example
-    ``shuffling_queue_capacity``). With ``loader="reader"`` the plan's batches assume you
-    batch the rows yourself with ``batch_size``. ``storage_options`` (a dict, as petastorm and
+    ``factory(epoch=0)`` builds a fresh petastorm reader (``num_epochs=1``) over exactly
+    ``plan.row_groups_of(rank)`` (and, with ``sharding="rows"``, only the rows
+    ``plan.row_ranges_of(rank)`` gives it of split row groups), wraps it in the chosen loader
+    with ``batch_size``, and returns that loader (or the reader itself with
+    ``loader="reader"``); leaving its ``with`` block stops the reader, and
+    :class:`~ddp_even.EvenLoader` does the same when it is given the factory (it passes the
+    epoch number). ``sharding`` is explained in :mod:`ddp_even.planning.sharding`
+    (``balanced=True`` is its deprecated spelling ``"row_groups"``). A ``seed`` in
+    ``reader_kwargs`` is mixed with the epoch, so that each epoch shuffles differently but
+    reproducibly; with ``"replicate"`` it is mixed with the rank too, and every rank reads
+    every row group in its own order (seed 0 when none is given). ``reader_kwargs`` go to the
+    petastorm reader (see the module docstring for the few that are refused),
+    ``loader_kwargs`` to the loader (for example ``shuffling_queue_capacity``). With
+    ``loader="reader"`` the plan's batches assume you batch the rows yourself with
+    ``batch_size``. ``storage_options`` (a dict, as petastorm and
     fsspec take it) or ``filesystem`` (a ``pyarrow.fs`` or fsspec filesystem) reach remote
     storage; both plan and readers use them (see :mod:`ddp_even.planning.storage`).
+
+    ``predicate`` (a petastorm row predicate, also accepted in ``reader_kwargs``) is counted
+    before planning: the rows it keeps in each row group are counted by reading its columns
+    only, and the plan shares out the matching rows (see
+    :mod:`ddp_even.planning.predicate_counts`, which also caches the counts). ``share``, an
+    all-gather of int lists among the ranks, spreads that scan over them (each counts ``1/W``
+    of the row groups); without it this process counts every row group itself.
 
     Every rank computes the same plan from the same metadata, so no communication is needed.
     Raises ``ValueError`` when petastorm could not build the readers (more ranks than row
@@ -137,7 +163,7 @@ def make_shard_factory(
         >>> root = tempfile.mkdtemp()
         >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=2)
         >>> plan, factory = make_shard_factory(root, rank=1, world_size=2, batch_size=4,
-        ...     balanced=True, reader_kwargs={"reader_pool_type": "dummy"})
+        ...     sharding="rows", reader_kwargs={"reader_pool_type": "dummy"})
         >>> with factory() as shard_pass:
         ...     rows = sum(len(batch["x"]) for batch in shard_pass)
         >>> rows == plan.rows_per_rank[1]
@@ -147,16 +173,38 @@ def make_shard_factory(
         raise ValueError(f"loader must be one of {', '.join(_LOADER_KINDS)}; got {loader!r}")
     if reader not in _READER_KINDS:
         raise ValueError(f"reader must be one of {', '.join(_READER_KINDS)}; got {reader!r}")
-    options = _check_reader_options(dict(reader_kwargs or {}))
+    sharding = sharding_from(sharding, balanced)
+    options = _check_reader_options(dict(reader_kwargs or {}), sharding)
     storage_options = _taken_once("storage_options", storage_options, options)
     filesystem = _taken_once("filesystem", filesystem, options)
+    predicate = _taken_once("predicate", predicate, options)
     loader_options = _check_loader_options(loader, dict(loader_kwargs or {}))
     resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
+    url = petastorm_url(dataset)
     row_groups = read_row_groups(resolved)
-    plan = plan_shards(row_groups, world_size, batch_size, balanced=balanced)
+    if predicate is not None:
+        fields = check_predicate_fields(predicate, resolved, row_groups)
+        counted = row_groups
+
+        def count_share(indices: Sequence[int]) -> list[int]:
+            return _count_matching(
+                url, resolved, reader, counted, indices, predicate, fields, options
+            )
+
+        row_groups = matching_rows(
+            row_groups,
+            predicate,
+            key_parts=[reader.encode()],
+            count_share=count_share,
+            rank=rank if share is not None else 0,
+            world_size=world_size if share is not None else 1,
+            share=share if share is not None else _alone,
+        )
+        options["predicate"] = predicate
+    plan = plan_shards(row_groups, world_size, batch_size, sharding=sharding)
     plan.row_groups_of(rank)  # checks rank
     if plan.petastorm_error is not None:
-        raise ValueError(f"{plan.describe_too_many_ranks()}. Use fewer ranks or balanced=True")
+        raise ValueError(f"{plan.describe_too_many_ranks()}. Use fewer ranks or sharding='rows'")
     if plan.empty_ranks and rank == 0:
         # Logged once (rank 0), since every rank computes the same plan.
         logger.warning(
@@ -165,10 +213,13 @@ def make_shard_factory(
             resolved.describe(),
             "; ".join(f"{mode}: {plan.stats(mode).note}" for mode in MODES),
         )
-    url = petastorm_url(dataset)
 
-    def factory() -> Any:
-        petastorm_reader = _build_reader(url, resolved, reader, row_groups, plan, rank, options)
+    def build(epoch: int, shard_plan: ShardPlan) -> Any:
+        seed = _epoch_seed(options.get("seed"), epoch, rank, shard_plan)
+        epoch_options = {**options, "seed": seed}
+        petastorm_reader = _build_reader(
+            url, resolved, reader, row_groups, shard_plan, rank, epoch_options
+        )
         try:
             return _build_loader(petastorm_reader, loader, batch_size, loader_options)
         except BaseException:
@@ -176,7 +227,119 @@ def make_shard_factory(
             petastorm_reader.join()
             raise
 
-    return plan, factory
+    order = _why_not_in_plan_order(options, loader_options)
+    return plan, PlannedPasses(build, plan, row_groups.num_rows.tolist(), order)
+
+
+class PlannedPasses:
+    """The factory :func:`make_shard_factory` returns: a fresh loader per call.
+
+    ``passes(epoch=N)`` reads this rank's shard of ``plan`` for epoch ``N`` (the epoch seeds
+    the shuffles); ``passes(shard_plan=other)`` reads this rank's shard of another plan of the
+    same dataset (the rest of an epoch re-planned over another number of ranks).
+    """
+
+    def __init__(
+        self,
+        build: Callable[[int, ShardPlan], Any],
+        plan: ShardPlan,
+        row_group_sizes: list[int],
+        why_not_in_plan_order: str | None,
+    ) -> None:
+        self._build = build
+        self.plan = plan
+        #: Rows of every row group (after the predicate, if any), in petastorm's order.
+        self.row_group_sizes = row_group_sizes
+        #: Why a pass may read the shard's rows in another order than the plan's, or None.
+        self.why_not_in_plan_order = why_not_in_plan_order
+
+    def __call__(self, epoch: int = 0, shard_plan: ShardPlan | None = None) -> Any:
+        return self._build(epoch, self.plan if shard_plan is None else shard_plan)
+
+
+def _why_not_in_plan_order(
+    reader_options: dict[str, Any], loader_options: dict[str, Any]
+) -> str | None:
+    """Why a pass may hand out rows in another order than the plan lists them, or None."""
+    if reader_options.get("shuffle_row_groups", True):
+        return "row groups are shuffled (pass shuffle_row_groups=False in reader_kwargs)"
+    if reader_options.get("shuffle_rows", False):
+        return "rows are shuffled (shuffle_rows=True)"
+    if (
+        reader_options.get("reader_pool_type", "thread") != "dummy"
+        and reader_options.get("workers_count", 10) != 1
+    ):
+        return (
+            "several workers deliver row groups in the order they finish (pass workers_count=1 "
+            "or reader_pool_type='dummy' in reader_kwargs)"
+        )
+    if loader_options.get("shuffling_queue_capacity", 0):
+        return "the loader's shuffling queue mixes rows (shuffling_queue_capacity)"
+    return None
+
+
+def _alone(values: list[int]) -> list[list[int]]:
+    return [values]
+
+
+def _count_matching(
+    url: str | list[str],
+    resolved: ResolvedDataset,
+    kind: ReaderKind,
+    row_groups: RowGroups,
+    indices: Sequence[int],
+    predicate: Any,
+    fields: list[str],
+    options: dict[str, Any],
+) -> list[int]:
+    """Rows ``predicate`` keeps in each of ``indices``, through petastorm's own worker.
+
+    A reader over those row groups, of the predicate's columns only, with a pool that runs
+    its worker in this thread; each row group is processed on its own so that its kept rows
+    can be counted (a reader's output does not say which row group a row came from).
+    """
+    if not indices:
+        return []
+    scan_options = {
+        "schema_fields": fields,
+        "predicate": predicate,
+        "reader_pool_type": "dummy",
+        "shuffle_row_groups": False,
+        "hdfs_driver": options.get("hdfs_driver", "libhdfs3"),
+    }
+    wanted = set(indices)
+    scan_plan = dataclasses.replace(
+        plan_shards(row_groups, 1, max(row_groups.total_rows, 1)),
+        sharding="row_groups",
+        shards=(tuple(index for index in range(len(row_groups)) if index in wanted),),
+    )
+    scan_reader = _build_reader(url, resolved, kind, row_groups, scan_plan, 0, scan_options)
+    try:
+        pool = scan_reader._workers_pool
+        # Row groups a predicate on partition columns ruled out have no work item: 0 rows.
+        items = {item["piece_index"]: item for item in scan_reader.ventilator._items_to_ventilate}
+        counts = []
+        for index in indices:
+            item = items.get(index)
+            if item is not None:
+                pool._worker.process(index, item["worker_predicate"], (0, 1))
+            counts.append(sum(len(published) for published in pool._results_queue))
+            pool._results_queue.clear()
+        return counts
+    finally:
+        scan_reader.stop()
+        scan_reader.join()
+
+
+def _epoch_seed(seed: int | None, epoch: int, rank: int, plan: ShardPlan) -> int | None:
+    """The seed of one epoch's reader: the user's, mixed with the epoch (and the rank when
+    every rank reads everything), so epochs differ and a resumed epoch shuffles the same."""
+    if plan.sharding == "replicate":
+        seed = 0 if seed is None else seed
+        return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
+    if seed is None:
+        return None
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
 def petastorm_url(dataset: DatasetLocation) -> str | list[str]:
@@ -210,7 +373,12 @@ def _taken_once(name: str, argument: Any, reader_options: dict[str, Any]) -> Any
     return argument if argument is not None else in_reader_options
 
 
-def _check_reader_options(options: dict[str, Any]) -> dict[str, Any]:
+def _check_reader_options(options: dict[str, Any], sharding: Sharding) -> dict[str, Any]:
+    if sharding == "rows" and options.get("shuffle_row_drop_partitions", 1) != 1:
+        raise ValueError(
+            "shuffle_row_drop_partitions is not supported with sharding='rows', which already "
+            "splits row groups into ranges; use shuffle_rows=True to shuffle inside row groups"
+        )
     for name in options:
         if name in _REFUSED_READER_OPTIONS:
             raise ValueError(
@@ -277,18 +445,18 @@ def _build_reader(
     options: dict[str, Any],
 ) -> Any:
     """What ``make_reader`` / ``make_batch_reader`` do, with :func:`_planned_reader_class`."""
-    from petastorm.arrow_reader_worker import ArrowReaderWorker
     from petastorm.cache import NullCache
     from petastorm.etl.dataset_metadata import PetastormMetadataError
     from petastorm.fs_utils import get_filesystem_and_path_or_paths
     from petastorm.local_disk_cache import LocalDiskCache
-    from petastorm.py_dict_reader_worker import PyDictReaderWorker
     from petastorm.reader import normalize_dataset_url_or_urls
     from petastorm.reader_impl.arrow_table_serializer import ArrowTableSerializer
     from petastorm.reader_impl.pickle_serializer import PickleSerializer
     from petastorm.workers_pool.dummy_pool import DummyPool
     from petastorm.workers_pool.process_pool import ProcessPool
     from petastorm.workers_pool.thread_pool import ThreadPool
+
+    from ddp_even.planning.planned_workers import PlannedArrowWorker, PlannedRowWorker
 
     filesystem: Any
     dataset_path: str | list[str]
@@ -338,8 +506,9 @@ def _build_reader(
             dataset_path,
             planned_row_groups=row_groups,
             planned_shard=plan.shards[rank],
-            balanced=plan.balanced,
-            worker_class=ArrowReaderWorker if kind == "batch" else PyDictReaderWorker,
+            planned_ranges=plan.row_ranges_of(rank),
+            sharding=plan.sharding,
+            worker_class=PlannedArrowWorker if kind == "batch" else PlannedRowWorker,
             is_batched_reader=kind == "batch",
             reader_pool=pool,
             cache=cache,
@@ -347,6 +516,7 @@ def _build_reader(
             cur_shard=rank,
             shard_count=plan.world_size,
             schema_fields=options.get("schema_fields"),
+            predicate=options.get("predicate"),
             seed=options.get("seed"),
             shuffle_rows=options.get("shuffle_rows", False),
             shuffle_row_groups=options.get("shuffle_row_groups", True),
@@ -388,13 +558,28 @@ def _planned_reader_class() -> type:
             *args: Any,
             planned_row_groups: RowGroups,
             planned_shard: Sequence[int],
-            balanced: bool,
+            planned_ranges: Sequence[RowRange],
+            sharding: Sharding,
             **kwargs: Any,
         ) -> None:
             self._planned_row_groups = planned_row_groups
             self._planned_shard = frozenset(planned_shard)
-            self._balanced = balanced
+            self._planned_ranges: dict[int, list[tuple[int, int]]] = {}
+            for group, start, stop in planned_ranges:
+                self._planned_ranges.setdefault(group, []).append((start, stop))
+            self._sharding = sharding
             super().__init__(*args, **kwargs)
+
+        def _create_ventilator(self, row_group_indexes: list[int], *args: Any) -> Any:
+            ventilator = super()._create_ventilator(row_group_indexes, *args)
+            # Every work item says which rows the plan expects and which of them to keep.
+            sizes = self._planned_row_groups.num_rows
+            for item in ventilator._items_to_ventilate:
+                group = item["piece_index"]
+                expected = int(sizes[group])
+                kept = self._planned_ranges.get(group, [(0, expected)])
+                item["planned_rows"] = (expected, tuple(kept))
+            return ventilator
 
         def _partition_row_groups(
             self,
@@ -406,7 +591,7 @@ def _planned_reader_class() -> type:
             seed: int | None,
         ) -> list[int]:
             _check_same_row_groups(row_groups, self._planned_row_groups)
-            if not self._balanced:
+            if self._sharding == "round_robin":
                 selected: list[int] = super()._partition_row_groups(
                     dataset, row_groups, shard_count, cur_shard, filtered_row_group_indexes, seed
                 )

@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 from ddp_even.errors import EvenLoaderError
 from ddp_even.sources import ShardPass, ShardSource
+
+if TYPE_CHECKING:
+    from ddp_even.planning.plans import ShardPlan
 
 logger = logging.getLogger("ddp_even")
 
@@ -84,6 +87,11 @@ class ShardFeed(Generic[BatchT]):
             except Exception as error:  # reported at the agreement, as any source failure
                 self.failure = error
         return None if self._pass is None else self._pass.row_groups
+
+    def first_pass_plan(self, rank: int, world_size: int) -> ShardPlan | None:
+        """Every rank's shard plan, when the first pass's source can work it out."""
+        self.first_pass_row_groups()
+        return None if self._pass is None else self._pass.plan_for(rank, world_size)
 
     def differs_from(self, planned: Sequence[int]) -> str | None:
         """How the first pass's row groups differ from ``planned``, when the source can tell."""

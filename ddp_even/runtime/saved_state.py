@@ -12,9 +12,19 @@ _VERSION = 1
 
 
 def saved_state(
-    *, settings: str, world_size: int, rank: int, epoch: int, step: int
+    *,
+    settings: str,
+    world_size: int,
+    rank: int,
+    epoch: int,
+    step: int,
+    resumed_from_world_size: int | None = None,
 ) -> dict[str, Any]:
-    """The state :meth:`ddp_even.EvenLoader.state_dict` returns: plain ints and strings."""
+    """The state :meth:`ddp_even.EvenLoader.state_dict` returns: plain ints and strings.
+
+    ``resumed_from_world_size`` is set while an epoch that resumed on another number of ranks
+    runs: its steps count the re-planned rest of the epoch, not the epoch.
+    """
     return {
         "format": STATE_FORMAT,
         "version": _VERSION,
@@ -24,6 +34,7 @@ def saved_state(
         "rank": rank,
         "epoch": epoch,
         "step": step,
+        "resumed_from_world_size": resumed_from_world_size,
     }
 
 
@@ -55,6 +66,13 @@ def resume_point(state: Mapping[str, Any], *, settings: str, world_size: int) ->
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"the loader state's {name} must be an int >= 0, got {value!r}")
     assert isinstance(epoch, int) and isinstance(step, int)
+    if step > 0 and state.get("resumed_from_world_size") is not None:
+        raise ValueError(
+            f"the loader state was saved at step {step} of epoch {epoch}, which had itself "
+            f"resumed from {state.get('resumed_from_world_size')} ranks on {world_size}: its "
+            "steps count a re-planned rest of the epoch. Resume from the state saved before "
+            f"that resume, or start the next epoch (loader.set_epoch({epoch + 1}))"
+        )
     return epoch, step
 
 

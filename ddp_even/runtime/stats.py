@@ -88,7 +88,11 @@ class EpochStats:
             whole shard (a reader that loses rows); None without a plan.
         resumed_at_step: the step after which this epoch resumed from a loader state
             (:meth:`EvenLoader.load_state_dict`), or None; every other field counts the whole
-            epoch, as if it had not been interrupted.
+            epoch, as if it had not been interrupted (on the same number of ranks).
+        resumed_from_world_size: when the epoch resumed on another number of ranks (a planned
+            loader re-plans the rows no rank had read over the new ranks), the number it was
+            interrupted on; every other field then counts the rest of the epoch, from
+            ``resumed_at_step`` on, over this job's ranks. None otherwise.
         oversampling: ``sum(repeated_batches) / sum(own_batches)`` (0.0 without own batches).
 
     Example::
@@ -114,6 +118,7 @@ class EpochStats:
     dropped_rows: tuple[int, ...] | None = None
     lost_rows: tuple[int, ...] | None = None
     resumed_at_step: int | None = None
+    resumed_from_world_size: int | None = None
     oversampling: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -156,6 +161,8 @@ class EpochStats:
             line += f"; EMPTY ranks {','.join(map(str, self.empty_ranks))}"
         if self.resumed_at_step is not None:
             line += f"; resumed after step {self.resumed_at_step}"
+        if self.resumed_from_world_size is not None:
+            line += f" of {self.resumed_from_world_size} ranks (re-planned: the rest only)"
         return line
 
     def as_dict(self) -> dict[str, object]:
@@ -192,6 +199,7 @@ def gather_epoch_stats(
     epoch: int,
     mode: str,
     resumed_at_step: int | None = None,
+    resumed_from_world_size: int | None = None,
 ) -> EpochStats:
     """Collect every rank's counts with one all-gather that every rank reaches."""
     columns = RankCounts.columns_of(agreer.gather_counts(counts.as_vector()))
@@ -218,6 +226,7 @@ def gather_epoch_stats(
         dropped_rows=dropped_rows,
         lost_rows=lost_rows,
         resumed_at_step=resumed_at_step,
+        resumed_from_world_size=resumed_from_world_size,
     )
     if agreer.rank == 0:
         _log(stats, agreer.global_ranks, own_rows, planned_batches, planned_rows)

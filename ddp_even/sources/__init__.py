@@ -1,8 +1,9 @@
 """Where batches come from: :func:`as_source` turns what the user passed into a shard source.
 
 ``base.py`` defines passes and sources and the registry of kinds; ``iterables.py`` holds the
-plain-Python kinds; ``petastorm.py`` (the only runtime module that imports petastorm) holds
-petastorm's loaders and readers, registered by class name and imported on first sight.
+plain-Python kinds (factories may return a context manager: each pass enters and exits it);
+``petastorm.py`` holds petastorm's loaders and readers, and ``spark_converter.py`` petastorm's
+Spark converter: registered by class name, each imported (with petastorm) on first sight.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from ddp_even.sources.base import ShardPass, ShardSource, count_rows, registered_source
-from ddp_even.sources.iterables import FactorySource, IterableSource
+from ddp_even.sources.iterables import FactorySource, IterableSource, is_context_manager
 
-__all__ = ["ShardPass", "ShardSource", "as_source", "count_rows"]
+__all__ = ["ShardPass", "ShardSource", "as_source", "count_rows", "parquet_dataset"]
 
 
 def as_source(source: object) -> ShardSource[Any]:
@@ -38,7 +39,32 @@ def as_source(source: object) -> ShardSource[Any]:
         return IterableSource(source)
     if callable(source):
         return FactorySource(source)
+    if is_context_manager(source):
+        raise TypeError(
+            f"{type(source).__name__} is a context manager, which serves one pass: pass a "
+            "factory that makes a fresh one per pass instead, e.g. lambda: "
+            "converter.make_torch_dataloader(batch_size=64, num_epochs=1, cur_shard=rank, "
+            "shard_count=world_size); each pass enters it and exits it when it ends"
+        )
     raise TypeError(
         f"cannot read batches from {type(source).__name__}: pass a petastorm DataLoader or "
         "reader, an iterable (list, torch DataLoader), or a factory returning one"
     )
+
+
+def parquet_dataset(dataset: Any) -> Any:
+    """What ``EvenLoader.from_parquet`` plans and reads for ``dataset``.
+
+    A petastorm Spark converter (``make_spark_converter(df)``) stands for its Parquet files in
+    the order petastorm reads them (:func:`~ddp_even.sources.spark_converter.converter_files`);
+    anything else is a dataset URL, path or list of files, returned as it is.
+
+    Example::
+
+        >>> parquet_dataset("file:///data/train")
+        'file:///data/train'
+    """
+    # Told by class name: a URL never imports petastorm.
+    from ddp_even.sources.spark_converter import converter_files, is_spark_converter
+
+    return converter_files(dataset) if is_spark_converter(dataset) else dataset

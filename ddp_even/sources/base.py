@@ -12,10 +12,13 @@ import importlib
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from ddp_even.planning.plans import ShardPlan
 
 BatchT = TypeVar("BatchT")
 
@@ -31,6 +34,7 @@ class ShardPass(Generic[BatchT]):
         row_groups: frozenset[int] | None = None,
         give_back: Callable[[list[BatchT]], None] | None = None,
         endless: bool = False,
+        plan_for: Callable[[int, int], ShardPlan | None] | None = None,
     ) -> None:
         self._batches = batches
         self._on_close = on_close
@@ -41,6 +45,10 @@ class ShardPass(Generic[BatchT]):
         self.row_groups = row_groups
         # The pass never ends (a petastorm reader with num_epochs=None).
         self.endless = endless
+        # ``plan_for(rank, world_size)``: the shard plan of every rank's pass, worked out from
+        # the data's metadata, where the source can tell that its rows follow from it (None
+        # where it cannot).
+        self.plan_for = plan_for or _no_plan
 
     def __iter__(self) -> Iterator[BatchT]:
         return self
@@ -60,6 +68,10 @@ class ShardPass(Generic[BatchT]):
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None
             on_close()
+
+
+def _no_plan(rank: int, world_size: int) -> None:
+    return None
 
 
 class ShardSource(ABC, Generic[BatchT]):
@@ -93,7 +105,14 @@ class ShardSource(ABC, Generic[BatchT]):
         return None
 
     def check_shard(self, rank: int, world_size: int) -> None:
-        """Raise ``ValueError`` when the source visibly reads another rank's shard."""
+        """Raise ``ValueError`` when the source visibly reads another rank's shard.
+
+        Called at construction with the training group's rank and world size; a source that
+        builds its own sharded readers (a petastorm Spark converter) reads that shard.
+        """
+
+    def start_epoch(self, epoch: int) -> None:
+        """Told the epoch number before the epoch's first pass (a factory may want it)."""
 
 
 class ContinuingStream(Generic[BatchT]):
@@ -181,6 +200,13 @@ def _agreed_length(fields: list[Any]) -> int | None:
 _REGISTERED_KINDS: dict[str, str] = {
     "petastorm.pytorch.LoaderBase": "ddp_even.sources.petastorm",
     "petastorm.reader.Reader": "ddp_even.sources.petastorm",
+    # make_spark_converter's result, and what its make_torch_dataloader() returns.
+    "petastorm.spark.spark_dataset_converter.SparkDatasetConverter": (
+        "ddp_even.sources.spark_converter"
+    ),
+    "petastorm.spark.spark_dataset_converter.TorchDatasetContextManager": (
+        "ddp_even.sources.spark_converter"
+    ),
 }
 
 

@@ -1,9 +1,14 @@
 """Sources from plain Python: any re-iterable (a list, a torch ``DataLoader``), a one-shot
-iterator, or a factory returning a fresh iterable for each pass."""
+iterator, or a factory returning a fresh iterable for each pass, or a context manager that
+yields one (``converter.make_torch_dataloader(...)``): the pass enters it and exits it when it
+ends."""
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import torch
@@ -47,25 +52,121 @@ class IterableSource(ShardSource[BatchT]):
 
 
 class FactorySource(ShardSource[BatchT]):
-    """A callable that returns a fresh iterable for one pass over the shard."""
+    """A callable that returns a fresh iterable for one pass over the shard.
 
-    def __init__(self, factory: Callable[[], Iterable[BatchT]]) -> None:
+    A factory with a parameter named ``epoch`` is called as ``factory(epoch=N)``, N counting
+    epochs from 0 as the loader does (``set_epoch`` and resuming included), so that what it
+    builds can depend on the epoch (a shuffle seed).
+    """
+
+    def __init__(self, factory: Callable[..., Iterable[BatchT]]) -> None:
         self._factory = factory
+        self._takes_epoch = _takes_epoch(factory)
+        self._epoch = 0
 
     @property
     def restartable(self) -> bool:
         return True
 
+    def start_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+
     def open_pass(self) -> ShardPass[BatchT]:
-        made = self._factory()
+        made = self._factory(epoch=self._epoch) if self._takes_epoch else self._factory()
         # The factory made it, so the pass owns it and stops it when closed.
         registered = registered_source(made, owned=True)
         if registered is not None:
             opened: ShardPass[Any] = registered.open_pass()
             return opened
+        if not isinstance(made, Iterable) and is_context_manager(made):
+            return open_context_pass(made)
         if not isinstance(made, Iterable):
             raise TypeError(
                 f"the source factory returned {type(made).__name__}, which is not iterable; "
-                "it must return a fresh loader, reader or iterable for one pass"
+                "it must return a fresh loader, reader or iterable for one pass (or a context "
+                "manager yielding one)"
             )
         return ShardPass(iter(made))
+
+
+def is_context_manager(obj: object) -> bool:
+    """Whether ``obj`` has ``__enter__`` and ``__exit__`` (on its class, as ``with`` looks them up).
+
+    Example::
+
+        >>> import contextlib
+        >>> is_context_manager(contextlib.nullcontext([1])), is_context_manager([1])
+        (True, False)
+    """
+    return hasattr(type(obj), "__enter__") and hasattr(type(obj), "__exit__")
+
+
+def open_context_pass(context: AbstractContextManager[Any]) -> ShardPass[Any]:
+    """One pass over what ``context`` yields; closing the pass exits the context.
+
+    For a factory that returns a context manager rather than a loader (petastorm's
+    ``converter.make_torch_dataloader(...)``): the pass enters it, reads what it yields (a
+    petastorm loader or reader, or any iterable) and exits it when the pass is closed: at the
+    end of the pass, at a ``break``, at an exception in the loop, when the epoch is dropped. The
+    context is exited with no exception: it is closed, not told why, so that a ``with`` body
+    that suppresses exceptions cannot swallow the training loop's.
+
+    Example::
+
+        >>> import contextlib
+        >>> @contextlib.contextmanager
+        ... def one_pass():
+        ...     print("open")
+        ...     yield [[1, 2], [3]]
+        ...     print("closed")
+        >>> opened = open_context_pass(one_pass())
+        open
+        >>> next(opened)
+        [1, 2]
+        >>> opened.close()
+        closed
+    """
+    entered = context.__enter__()
+    try:
+        # What the context yields is the context's to stop (its __exit__ does): not owned here.
+        registered = registered_source(entered, owned=False)
+        if registered is not None:
+            inner: ShardPass[Any] = registered.open_pass()
+        elif isinstance(entered, Iterable):
+            inner = ShardPass(iter(entered))
+        else:
+            raise TypeError(
+                f"the context manager the source factory returned yielded "
+                f"{type(entered).__name__}, which is not iterable; it must yield a loader, "
+                "reader or iterable for one pass"
+            )
+    except BaseException:
+        # Nothing is left open; the error is raised even if the context would suppress it,
+        # since a pass that failed to start must not pass for an empty shard.
+        context.__exit__(*sys.exc_info())
+        raise
+
+    def exit_context() -> None:
+        context.__exit__(None, None, None)
+
+    # ``inner`` is closed first (ShardPass closes what it iterates), then the context.
+    return ShardPass(
+        inner,
+        on_close=exit_context,
+        count_samples=inner.count_samples,
+        row_groups=inner.row_groups,
+        give_back=inner.give_back,
+        endless=inner.endless,
+    )
+
+
+def _takes_epoch(factory: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: called without arguments
+        return False
+    epoch = parameters.get("epoch")
+    return epoch is not None and epoch.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )

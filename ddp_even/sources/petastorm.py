@@ -20,12 +20,16 @@ import logging
 import math
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import pyarrow.filesystem
 from petastorm.pytorch import LoaderBase
 from petastorm.reader import Reader
 
 from ddp_even.sources.base import ContinuingStream, ShardPass, ShardSource, count_rows
+
+if TYPE_CHECKING:
+    from ddp_even.planning.plans import ShardPlan
 
 logger = logging.getLogger("ddp_even")
 
@@ -129,6 +133,7 @@ class _PetastormSource(ShardSource[Any]):
                     count_samples=count_samples,
                     row_groups=row_groups,
                     endless=self.endless,
+                    plan_for=self._plan_for,
                 )
             self._stream = ContinuingStream(batches)
         # An endless reader: every epoch continues the one stream.
@@ -141,6 +146,9 @@ class _PetastormSource(ShardSource[Any]):
     def _count_samples(self) -> Callable[[Any], int | None] | None:
         return None  # the default: rows from the batch's shape
 
+    def _plan_for(self, rank: int, world_size: int) -> ShardPlan | None:
+        return None  # only loaders batch rows predictably
+
 
 class PetastormLoaderSource(_PetastormSource):
     """A ``petastorm.pytorch.DataLoader`` or ``BatchedDataLoader``."""
@@ -148,6 +156,9 @@ class PetastormLoaderSource(_PetastormSource):
     def __init__(self, loader: LoaderBase, *, owned: bool) -> None:
         super().__init__(loader.reader, owned=owned)
         self._loader = loader
+
+    def _plan_for(self, rank: int, world_size: int) -> ShardPlan | None:
+        return round_robin_plan(self._reader, self._loader.batch_size, rank, world_size)
 
     def _fresh_pass(self) -> Iterator[Any]:
         # DataLoader would emit the previous pass's short last batch again (see module doc).
@@ -165,6 +176,66 @@ class PetastormReaderSource(_PetastormSource):
 
     def _count_samples(self) -> Callable[[Any], int | None] | None:
         return count_rows if self._reader.batched_output else _one_row
+
+
+def round_robin_plan(
+    reader: Reader, batch_size: int, rank: int, world_size: int
+) -> ShardPlan | None:
+    """The plan of a reader built with ``cur_shard=rank, shard_count=world_size``, or None.
+
+    Its rows follow from the footers when nothing drops or adds rows: no row predicate, no
+    ``transform_spec`` (it may drop rows), no NGram, one epoch, the round robin's row groups
+    exactly (no ``rowgroup_selector``), on the local disk. Where the reader hides any of that
+    (a process pool hides its transform), the lengths are not trusted.
+    """
+    why_not = _why_rows_unknown(reader)
+    if why_not is None:
+        from ddp_even.planning import DatasetError, plan_shards, read_row_groups
+
+        try:
+            plan = plan_shards(read_row_groups(reader.dataset.paths), world_size, batch_size)
+        except DatasetError as error:
+            why_not = f"its metadata could not be read again ({error})"
+        else:
+            if row_groups_read_by(reader) == frozenset(plan.shards[rank]):
+                logger.info(
+                    "ddp_even: batches per rank follow from the Parquet footers (%s): one "
+                    "agreement per epoch, no collective between steps",
+                    ", ".join(map(str, plan.batches_per_rank)),
+                )
+                return plan
+            why_not = f"it does not read rank {rank}'s round-robin shard of {world_size}"
+    logger.info("ddp_even: the petastorm reader's batch counts are not known up front: %s", why_not)
+    return None
+
+
+def _why_rows_unknown(reader: Reader) -> str | None:
+    try:
+        items = reader.ventilator._items_to_ventilate
+        local = isinstance(reader.dataset.fs, pyarrow.filesystem.LocalFileSystem)
+        worker = _a_worker(reader)
+    except AttributeError as error:  # another petastorm version: no guess
+        return f"its internals are not petastorm 0.12's ({error})"
+    if reader.num_epochs != 1:
+        return "it reads more than one epoch per pass"
+    if reader.ngram is not None:
+        return "an NGram yields windows, not rows"
+    if any(item.get("worker_predicate") is not None for item in items):
+        return "a row predicate drops rows after reading"
+    if worker is None:
+        return "its worker pool (a process pool) does not show whether a transform_spec is set"
+    if getattr(worker, "_transform_spec", None) is not None:
+        return "a transform_spec may drop rows"
+    if not local:
+        return "the dataset is not on the local disk"
+    return None
+
+
+def _a_worker(reader: Reader) -> Any:
+    pool = reader._workers_pool
+    if hasattr(pool, "_workers"):  # ThreadPool
+        return pool._workers[0]._worker_impl if pool._workers else None
+    return getattr(pool, "_worker", None)  # DummyPool
 
 
 def _items(reader: Reader) -> Iterator[Any]:

@@ -1,0 +1,109 @@
+"""The rest of an interrupted epoch, re-planned over another number of ranks.
+
+A planned rank reading in the plan's order (no shuffling, one worker) has read, after ``step``
+steps, the first ``min(step, batches) * batch_size`` rows of its shard. So which rows of the
+epoch are still unread follows from the old plan and the step alone, on every new rank alike.
+The unread rows, in old-rank order, are cut into ``floor(M / W)`` / ``ceil(M / W)`` rows per new
+rank, as ``sharding="rows"`` cuts a whole epoch; a new rank may read two ranges of one row group
+(the tails of two old ranks).
+"""
+
+from __future__ import annotations
+
+from ddp_even.agreement.wire import MAX_COUNT
+from ddp_even.planning.plans import ShardPlan
+from ddp_even.planning.sharding import RowRange
+
+__all__ = ["plan_own_tails", "plan_unread_rows", "unread_rows"]
+
+
+def _rank_sequence(plan: ShardPlan, sizes: list[int], rank: int) -> list[RowRange]:
+    """The rows ``rank`` reads, in the order it reads them unshuffled."""
+    ranges = {group: (start, stop) for group, start, stop in plan.row_ranges_of(rank)}
+    return [(group, *ranges.get(group, (0, sizes[group]))) for group in plan.shards[rank]]
+
+
+def _tails(plan: ShardPlan, sizes: list[int], step: int) -> list[list[RowRange]]:
+    """Each rank's rows not yet read after ``step`` steps, in its reading order."""
+    tails: list[list[RowRange]] = []
+    for rank in range(plan.world_size):
+        consumed = min(step, plan.batches_per_rank[rank]) * plan.batch_size
+        tail: list[RowRange] = []
+        for group, start, stop in _rank_sequence(plan, sizes, rank):
+            skipped = min(consumed, stop - start)
+            consumed -= skipped
+            if start + skipped < stop:
+                tail.append((group, start + skipped, stop))
+        tails.append(tail)
+    return tails
+
+
+def plan_own_tails(plan: ShardPlan, sizes: list[int], step: int) -> ShardPlan:
+    """``plan`` with every rank reading only its rows not yet read after ``step`` steps.
+
+    Example:
+        >>> from ddp_even.planning import plan_shards
+        >>> plan = plan_shards([10, 10], world_size=2, batch_size=4, sharding="rows")
+        >>> plan_own_tails(plan, [10, 10], step=2).row_ranges
+        (((0, 8, 10),), ((1, 8, 10),))
+    """
+    return _plan_of(_tails(plan, sizes, step), sizes, plan.batch_size)
+
+
+def unread_rows(plan: ShardPlan, sizes: list[int], step: int) -> list[RowRange]:
+    """The rows no rank had read after ``step`` steps of ``plan``'s epoch, in rank order.
+
+    Example:
+        >>> from ddp_even.planning import plan_shards
+        >>> plan = plan_shards([10, 10], world_size=2, batch_size=4, sharding="rows")
+        >>> unread_rows(plan, [10, 10], step=2)
+        [(0, 8, 10), (1, 8, 10)]
+    """
+    return [piece for tail in _tails(plan, sizes, step) for piece in tail]
+
+
+def plan_unread_rows(
+    unread: list[RowRange], sizes: list[int], world_size: int, batch_size: int
+) -> ShardPlan:
+    """A plan of ``unread`` rows over ``world_size`` ranks, ⌊M/W⌋ or ⌈M/W⌉ rows each.
+
+    Every piece a rank reads is in its ``row_ranges`` (a row group may appear twice).
+
+    Example:
+        >>> plan = plan_unread_rows([(0, 8, 10), (1, 8, 10)], [10, 10], 3, batch_size=4)
+        >>> plan.rows_per_rank, plan.row_ranges
+        ((1, 1, 2), (((0, 8, 9),), ((0, 9, 10),), ((1, 8, 10),)))
+    """
+    total = sum(stop - start for _, start, stop in unread)
+    bounds = [rank * total // world_size for rank in range(world_size + 1)]
+    pieces: list[list[RowRange]] = [[] for _ in range(world_size)]
+    rank, position = 0, 0
+    for group, start, stop in unread:
+        while start < stop:
+            while position >= bounds[rank + 1] and rank < world_size - 1:
+                rank += 1
+            take = min(stop - start, bounds[rank + 1] - position)
+            pieces[rank].append((group, start, start + take))
+            start += take
+            position += take
+    return _plan_of(pieces, sizes, batch_size)
+
+
+def _plan_of(pieces: list[list[RowRange]], sizes: list[int], batch_size: int) -> ShardPlan:
+    """The plan in which rank ``r`` reads ``pieces[r]``."""
+    rows = tuple(sum(stop - start for _, start, stop in mine) for mine in pieces)
+    batches = tuple(-(-count // batch_size) for count in rows)
+    if max(batches) > MAX_COUNT:
+        raise ValueError("too many batches per rank to agree on: use a larger batch_size")
+    return ShardPlan(
+        world_size=len(pieces),
+        batch_size=batch_size,
+        sharding="rows",
+        shards=tuple(tuple(sorted({group for group, _, _ in mine})) for mine in pieces),
+        rows_per_rank=rows,
+        batches_per_rank=batches,
+        num_row_groups=len(sizes),
+        total_rows=sum(rows),
+        largest_row_group=max(sizes) if sizes else 0,
+        row_ranges=tuple(tuple(mine) for mine in pieces),
+    )
