@@ -343,3 +343,8 @@ def test_four_ranks_train_on_equal_shards(
     assert set(trained) <= set(expected) and len(set(trained)) == len(trained), "no row twice"
     if dropped == 0:
         assert trained == expected, "every row exactly once"
+
+
+def test_a_plan_beyond_what_an_agreement_carries_is_refused() -> None:
+    with pytest.raises(ValueError, match="more than the 4,294,967,295 ddp_even can agree on"):
+        plan_shards([2**33, 5], world_size=2, batch_size=1, sharding="rows")

@@ -2,9 +2,11 @@
 
 Petastorm applies a row predicate (``in_lambda``, ``in_set``, ...) in its workers after a row
 group is read, so the rows a shard yields cannot be known from the footers. They can be
-counted: reading only the predicate's columns of every row group, through petastorm's own
-worker (same decoding, same partition values, same predicate call as the training reader),
-and counting what it keeps. The scan is spread over the ranks (rank ``r`` counts row groups
+counted: reading only the predicate's columns of every row group and counting what the
+predicate keeps, called as the training reader will call it. For ``make_batch_reader`` and a
+predicate on stored columns that is a pandas ``DataFrame`` of those columns, read here with
+pyarrow (:func:`count_in_columns`); otherwise (``make_reader``'s decoded rows, hive partition
+keys) petastorm's own worker runs on each row group (``planning/readers.py``). The scan is spread over the ranks (rank ``r`` counts row groups
 ``i % W == r``) and the counts are shared, so it costs each rank ``1/W`` of a scan of the
 predicate's columns; a plan of the matching rows follows from the counts as from footers.
 
@@ -26,16 +28,25 @@ import os
 import posixpath
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from ddp_even.planning.datasets import RowGroups
 from ddp_even.planning.storage import ResolvedDataset
 
-__all__ = ["Share", "cache_directory", "check_predicate_fields", "matching_rows"]
+__all__ = [
+    "Share",
+    "cache_directory",
+    "check_predicate_fields",
+    "count_in_columns",
+    "matching_rows",
+]
 
 logger = logging.getLogger("ddp_even")
 
@@ -44,6 +55,8 @@ Share = Callable[[list[int]], list[list[int]]]
 
 # Bumped when the meaning of a cache entry changes.
 _CACHE_FORMAT = 1
+# Files read at once by a scan of stored columns.
+_SCAN_THREADS = 4
 
 
 def cache_directory() -> Path:
@@ -59,8 +72,9 @@ def cache_directory() -> Path:
 
 def check_predicate_fields(
     predicate: Any, resolved: ResolvedDataset, row_groups: RowGroups
-) -> list[str]:
-    """The predicate's fields, or a ``ValueError`` naming those the dataset does not have.
+) -> tuple[list[str], bool]:
+    """The predicate's fields, and whether all are stored columns (none a hive partition key);
+    a ``ValueError`` naming those the dataset does not have.
 
     Every rank reads the same footer, so every rank raises the same error.
     """
@@ -83,7 +97,45 @@ def check_predicate_fields(
             f"the predicate reads field(s) {', '.join(missing)}, which {resolved.describe()} "
             f"does not have; its columns are: {', '.join(sorted(columns | partitions))}"
         )
-    return fields
+    return fields, set(fields) <= columns
+
+
+def count_in_columns(
+    resolved: ResolvedDataset,
+    row_groups: RowGroups,
+    indices: Sequence[int],
+    predicate: Any,
+    fields: list[str],
+) -> list[int]:
+    """Rows ``predicate`` keeps in each of ``indices``, reading its columns with pyarrow.
+
+    What ``make_batch_reader``'s worker does with a predicate on stored columns: the row
+    group's predicate columns as a pandas ``DataFrame``, given to ``predicate.do_include``.
+    Files are read in parallel (pyarrow releases the GIL while it reads and decodes).
+    """
+    by_file: dict[int, list[int]] = {}
+    for index in indices:
+        by_file.setdefault(int(row_groups.file_of[index]), []).append(index)
+    filesystem = resolved.storage.filesystem or pafs.LocalFileSystem()
+
+    def count_file(file_index: int) -> list[tuple[int, int]]:
+        path = row_groups.files[file_index]
+        with filesystem.open_input_file(path) as source:
+            parquet_file = pq.ParquetFile(source)
+            counted = []
+            for index in by_file[file_index]:
+                table = parquet_file.read_row_group(
+                    int(row_groups.index_in_file[index]), columns=fields
+                )
+                kept = predicate.do_include(table.to_pandas())
+                counted.append((index, int(np.count_nonzero(np.asarray(kept)))))
+            return counted
+
+    counts: dict[int, int] = {}
+    with ThreadPoolExecutor(max_workers=_SCAN_THREADS) as pool:
+        for counted in pool.map(count_file, by_file):
+            counts.update(counted)
+    return [counts[index] for index in indices]
 
 
 def matching_rows(

@@ -44,7 +44,12 @@ import numpy as np
 from ddp_even.modes import MODES
 from ddp_even.planning.datasets import DatasetLocation, RowGroups, read_row_groups
 from ddp_even.planning.plans import ShardPlan, plan_shards, sharding_from
-from ddp_even.planning.predicate_counts import Share, check_predicate_fields, matching_rows
+from ddp_even.planning.predicate_counts import (
+    Share,
+    check_predicate_fields,
+    count_in_columns,
+    matching_rows,
+)
 from ddp_even.planning.sharding import RowRange, Sharding
 from ddp_even.planning.storage import (
     ResolvedDataset,
@@ -183,10 +188,13 @@ def make_shard_factory(
     url = petastorm_url(dataset)
     row_groups = read_row_groups(resolved)
     if predicate is not None:
-        fields = check_predicate_fields(predicate, resolved, row_groups)
+        fields, stored = check_predicate_fields(predicate, resolved, row_groups)
         counted = row_groups
 
         def count_share(indices: Sequence[int]) -> list[int]:
+            if reader == "batch" and stored:
+                # What make_batch_reader's worker does, without its per-row-group overheads.
+                return count_in_columns(resolved, counted, indices, predicate, fields)
             return _count_matching(
                 url, resolved, reader, counted, indices, predicate, fields, options
             )
