@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import os
 import weakref
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import torch.distributed as dist
@@ -29,12 +31,15 @@ from ddp_even.runtime.epochs import EpochRun, Settings, run_join, run_known_leng
 from ddp_even.runtime.feed import ShardFeed
 from ddp_even.runtime.saved_state import resume_point, saved_state
 from ddp_even.runtime.stats import EpochStats, RankCounts
-from ddp_even.sources import as_source
+from ddp_even.sources import as_source, parquet_dataset
 
 if TYPE_CHECKING:
     from ddp_even.planning.plans import ShardPlan
+    from ddp_even.planning.readers import PlannedPasses
 
 BatchT = TypeVar("BatchT")
+
+logger = logging.getLogger("ddp_even")
 
 
 class EvenLoader(Generic[BatchT]):
@@ -118,16 +123,7 @@ class EvenLoader(Generic[BatchT]):
         for name, value in (("steps_per_epoch", steps_per_epoch), ("sync_every", sync_every)):
             if value is not None:
                 check_positive_int(name, value)
-        if timeout is not None and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise ValueError(
-                f"timeout must be a finite positive number of seconds (or None: the training "
-                f"group's own timeout), got {timeout!r}"
-            )
+        _check_timeout(timeout)
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup, got {group!r}")
         joinables = tuple(joinables)
@@ -167,6 +163,13 @@ class EvenLoader(Generic[BatchT]):
         self._joinables = joinables
         self._timeout = None if timeout is None else float(timeout)
         self._plan = plan
+        # A petastorm loader's plan worked out from its footers (no plan given); tried once.
+        self._footer_plan: ShardPlan | None = None
+        self._footer_plan_tried = False
+        # from_parquet's factory: it can read any plan of the dataset (elastic resume).
+        self._passes: PlannedPasses | None = None
+        # (epoch, step, plan) of a state saved on another number of ranks, to resume from.
+        self._elastic: tuple[int, int, ShardPlan] | None = None
         # Made at the first epoch, a point every rank reaches.
         self._agreer: Agreer | None = None
         self._next_epoch = 0
@@ -193,7 +196,9 @@ class EvenLoader(Generic[BatchT]):
         batch_size: int,
         mode: str = "truncate",
         *,
-        balanced: bool = False,
+        sharding: Literal["round_robin", "row_groups", "rows", "replicate"] = "round_robin",
+        predicate: Any = None,
+        balanced: bool | None = None,
         loader: Literal["batched_dataloader", "dataloader"] = "batched_dataloader",
         reader: Literal["batch", "row"] = "batch",
         reader_kwargs: Mapping[str, Any] | None = None,
@@ -213,18 +218,25 @@ class EvenLoader(Generic[BatchT]):
         ``BatchedDataLoader`` (or ``DataLoader``) for each pass over this rank's shard, and
         knows every rank's batch count up front: no per-step collective, ``len()`` answers
         before the first step, and :class:`EpochStats` says exactly what each rank dropped.
-        ``balanced=True`` assigns whole row groups so that rows per rank are as even as row
-        groups allow, instead of petastorm's round robin. Rank and world size come from the
-        process group. Row predicates are refused: they make counts unknowable up front (wrap
-        your own reader factory in :class:`EvenLoader` instead). ``dataset`` may be remote
+        ``sharding`` says who reads what: ``"round_robin"`` (petastorm's own, the default),
+        ``"row_groups"`` (whole row groups, balanced), ``"rows"`` (equal shards by
+        construction: ``floor(N / W)`` or ``ceil(N / W)`` rows per rank, so truncate drops and
+        cycle repeats at most one batch per rank; a few row groups are read by two ranks) or
+        ``"replicate"`` (every rank reads every row group, in its own seeded order);
+        ``balanced=True`` is the deprecated spelling of ``"row_groups"``. A petastorm row
+        ``predicate`` (``in_lambda``...) is counted before the first epoch, by reading only its
+        columns, the scan spread over the ranks and cached, and the plan shares out the rows it
+        keeps (see :mod:`ddp_even.planning.predicate_counts`). Rank and world size come from
+        the process group. ``dataset`` may be remote
         (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...): ``storage_options`` (a dict, as
         petastorm takes it) or ``filesystem`` (a ``pyarrow.fs`` or fsspec filesystem) reach it,
         besides the standard environment (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``...).
+        ``dataset`` may also be a petastorm Spark converter (``make_spark_converter(df)``).
 
         Example, on every rank::
 
             loader = EvenLoader.from_parquet("file:///data/train", batch_size=64,
-                                             mode="truncate", balanced=True,
+                                             mode="truncate", sharding="rows",
                                              reader_kwargs={"workers_count": 4})
             print(len(loader))          # steps per epoch, the same on every rank
             for batch in loader:
@@ -237,13 +249,18 @@ class EvenLoader(Generic[BatchT]):
             )
         from ddp_even.planning.readers import make_shard_factory
 
+        _check_timeout(timeout)
         rank, world_size = _rank_and_world_size(group)
+        agreer = _agreer_for(group, timeout) if predicate is not None else None
         plan, factory = make_shard_factory(
-            dataset,
+            parquet_dataset(dataset),  # a Spark converter: its files, in petastorm's order
             rank,
             world_size,
             batch_size,
+            sharding=sharding,
             balanced=balanced,
+            predicate=predicate,
+            share=None if agreer is None or agreer.world_size == 1 else agreer.gather_counts,
             loader=loader,
             reader=reader,
             reader_kwargs=reader_kwargs,
@@ -251,7 +268,7 @@ class EvenLoader(Generic[BatchT]):
             storage_options=storage_options,
             filesystem=filesystem,
         )
-        return cls(
+        even_loader: EvenLoader[Any] = cls(
             factory,
             mode,
             steps_per_epoch=steps_per_epoch,
@@ -261,6 +278,9 @@ class EvenLoader(Generic[BatchT]):
             timeout=timeout,
             plan=plan,
         )
+        even_loader._agreer = agreer
+        even_loader._passes = factory
+        return even_loader
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is: plain data to save with the model, to resume mid-epoch.
@@ -288,17 +308,19 @@ class EvenLoader(Generic[BatchT]):
             ([[2], [3]], (3,), 1)
         """
         run = self._current_run
-        epoch, step = self._next_epoch, 0
+        epoch, step, resumed_from = self._next_epoch, 0, None
         if run is not None and not run.finished and self._running_epoch_is(run):
             epoch, step = run.epoch, run.counts.steps
+            resumed_from = run.resumed_from_world_size
         elif self._resume is not None:
             epoch, step = self._resume
         return saved_state(
-            settings=self._settings(self._sync_every).description,
+            settings=self._settings(self._sync_every, self._plan).description,
             world_size=_rank_and_world_size(self._group)[1],
             rank=_rank_and_world_size(None)[0],
             epoch=epoch,
             step=step,
+            resumed_from_world_size=resumed_from,
         )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -313,16 +335,75 @@ class EvenLoader(Generic[BatchT]):
         again the batches it had handed out (their cost: one read of what was consumed, no
         training). The epoch's statistics count the whole epoch, and say where it resumed.
 
+        **Elastic**: a loader from :meth:`from_parquet` also resumes a state saved on another
+        number of ranks, in truncate and join mode, when its passes read in the plan's order
+        (``reader_kwargs`` with ``shuffle_row_groups=False`` and ``workers_count=1`` or the
+        dummy pool): the rows no rank had read before the saved step are re-planned over this
+        job's ranks (⌊M/W⌋ or ⌈M/W⌉ each, as ``sharding="rows"`` does) and read without reading
+        again what was consumed. That epoch's statistics then count its rest only and say so
+        (``resumed_from_world_size``). Load on each rank any of the old ranks' states (they
+        hold the same step).
+
         Raises ``ValueError`` when ``state`` is not a loader state of this version, was saved
-        by a loader with other settings, or on another number of ranks.
+        by a loader with other settings, or on another number of ranks by a loader that
+        cannot re-plan.
         """
+        world_size = _rank_and_world_size(self._group)[1]
+        saved_world_size = state.get("world_size") if isinstance(state, Mapping) else None
+        if (
+            self._passes is not None
+            and isinstance(saved_world_size, int)
+            and not isinstance(saved_world_size, bool)
+            and saved_world_size >= 1
+            and saved_world_size != world_size
+        ):
+            self._load_elastic(state, saved_world_size)
+            return
         epoch, step = resume_point(
             state,
-            settings=self._settings(self._sync_every).description,
-            world_size=_rank_and_world_size(self._group)[1],
+            settings=self._settings(self._sync_every, self._plan).description,
+            world_size=world_size,
         )
         self._next_epoch = epoch
         self._resume = (epoch, step) if step > 0 else None
+        self._elastic = None
+
+    def _load_elastic(self, state: Mapping[str, Any], saved_world_size: int) -> None:
+        from ddp_even.planning import plan_shards
+
+        assert self._passes is not None and self._plan is not None
+        saved_step = state.get("step")
+        cannot = None
+        if self._mode.restarts_short_shards:
+            cannot = "cycle mode repeats rows, so 'the rows not yet read' is not one set"
+        elif self._steps_per_epoch is not None:
+            cannot = "steps_per_epoch caps the epoch by steps, not rows"
+        elif self._passes.why_not_in_plan_order is not None:
+            cannot = (
+                "which rows were read before the saved step is not known: "
+                f"{self._passes.why_not_in_plan_order}"
+            )
+        if cannot is not None and isinstance(saved_step, int) and saved_step > 0:
+            raise ValueError(
+                f"the loader state was saved on {saved_world_size} ranks in the middle of epoch "
+                f"{state.get('epoch')}, and this job has {self._plan.world_size}: {cannot}. "
+                f"Resume on {saved_world_size} ranks, or start the next epoch (set_epoch)"
+            )
+        saved_plan = plan_shards(
+            self._passes.row_group_sizes,
+            saved_world_size,
+            self._plan.batch_size,
+            sharding=self._plan.sharding,
+        )
+        epoch, step = resume_point(
+            state,
+            settings=self._settings(self._sync_every, saved_plan).description,
+            world_size=saved_world_size,
+        )
+        self._next_epoch = epoch
+        self._resume = None
+        # Between epochs (step 0) the next epoch is planned for this job's ranks anyway.
+        self._elastic = (epoch, step, saved_plan) if step > 0 else None
 
     def set_epoch(self, epoch: int) -> None:
         """Number the next epoch ``epoch`` (as ``DistributedSampler.set_epoch`` does).
@@ -354,11 +435,10 @@ class EvenLoader(Generic[BatchT]):
         return self.history[-1]
 
     def __len__(self) -> int:
-        if self._plan is not None:
-            rank = self._rank_for_plan(self._plan)
-            return self._mode.steps_per_rank(self._plan.batches_per_rank, self._steps_per_epoch)[
-                rank
-            ]
+        plan = self._known_plan
+        if plan is not None:
+            rank = self._rank_for_plan(plan)
+            return self._mode.steps_per_rank(plan.batches_per_rank, self._steps_per_epoch)[rank]
         steps = None if self._current_run is None else self._current_run.agreed_steps
         if steps is None:
             raise TypeError(
@@ -401,23 +481,36 @@ class EvenLoader(Generic[BatchT]):
         agreer = self._agreer_for_this_process()
         rank = agreer.rank
         mode = self._mode
+        source, rest_of_epoch = self._source, self._rest_of_interrupted_epoch(epoch)
+        own_tails = self._own_tails(epoch, rank)
+        if rest_of_epoch is not None:
+            assert self._passes is not None
+            source = as_source(functools.partial(self._passes, shard_plan=rest_of_epoch))
+        elif own_tails is not None:
+            assert self._passes is not None
+            source = as_source(_first_pass_from(self._passes, own_tails))
+        source.start_epoch(epoch)
         feed: ShardFeed[BatchT] = ShardFeed(
-            self._source, mode.restarts_short_shards, self._steps_per_epoch is not None
+            source, mode.restarts_short_shards, self._steps_per_epoch is not None
         )
         counts = RankCounts()
-        known_batches = self._source.known_batches()
-        if self._plan is not None:
-            self._rank_for_plan(self._plan)
-            known_batches = counts.planned_batches = self._plan.batches_per_rank[rank]
-            counts.planned_rows = self._plan.rows_per_rank[rank]
+        known_batches = source.known_batches()
         fixed_steps = mode.restarts_short_shards and self._steps_per_epoch is not None
-        if self._sync_every is not None or mode.shadows_finished_ranks:
+        agrees_as_it_goes = self._sync_every is not None or mode.shadows_finished_ranks
+        if self._plan is None and known_batches is None and not (agrees_as_it_goes or fixed_steps):
+            self._plan_from_footers(feed, rank, agreer.world_size)
+        plan = self._known_plan if rest_of_epoch is None else rest_of_epoch
+        if plan is not None:
+            self._rank_for_plan(plan)
+            known_batches = counts.planned_batches = plan.batches_per_rank[rank]
+            counts.planned_rows = plan.rows_per_rank[rank]
+        if agrees_as_it_goes:
             # An explicit window, and join (which shares no step count), agree as they go.
             known_batches = None
             fixed_steps = False
         whole_epoch = known_batches is not None or fixed_steps
         run = EpochRun(
-            settings=self._settings(None if whole_epoch else (self._sync_every or 1)),
+            settings=self._settings(None if whole_epoch else (self._sync_every or 1), plan),
             agreer=agreer,
             feed=feed,
             epoch=epoch,
@@ -425,13 +518,21 @@ class EvenLoader(Generic[BatchT]):
             mark_repeating=self._mark_repeating,
             record=self.history.append,
         )
-        if self._plan is not None:
-            run.off_plan = feed.differs_from(self._plan.shards[rank])
+        if plan is not None:
+            first_pass = plan if own_tails is None else own_tails
+            run.off_plan = feed.differs_from(first_pass.shards[rank])
         if mode.shadows_finished_ranks and agreer.world_size > 1:
             refuse_join_inside_lightning()
         self._current_run = run
+        if rest_of_epoch is not None and self._elastic is not None:
+            run.resumed_at, run.resumed_from_world_size = (
+                self._elastic[1],
+                self._elastic[2].world_size,
+            )
+        self._elastic = None
         if self._resume is not None and self._resume[0] == epoch:
-            run.resume_after(self._resume[1])
+            skipped = () if own_tails is None else self._batch_rows_before(self._resume[1], rank)
+            run.resume_after(self._resume[1], skipped)
         self._resume = None
         try:
             if whole_epoch:
@@ -447,9 +548,80 @@ class EvenLoader(Generic[BatchT]):
     def _mark_repeating(self, repeating: bool) -> None:
         self.repeating = repeating
 
-    def _settings(self, sync_every: int | None) -> Settings:
-        plan_digest = None if self._plan is None else self._plan.batches_per_rank
-        return Settings(self._mode, self._steps_per_epoch, sync_every, plan_digest)
+    def _settings(self, sync_every: int | None, plan: ShardPlan | None) -> Settings:
+        identity = (
+            None
+            if plan is None
+            else (plan.sharding, plan.rows_per_rank, plan.batches_per_rank, plan.batch_size)
+        )
+        return Settings(self._mode, self._steps_per_epoch, sync_every, identity)
+
+    def _own_tails(self, epoch: int, rank: int) -> ShardPlan | None:
+        """When resuming ``epoch`` on as many ranks with a planned reader that reads in plan
+        order, the plan of each rank's rows not yet read: its pass starts there."""
+        if (
+            self._resume is None
+            or self._resume[0] != epoch
+            or self._passes is None
+            or self._plan is None
+            or self._passes.why_not_in_plan_order is not None
+            or self._resume[1] > self._plan.batches_per_rank[rank]  # in a repeated pass
+        ):
+            return None
+        from ddp_even.planning.remainder import plan_own_tails
+
+        tails = plan_own_tails(self._plan, self._passes.row_group_sizes, self._resume[1])
+        logger.info(
+            "ddp_even: epoch %d resumes after step %d: this rank reads only its %d rows not yet "
+            "read",
+            epoch,
+            self._resume[1],
+            tails.rows_per_rank[rank],
+        )
+        return tails
+
+    def _batch_rows_before(self, step: int, rank: int) -> list[int | None]:
+        """Rows of each batch ``rank`` handed out in its epoch's first ``step`` steps."""
+        assert self._plan is not None
+        batch_size, rows = self._plan.batch_size, self._plan.rows_per_rank[rank]
+        return [min(batch_size, rows - index * batch_size) for index in range(step)]
+
+    def _rest_of_interrupted_epoch(self, epoch: int) -> ShardPlan | None:
+        """The plan of the rows not yet read in ``epoch``, saved on another number of ranks."""
+        if self._elastic is None or self._elastic[0] != epoch or self._passes is None:
+            return None
+        from ddp_even.planning.remainder import plan_unread_rows, unread_rows
+
+        _, step, saved_plan = self._elastic
+        sizes = self._passes.row_group_sizes
+        rest = plan_unread_rows(
+            unread_rows(saved_plan, sizes, step),
+            sizes,
+            _rank_and_world_size(self._group)[1],
+            saved_plan.batch_size,
+        )
+        logger.info(
+            "ddp_even: epoch %d resumes after step %d of %d ranks on %d: its %d unread rows "
+            "re-planned (%s rows per rank)",
+            epoch,
+            step,
+            saved_plan.world_size,
+            rest.world_size,
+            rest.total_rows,
+            "/".join(map(str, rest.rows_per_rank)),
+        )
+        return rest
+
+    @property
+    def _known_plan(self) -> ShardPlan | None:
+        return self._plan if self._plan is not None else self._footer_plan
+
+    def _plan_from_footers(self, feed: ShardFeed[BatchT], rank: int, world_size: int) -> None:
+        """Work out the plan of a petastorm loader sharded with ``cur_shard``/``shard_count``
+        (the usual factory) from its Parquet footers, once: then it runs like a planned one."""
+        if not self._footer_plan_tried:
+            self._footer_plan_tried = True
+            self._footer_plan = feed.first_pass_plan(rank, world_size)
 
     def _agreer_for_this_process(self) -> Agreer:
         if self._agreer is None:
@@ -457,13 +629,7 @@ class EvenLoader(Generic[BatchT]):
         return self._agreer
 
     def _new_agreer(self) -> Agreer:
-        if not (dist.is_available() and dist.is_initialized()) or (
-            dist.get_world_size(self._group) == 1
-        ):
-            warn_if_launched_without_a_group()
-            return SoloAgreer()
-        timeout = self._timeout if self._timeout is not None else training_timeout(self._group)
-        return CollectiveAgreer(control_group_for(self._group, timeout), timeout)
+        return _agreer_for(self._group, self._timeout)
 
     def _running_epoch_is(self, run: EpochRun[BatchT]) -> bool:
         running = None if self._running is None else self._running()
@@ -507,6 +673,42 @@ class _Epoch(Generic[BatchT]):
 
     def close(self) -> None:
         self._batches.close()
+
+
+def _first_pass_from(passes: PlannedPasses, first: ShardPlan) -> Callable[[int], Any]:
+    """A factory whose first pass reads ``first``'s shard, the later ones the whole shard."""
+    opened = 0
+
+    def factory(epoch: int = 0) -> Any:
+        nonlocal opened
+        opened += 1
+        return passes(epoch, shard_plan=first if opened == 1 else None)
+
+    return factory
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ValueError(
+            f"timeout must be a finite positive number of seconds (or None: the training "
+            f"group's own timeout), got {timeout!r}"
+        )
+
+
+def _agreer_for(group: dist.ProcessGroup | None, timeout: float | None) -> Agreer:
+    """The agreer of this process in ``group`` (made once per loader, at a point every rank
+    reaches: the first epoch, or ``from_parquet`` when it has a predicate to count)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        warn_if_launched_without_a_group()
+        return SoloAgreer()
+    if timeout is None:
+        timeout = training_timeout(group)
+    return CollectiveAgreer(control_group_for(group, timeout), float(timeout))
 
 
 def _rank_and_world_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

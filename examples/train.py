@@ -40,7 +40,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 import numpy as np
@@ -311,22 +311,6 @@ def evaluate(
     return totals[0].item() / max(dataset_rows, 1), dataset_rows
 
 
-def exit_at_once() -> NoReturn:
-    """End a rank's process successfully, skipping the interpreter's shutdown.
-
-    With torch 2.13 and gloo, ``destroy_process_group()`` does not stop the group's worker
-    threads while a DDP model still holds the group, and one of them can still be releasing
-    the tensors of the last collective when Python shuts down: it then takes the GIL and the
-    process aborts ("terminate called without an active exception", exit code -6) after its
-    work is done. Measured on a 2-core machine: about one run in ten with 3-4 ranks, with or
-    without ddp_even (see pytorch/pytorch#190489). Nothing is left to do at this point, so
-    flush the output and leave.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 # --- Output (rank 0) --------------------------------------------------------------------------
 
 
@@ -485,7 +469,6 @@ def demo_rank(local_rank: int, config: Config, world_size: int, port: int) -> No
     )
     torch.set_num_threads(1)
     train_on_this_rank(config)
-    exit_at_once()
 
 
 def print_demo_intro(console: Console, data_dir: Path, world_size: int, batch_size: int) -> None:
@@ -663,7 +646,6 @@ def main(
             "or pass --demo to start CPU ranks here"
         )
     train_on_this_rank(config)
-    exit_at_once()
 
 
 if __name__ == "__main__":

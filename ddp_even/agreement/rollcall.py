@@ -22,7 +22,9 @@ Keys are overwritten, so the store holds three per rank, written once up front (
 registered but never reached collective 1 is missing at collective 1) so that a roll call
 reads them all in one request (hundreds of ranks may hold it at once). Store calls on the
 failure path run in daemon threads joined with a time limit: a store that does not answer
-cannot hang the job.
+cannot hang the job. At exit, ``finish_roll_calls`` waits (a bounded time) for those still in a
+store call: a daemon thread that comes back from C++ while the interpreter finalizes is ended
+by CPython inside a C++ destructor, which aborts the process.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ _ROLL_CALL_S = 1.5
 # answers); past it the missing ranks are reported as unknown.
 _STORE_ANSWER_S = 3.0
 _POLL_S = 0.05
+# The name of every thread a roll call starts (``finish_roll_calls`` finds them by it).
+_THREAD_NAME = "ddp-even-roll-call"
 # A rank's record before it reached any control collective (sequences start at 1); -1 so that
 # it never passes for "gave up one collective earlier" at collective 1.
 _NO_RECORD = "-1 0.0 none"
@@ -130,7 +134,7 @@ class RollCall:
         self._marker = threading.Thread(
             target=self._set_quietly,
             args=(f"waiting/{self._rank}", _record(ticket, ticket.started)),
-            name="ddp-even-roll-call",
+            name=_THREAD_NAME,
             daemon=True,
         )
         self._marker.start()
@@ -146,7 +150,7 @@ class RollCall:
             except Exception as error:  # any store failure: report the ranks as unknown
                 failure.append(error)
 
-        thread = threading.Thread(target=call, name="ddp-even-roll-call", daemon=True)
+        thread = threading.Thread(target=call, name=_THREAD_NAME, daemon=True)
         thread.start()
         thread.join(2 * _ROLL_CALL_S + _STORE_ANSWER_S)
         if found:
@@ -252,6 +256,20 @@ class RollCall:
             self._open_store().set(f"{self._prefix}{key}", value)
         except Exception as error:
             logger.debug("could not write %s to the store: %r", key, error)
+
+
+def finish_roll_calls(limit_s: float = _STORE_ANSWER_S + 1.0) -> None:
+    """Wait, ``limit_s`` at most in all, for roll-call threads still in a store call.
+
+    Called at interpreter exit, before finalization: each store call of a roll call gives up
+    within ``_STORE_ANSWER_S`` (a store that could not be given that timeout excepted).
+    """
+    deadline = time.monotonic() + limit_s
+    for thread in threading.enumerate():
+        if thread.name == _THREAD_NAME and thread is not threading.current_thread():
+            thread.join(max(deadline - time.monotonic(), 0.0))
+            if thread.is_alive():
+                logger.debug("a roll call is still waiting for the store at exit")
 
 
 def _record(ticket: Ticket, at: float) -> str:

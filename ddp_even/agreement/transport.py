@@ -10,13 +10,24 @@ deadline, measured from when the wait began.
 A failed or timed-out collective does not say which peer was missing; ``rollcall.py`` finds
 out, and :meth:`CollectiveAgreer.failure` turns its answer into the error every rank raises,
 naming global ranks.
+
+Lifetime: a gloo worker thread lets go of a collective's tensors only after the collective
+has completed, and letting go of a tensor that Python also holds takes the GIL. A control
+group is therefore released (its gloo threads joined, with the GIL free for them) once its
+training group is destroyed, and at the latest when the interpreter exits, before it
+finalizes: a gloo thread that asks for the GIL during finalization is ended by CPython inside
+a C++ destructor, and the whole process aborts ("terminate called without an active
+exception") after its work is done. See ``_release``.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,6 +43,7 @@ from ddp_even.agreement.rollcall import (
     WHAT,
     RollCall,
     Ticket,
+    finish_roll_calls,
 )
 from ddp_even.agreement.wire import (
     Agreement,
@@ -132,7 +144,6 @@ class CollectiveAgreer:
     """Agreements over a dedicated CPU gloo group spanning the training group's ranks."""
 
     def __init__(self, control_group: dist.ProcessGroup, timeout: float) -> None:
-        self.group = control_group
         self.rank = dist.get_rank(control_group)
         self.world_size = dist.get_world_size(control_group)
         self.global_ranks = tuple(dist.get_process_group_ranks(control_group))
@@ -143,11 +154,26 @@ class CollectiveAgreer:
         )
         self._roll_call.register()
         self._quiet = min(QUIET_S, timeout / 4)
+        # A loader let go of after its training group was destroyed lets that control group go.
+        weakref.finalize(self, _release_orphaned, True).atexit = False
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The control group; reached through the channel, so that releasing it lets it go."""
+        group = self._channel.group
+        if group is None:
+            raise EvenLoaderError(
+                "this EvenLoader's process group was destroyed (destroy_process_group), and "
+                "ddp_even released its control group with it: make a new EvenLoader after "
+                "init_process_group"
+            )
+        return group
 
     def start(self, report: Report) -> PendingAgreement:
         buffer = torch.from_numpy(encode(report))
         ticket = self._ticket(AGREEMENT)
         work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._channel.track(work)
         return _InFlight(self, work, buffer, ticket)
 
     def gather_reports(self, report: Report) -> list[Report]:
@@ -157,6 +183,7 @@ class CollectiveAgreer:
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         ticket = self._ticket(REPORTS)
         work = dist.all_gather(gathered, local, group=self.group, async_op=True)
+        self._channel.track(work)
         self.await_work(work, ticket)
         return [report_from_bytes(tensor.numpy()) for tensor in gathered]
 
@@ -165,6 +192,7 @@ class CollectiveAgreer:
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         ticket = self._ticket(STATISTICS)
         work = dist.all_gather(gathered, local, group=self.group, async_op=True)
+        self._channel.track(work)
         self.await_work(work, ticket)
         return [tensor.tolist() for tensor in gathered]
 
@@ -249,14 +277,22 @@ def _gloo_words(message: str) -> str:
 
 
 class _Channel:
-    """The count of control collectives issued on one control group by this process.
+    """One control group of this process: the group, the count of control collectives issued on
+    it, and those not yet seen complete.
 
-    Shared by every loader on the group, since all of them take turns on the same wire.
+    Shared by every loader on the group, since all of them take turns on the same wire. The
+    group is held here only (agreers reach it through the channel), so that ``_release`` can
+    let it go while loaders are still alive.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, group: dist.ProcessGroup, training_group: Any = None) -> None:
+        # None once released.
+        self.group: dist.ProcessGroup | None = group
+        # The group it serves (None for one made elsewhere): destroying it ends this one.
+        self.training_group = training_group
         self.issued = 0
         self._previous = time.monotonic()
+        self._running: list[Any] = []
 
     def next_collective(self) -> tuple[int, float]:
         """The next sequence number, and seconds since the previous collective started."""
@@ -265,12 +301,27 @@ class _Channel:
         self.issued += 1
         return self.issued, since_previous
 
+    def track(self, work: Any) -> None:
+        """Keep ``work`` until it is seen complete: ``_release`` needs to know it is."""
+        # At most the one or two collectives of a window are running: a short list to scan.
+        self._running = [running for running in self._running if not running.is_completed()]
+        self._running.append(work)
 
+    def busy(self) -> bool:
+        """Whether a collective issued here is still running (a peer stalled past a deadline)."""
+        return not all(work.is_completed() for work in self._running)
+
+
+# By group name (what ``tests/helpers/scenarios.py`` counts collectives over).
 _channels: dict[str, _Channel] = {}
 
 
 def _channel_for(control_group: dist.ProcessGroup) -> _Channel:
-    return _channels.setdefault(control_group.group_name, _Channel())
+    channel = _channels.get(control_group.group_name)
+    if channel is None or channel.group is not control_group:
+        # A group made elsewhere, or a name reused after the world was made again.
+        channel = _channels[control_group.group_name] = _Channel(control_group)
+    return channel
 
 
 def training_timeout(training_group: dist.ProcessGroup | None) -> float:
@@ -285,10 +336,13 @@ def training_timeout(training_group: dist.ProcessGroup | None) -> float:
     return _DEFAULT_TRAINING_TIMEOUT_S
 
 
-_control_groups: dict[tuple[Any, float], dist.ProcessGroup] = {}
+_control_groups: dict[tuple[Any, float], _Channel] = {}
 # Control groups created so far per training group: names each creation's rendezvous.
 _creations: dict[Any, int] = {}
 _RENDEZVOUS_POLL_S = 0.05
+# Groups released while a collective was still running on them (see ``_release``).
+_left_running: list[dist.ProcessGroup] = []
+_release_at_exit_registered = False
 
 
 def control_group_for(
@@ -301,20 +355,108 @@ def control_group_for(
     meet in the store for at most ``timeout`` seconds, so that a rank that never starts the
     loader (a loop run on rank 0 only) is named instead of failing deep inside torch.
     """
+    _release_orphaned()
     group = training_group if training_group is not None else dist.group.WORLD
     gloo_timeout = max(timeout, training_timeout(group))
     key = (group, gloo_timeout)
-    if key not in _control_groups:
+    channel = _control_groups.get(key)
+    if channel is None or channel.group is None:
         ranks = dist.get_process_group_ranks(group)
         _meet_before_creating(group, ranks, timeout)
-        _control_groups[key] = dist.new_group(
+        control_group = dist.new_group(
             ranks=ranks,
             backend="gloo",
             timeout=datetime.timedelta(seconds=gloo_timeout),
             use_local_synchronization=True,
         )
+        channel = _Channel(control_group, group)
+        _control_groups[key] = _channels[control_group.group_name] = channel
+        _register_release_at_exit()
         logger.debug("created a gloo control group over ranks %s", ranks)
-    return _control_groups[key]
+    assert channel.group is not None
+    return channel.group
+
+
+def _release_orphaned(collecting: bool = False) -> None:
+    """Release the control groups whose training group was destroyed.
+
+    Torch has no hook for ``destroy_process_group``, so this runs where ddp_even next gets
+    control: a loader created (or garbage-collected) afterwards, and interpreter exit. From the
+    garbage collector (``collecting``), which may run in the middle of torch's own bookkeeping,
+    a control group torch still has registered (its training group was a subgroup) is left for
+    later rather than unregistered there.
+    """
+    for key, channel in list(_control_groups.items()):
+        if _registered(channel.training_group):
+            continue
+        if collecting and _registered(channel.group):
+            continue
+        _release(key)
+
+
+def _release_all_at_exit() -> None:
+    """Release every control group of this process; runs at interpreter exit.
+
+    ``atexit`` runs before the interpreter starts finalizing, while other threads can still
+    take the GIL: the last moment gloo's worker threads can be joined safely.
+    """
+    finish_roll_calls()
+    for key in list(_control_groups):
+        try:
+            _release(key)
+        except Exception as error:  # never fail an exit; the process ends as it did before
+            logger.debug("could not release a control group at exit: %r", error)
+    # Torch's own groups have the same hazard (a DDP model left in a reference cycle holds the
+    # destroyed training group past destroy_process_group): collected here, their gloo
+    # threads are joined now rather than during finalization.
+    gc.collect()
+
+
+def _register_release_at_exit() -> None:
+    global _release_at_exit_registered
+    if not _release_at_exit_registered:
+        atexit.register(_release_all_at_exit)
+        _release_at_exit_registered = True
+
+
+def _release(key: tuple[Any, float]) -> None:
+    """Forget one control group, and join its gloo threads by dropping the last reference.
+
+    A gloo worker thread drops a collective, and with it the collective's tensors, only after
+    it has completed it (the wait has already returned), and dropping a tensor that Python
+    also holds takes the GIL. Torch's process group destructor runs with the GIL released: it
+    lets the queue run dry and joins those threads, which take the GIL and finish. A group
+    with a collective still running (a peer stalled past a deadline) cannot be joined without
+    waiting for that peer: it is kept, as it was before, until the process ends.
+    """
+    channel = _control_groups.pop(key, None)
+    if channel is None:  # released meanwhile (a loader's finalizer, run by the collector)
+        return
+    group, channel.group, channel.training_group = channel.group, None, None
+    if not any(other[0] is key[0] for other in _control_groups):
+        _creations.pop(key[0], None)
+    if group is None:
+        return
+    if _channels.get(group.group_name) is channel:
+        del _channels[group.group_name]
+    if channel.busy():
+        logger.debug("control group %s still has a collective running; kept", group.group_name)
+        _left_running.append(group)
+        return
+    channel._running.clear()
+    if _registered(group):
+        dist.destroy_process_group(group)
+    logger.debug("releasing control group %s", group.group_name)
+    del group  # the last reference: torch's destructor joins the gloo threads here
+
+
+def _registered(group: Any) -> bool:
+    """Whether torch still knows ``group``, i.e. it was not destroyed."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return False
+    # Private, and the only place that says so for a group other than the world.
+    pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return True if pg_map is None else group in pg_map
 
 
 def _meet_before_creating(group: Any, ranks: Sequence[int], timeout: float) -> None:

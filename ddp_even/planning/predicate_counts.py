@@ -6,9 +6,10 @@ counted: reading only the predicate's columns of every row group and counting wh
 predicate keeps, called as the training reader will call it. For ``make_batch_reader`` and a
 predicate on stored columns that is a pandas ``DataFrame`` of those columns, read here with
 pyarrow (:func:`count_in_columns`); otherwise (``make_reader``'s decoded rows, hive partition
-keys) petastorm's own worker runs on each row group (``planning/readers.py``). The scan is spread over the ranks (rank ``r`` counts row groups
-``i % W == r``) and the counts are shared, so it costs each rank ``1/W`` of a scan of the
-predicate's columns; a plan of the matching rows follows from the counts as from footers.
+keys) petastorm's own worker runs on each row group (``planning/readers.py``). The scan is
+spread over the ranks (rank ``r`` counts row groups ``i % W == r``) and the counts are shared,
+so it costs each rank ``1/W`` of a scan of the predicate's columns; a plan of the matching rows
+follows from the counts as from footers.
 
 Counts are cached on disk, keyed by the dataset's files and row-group sizes, the reader kind and
 the predicate (pickled with ``dill``, so lambdas count by their code), in

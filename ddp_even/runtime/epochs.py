@@ -45,8 +45,9 @@ class Settings:
     steps_per_epoch: int | None
     # Batches per agreement; None: the whole epoch (known lengths).
     sync_every: int | None
-    # Every rank's planned batches, when the loader has a shard plan.
-    planned_batches: tuple[int, ...] | None = None
+    # What identifies the loader's shard plan, when it has one: its sharding and every rank's
+    # rows and batches.
+    plan_identity: tuple[object, ...] | None = None
 
     @functools.cached_property
     def description(self) -> str:
@@ -54,8 +55,8 @@ class Settings:
             f"mode={self.mode.name} steps_per_epoch={self.steps_per_epoch} "
             f"sync_every={self.sync_every if self.sync_every is not None else 'epoch'}"
         )
-        if self.planned_batches is not None:
-            digest = hashlib.blake2b(repr(self.planned_batches).encode(), digest_size=4)
+        if self.plan_identity is not None:
+            digest = hashlib.blake2b(repr(self.plan_identity).encode(), digest_size=4)
             described += f" plan={digest.hexdigest()}"
         return described
 
@@ -93,6 +94,8 @@ class EpochRun(Generic[BatchT]):
     agreed_steps: int | None = None
     # The step this epoch resumed after (from a loader state), agreed by every rank.
     resumed_at: int | None = None
+    # The number of ranks the epoch was interrupted on, when it resumed on another number.
+    resumed_from_world_size: int | None = None
     finished: bool = False
 
     def hand_out(self, fed: FedBatch[BatchT]) -> BatchT:
@@ -107,16 +110,27 @@ class EpochRun(Generic[BatchT]):
         self.counts.passes = max(self.counts.passes, min(self.feed.passes_started, 1))
         mode = self.settings.mode.name
         self.finished = True
-        self.record(gather_epoch_stats(self.agreer, self.counts, self.epoch, mode, self.resumed_at))
+        self.record(
+            gather_epoch_stats(
+                self.agreer,
+                self.counts,
+                self.epoch,
+                mode,
+                self.resumed_at,
+                self.resumed_from_world_size,
+            )
+        )
 
-    def resume_after(self, saved_step: int) -> None:
+    def resume_after(self, saved_step: int, skipped: Sequence[int | None] = ()) -> None:
         """Continue this epoch after the step a loader state was saved at.
 
         Every rank first agrees on the step (one agreement under a key of its own): in
         truncate and cycle every rank must have saved at the same step; in join a rank that had
-        already run out saved earlier, and the latest step counts. Then each rank reads and
-        counts the batches it handed out before that step (all of its shard if it ran out), so
-        that the epoch's statistics are the uninterrupted run's.
+        already run out saved earlier, and the latest step counts. Then each rank counts the
+        batches it handed out before that step (all of its shard if it ran out), so that the
+        epoch's statistics are the uninterrupted run's: ``skipped`` gives the rows of those its
+        source already starts after (a planned reader started at the saved position), the
+        rest are read again.
         """
         report = dataclasses.replace(
             self.report(saved_step, saved_step, shard_is_empty=False),
@@ -132,6 +146,8 @@ class EpochRun(Generic[BatchT]):
                 f"({agreement.min_available} to {step}) of epoch {self.epoch}: load on every "
                 "rank the states saved at the same step"
             )
+        for rows in skipped:
+            self.counts.count_batch(1, rows)
         while self.counts.steps < step:
             self.feed.fill(1)
             if not self.feed.buffered:
@@ -144,7 +160,7 @@ class EpochRun(Generic[BatchT]):
             "get there",
             self.epoch,
             step,
-            self.counts.steps,
+            self.counts.steps - len(skipped),
         )
 
     def report(self, available: int, own_available: int, shard_is_empty: bool) -> Report:

@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import warnings
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 import lightning.pytorch as pl
@@ -177,14 +175,6 @@ def write(results: Path, name: str, rank: int, document: dict[str, Any]) -> None
     partial.replace(path)  # whole or absent, for whoever reads it
 
 
-def exit_at_once(code: int) -> NoReturn:
-    """Leave without the interpreter's shutdown (a gloo worker thread can abort it, see
-    examples/train_lightning.py)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def run_case(results: Path, mode: str, source: str, save_at: list[int]) -> None:
     """The uninterrupted run, then for each step and variant a stopped and a resumed run."""
     name = f"{mode}-{source}"
@@ -230,7 +220,6 @@ def main(results: Path, cases: tuple[str, ...]) -> None:
         run_case(results, mode, source, [int(step) for step in steps.split(",")])
     if dist.is_initialized():
         dist.barrier()
-    exit_at_once(0)
 
 
 if __name__ == "__main__":

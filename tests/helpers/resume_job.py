@@ -143,9 +143,6 @@ def main() -> None:
         run_mode(out, mode, rank, kill, attempt)
         dist.barrier()
     dist.destroy_process_group()
-    # gloo's threads can abort the interpreter's shutdown (pytorch/pytorch#190489).
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
