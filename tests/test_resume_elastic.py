@@ -263,6 +263,4 @@ def test_on_as_many_ranks_a_planned_reader_starts_where_it_stopped(url: str) -> 
         assert f"this rank reads only its {unread} rows not yet read" in " ".join(
             resumed[rank]["messages"]
         )
-        assert "read 0 batch(es) of this rank's source again" in " ".join(
-            resumed[rank]["messages"]
-        )
+        assert "read 0 batch(es) of this rank's source again" in " ".join(resumed[rank]["messages"])
