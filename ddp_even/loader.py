@@ -31,7 +31,7 @@ from ddp_even.runtime.epochs import EpochRun, Settings, run_join, run_known_leng
 from ddp_even.runtime.feed import ShardFeed
 from ddp_even.runtime.saved_state import resume_point, saved_state
 from ddp_even.runtime.stats import EpochStats, RankCounts
-from ddp_even.sources import as_source, parquet_dataset
+from ddp_even.sources import ShardSource, as_source, parquet_dataset
 
 if TYPE_CHECKING:
     from ddp_even.planning.plans import ShardPlan
@@ -490,6 +490,9 @@ class EvenLoader(Generic[BatchT]):
             assert self._passes is not None
             source = as_source(_first_pass_from(self._passes, own_tails))
         source.start_epoch(epoch)
+        # Before any pass opens: a source may start its first pass at the resumed step.
+        resuming = self._resume is not None and self._resume[0] == epoch
+        skipped = self._skipped(source, own_tails, rank) if resuming else ()
         feed: ShardFeed[BatchT] = ShardFeed(
             source, mode.restarts_short_shards, self._steps_per_epoch is not None
         )
@@ -531,7 +534,6 @@ class EvenLoader(Generic[BatchT]):
             )
         self._elastic = None
         if self._resume is not None and self._resume[0] == epoch:
-            skipped = () if own_tails is None else self._batch_rows_before(self._resume[1], rank)
             run.resume_after(self._resume[1], skipped)
         self._resume = None
         try:
@@ -579,6 +581,19 @@ class EvenLoader(Generic[BatchT]):
             tails.rows_per_rank[rank],
         )
         return tails
+
+    def _skipped(
+        self, source: ShardSource[Any], own_tails: ShardPlan | None, rank: int
+    ) -> Sequence[int | None]:
+        """Rows of the batches a resumed epoch's first pass starts after (None: unknown)."""
+        assert self._resume is not None
+        step = self._resume[1]
+        if own_tails is not None:
+            return self._batch_rows_before(step, rank)
+        # A repeated pass (cycle) cannot be reached by starting the first one later.
+        if not self._mode.restarts_short_shards and source.starts_at(step):
+            return [None] * step
+        return ()
 
     def _batch_rows_before(self, step: int, rank: int) -> list[int | None]:
         """Rows of each batch ``rank`` handed out in its epoch's first ``step`` steps."""

@@ -10,10 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
-import ddp_even.agreement.transport
 from ddp_even import EvenLoader
+from tests.helpers.collectives import AllReduceCounter
 from tests.helpers.datasets import shard_rows, write_plain_dataset
 from tests.helpers.spawn import run_ranks
 
@@ -25,31 +24,24 @@ BATCH = 8
 
 
 def _epoch(loader: EvenLoader[Any]) -> dict[str, Any]:
-    calls = 0
-    real_all_reduce = dist.all_reduce
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return real_all_reduce(*args, **kwargs)
-
+    counter = AllReduceCounter()
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
     steps = 0
     for batch in loader:
         if steps == 0:
-            ddp_even.agreement.transport.dist.all_reduce = counting  # type: ignore[attr-defined]
+            counter.start()
         loss = model(batch["value"].reshape(-1, 1).float()).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         steps += 1
-    ddp_even.agreement.transport.dist.all_reduce = real_all_reduce  # type: ignore[attr-defined]
+    counter.stop()
     try:
         length = len(loader)
     except TypeError:  # unknown lengths
         length = -1
-    return {"steps": steps, "length": length, "collectives_in_epoch": calls}
+    return {"steps": steps, "length": length, "collectives_in_epoch": counter.calls}
 
 
 def seed_loops(rank: int, world_size: int, url: str) -> dict[str, dict[str, Any]]:

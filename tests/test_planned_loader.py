@@ -16,11 +16,10 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
-import torch.distributed as dist
 
-import ddp_even.agreement.transport
 from ddp_even import EvenLoader
 from ddp_even.planning import plan_for_dataset
+from tests.helpers.collectives import AllReduceCounter
 from tests.helpers.datasets import shard_row_groups, write_plain_dataset
 from tests.helpers.spawn import run_ranks
 
@@ -39,18 +38,6 @@ class Run:
     collectives_during_epoch: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-
-
-class _CountingAllReduce:
-    """Counts all-reduces ddp_even starts (its only per-step collective)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self._real = dist.all_reduce
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        return self._real(*args, **kwargs)
 
 
 class _Collect(logging.Handler):
@@ -101,18 +88,18 @@ def run_planned(
         )
     collected = _Collect()
     logging.getLogger("ddp_even").addHandler(collected)
-    counter = _CountingAllReduce()
+    counter = AllReduceCounter()
     run = Run(length_before_first_step=len(loader))
     for batch in loader:
         if run.steps == 0:
-            ddp_even.agreement.transport.dist.all_reduce = counter  # type: ignore[attr-defined]
+            counter.start()
         loss = model(batch["value"].reshape(-1, 1)).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         run.steps += 1
         run.rows += [int(row) for row in batch["id"]]
-    ddp_even.agreement.transport.dist.all_reduce = counter._real  # type: ignore[attr-defined]
+    counter.stop()
     run.collectives_during_epoch = counter.calls
     run.stats = loader.stats.as_dict()
     run.warnings = collected.messages

@@ -203,3 +203,27 @@ def test_epochs_resumed_by_new_processes_continue_where_they_stopped(tmp_path: P
             expected[0].pop("resumed_at_step")
             assert stats == expected, (mode, kind, rank)
             assert resumed["weights"] == pytest.approx(whole[rank][index]["weights"])
+
+
+@pytest.mark.timeout(60)
+def test_a_factory_that_starts_at_a_batch_reads_nothing_again() -> None:
+    calls: list[int] = []
+
+    def batches(start_batch: int = 0) -> list[list[int]]:
+        calls.append(start_batch)
+        return [[index] for index in range(start_batch, 10)]
+
+    loader = EvenLoader(batches, mode="truncate")
+    epoch = iter(loader)
+    seen = [next(epoch) for _ in range(4)]
+    state = loader.state_dict()
+    resumed = EvenLoader(batches, mode="truncate")
+    resumed.load_state_dict(state)
+    calls.clear()
+    rest = list(resumed)
+    assert calls == [4], "one pass, started at the saved step"
+    assert seen + rest == [[index] for index in range(10)]
+    assert resumed.stats.steps == (10,) and resumed.stats.own_batches == (10,)
+    assert resumed.stats.resumed_at_step == 4
+    assert resumed.stats.samples == (None,), "rows of the batches not read again are unknown"
+    assert list(resumed) == [[index] for index in range(10)] and calls == [4, 0]

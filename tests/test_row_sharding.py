@@ -16,15 +16,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ddp_even.agreement.transport
 from ddp_even import EvenLoader
 from ddp_even.planning import plan_for_dataset, plan_shards
 from ddp_even.planning.planned_workers import RowCountMismatchError
 from ddp_even.planning.readers import make_shard_factory
+from tests.helpers.collectives import AllReduceCounter
 from tests.helpers.datasets import flat_sizes, write_plain_dataset, write_unischema_dataset
 from tests.helpers.shard_reads import collect
 from tests.helpers.spawn import run_ranks
@@ -262,31 +261,24 @@ def train_rows(
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    calls = 0
-    real_all_reduce = dist.all_reduce
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return real_all_reduce(*args, **kwargs)
-
+    counter = AllReduceCounter()
     ids: list[int] = []
     steps = 0
     for batch in loader:
         if steps == 0:
-            ddp_even.agreement.transport.dist.all_reduce = counting  # type: ignore[attr-defined]
+            counter.start()
         loss = model(batch["value"].reshape(-1, 1).float() / 1000).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         ids += [int(row) for row in batch["id"]]
         steps += 1
-    ddp_even.agreement.transport.dist.all_reduce = real_all_reduce  # type: ignore[attr-defined]
+    counter.stop()
     return {
         "ids": ids,
         "steps": steps,
         "length": len(loader),
-        "collectives_in_epoch": calls,
+        "collectives_in_epoch": counter.calls,
         "stats": loader.stats.as_dict(),
         "weight": model.module.weight.item(),
         "bad_predicate": bad_predicate,

@@ -114,6 +114,10 @@ class ShardSource(ABC, Generic[BatchT]):
     def start_epoch(self, epoch: int) -> None:
         """Told the epoch number before the epoch's first pass (a factory may want it)."""
 
+    def starts_at(self, batch: int) -> bool:
+        """Make the next pass start at its ``batch``-th batch, if the source can (True)."""
+        return False
+
 
 class ContinuingStream(Generic[BatchT]):
     """One iterator that successive passes continue, with what the last pass left unused."""

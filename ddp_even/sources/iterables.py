@@ -56,13 +56,18 @@ class FactorySource(ShardSource[BatchT]):
 
     A factory with a parameter named ``epoch`` is called as ``factory(epoch=N)``, N counting
     epochs from 0 as the loader does (``set_epoch`` and resuming included), so that what it
-    builds can depend on the epoch (a shuffle seed).
+    builds can depend on the epoch (a shuffle seed). A factory with a parameter named
+    ``start_batch`` can start a pass at a position: when an epoch resumes after step ``k``
+    (truncate and join), its first pass is ``factory(start_batch=k)`` and must yield that
+    pass's batches from the ``k``-th on (0-based); the loader then reads nothing again.
     """
 
     def __init__(self, factory: Callable[..., Iterable[BatchT]]) -> None:
         self._factory = factory
-        self._takes_epoch = _takes_epoch(factory)
+        self._takes_epoch = _takes_parameter(factory, "epoch")
+        self._takes_start_batch = _takes_parameter(factory, "start_batch")
         self._epoch = 0
+        self._start_batch: int | None = None
 
     @property
     def restartable(self) -> bool:
@@ -71,8 +76,17 @@ class FactorySource(ShardSource[BatchT]):
     def start_epoch(self, epoch: int) -> None:
         self._epoch = epoch
 
+    def starts_at(self, batch: int) -> bool:
+        if not self._takes_start_batch:
+            return False
+        self._start_batch = batch
+        return True
+
     def open_pass(self) -> ShardPass[BatchT]:
-        made = self._factory(epoch=self._epoch) if self._takes_epoch else self._factory()
+        options: dict[str, int] = {"epoch": self._epoch} if self._takes_epoch else {}
+        if self._start_batch is not None:
+            options["start_batch"], self._start_batch = self._start_batch, None
+        made = self._factory(**options)
         # The factory made it, so the pass owns it and stops it when closed.
         registered = registered_source(made, owned=True)
         if registered is not None:
@@ -160,13 +174,13 @@ def open_context_pass(context: AbstractContextManager[Any]) -> ShardPass[Any]:
     )
 
 
-def _takes_epoch(factory: Callable[..., Any]) -> bool:
+def _takes_parameter(factory: Callable[..., Any], name: str) -> bool:
     try:
         parameters = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # a builtin or C callable: called without arguments
         return False
-    epoch = parameters.get("epoch")
-    return epoch is not None and epoch.kind in (
+    parameter = parameters.get(name)
+    return parameter is not None and parameter.kind in (
         inspect.Parameter.POSITIONAL_OR_KEYWORD,
         inspect.Parameter.KEYWORD_ONLY,
     )
