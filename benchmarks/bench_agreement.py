@@ -478,11 +478,6 @@ def rank_main(rank: int, world_size: int, config: BenchConfig, workdir: str) -> 
             Path(workdir, "result.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
-    # Done: skip the interpreter's shutdown, which gloo's worker threads can abort (SIGABRT,
-    # about one run in ten here; see exit_at_once in examples/train.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def measure_world(world_size: int, config: BenchConfig) -> dict[str, Any]:

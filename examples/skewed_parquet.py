@@ -7,9 +7,8 @@ numbers of rows.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -35,14 +34,3 @@ def write_skewed_dataset(directory: Path, row_group_sizes: tuple[int, ...]) -> N
         for size in row_group_sizes:
             writer.write_table(table.slice(start, size), row_group_size=size)
             start += size
-
-
-def exit_at_once(code: int) -> NoReturn:
-    """Leave with ``code`` through the interpreter's ordinary shutdown, output flushed.
-
-    No ``os._exit``: ddp_even joins its gloo threads before the interpreter finalizes (they
-    used to abort finished processes there), so atexit handlers and buffers run as usual.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    sys.exit(code)

@@ -35,6 +35,7 @@ A dataset needs float columns x0..x3 and label.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import warnings
 from collections.abc import Iterable
@@ -47,7 +48,7 @@ import torch
 from accelerate import Accelerator
 from petastorm import make_batch_reader
 from petastorm.pytorch import BatchedDataLoader
-from skewed_parquet import FEATURES, LABEL, exit_at_once, write_skewed_dataset
+from skewed_parquet import FEATURES, LABEL, write_skewed_dataset
 from torch.distributed.algorithms.join import Join
 
 from ddp_even import EvenLoader
@@ -256,7 +257,7 @@ def main(
             partial.write_text(json.dumps(result, indent=1))
             partial.replace(path)  # whole or absent, for whoever reads it
     accelerator.wait_for_everyone()
-    exit_at_once(0)
+    sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -44,7 +45,7 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from petastorm import make_batch_reader
 from petastorm.pytorch import BatchedDataLoader
-from skewed_parquet import FEATURES, LABEL, exit_at_once, write_skewed_dataset
+from skewed_parquet import FEATURES, LABEL, write_skewed_dataset
 from torch.distributed.algorithms.join import Joinable
 from torch.nn.parallel import DistributedDataParallel
 
@@ -291,7 +292,7 @@ def main(
         dist.barrier()  # every rank is done reading before the demo's dataset is removed
     if temporary is not None:
         shutil.rmtree(temporary, ignore_errors=True)
-    exit_at_once(1 if failed else 0)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
