@@ -1,6 +1,6 @@
 """Run ``examples/train.py`` as 2-node torchrun jobs on loopback and count the clean exits.
 
-Each job is two torchrun agents on this machine (node ranks 0 and 1, 2 workers each, 4 ranks),
+Each job is two torchrun agents on the local machine (node ranks 0 and 1, 2 workers each, 4 ranks),
 meeting through torchrun's c10d rendezvous on a free loopback port. Every worker trains one
 short epoch over a small skewed dataset in one EvenLoader mode, destroys the process group and
 leaves through the interpreter's ordinary shutdown (no ``os._exit``). A job is clean when both
