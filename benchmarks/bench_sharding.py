@@ -11,7 +11,9 @@
    dataset, without and with a predicate (counted before training): steps, the most batches a
    rank drops (truncate) or repeats (cycle), collectives between the first and last step.
 4. The predicate scan's cost against one epoch's read of the same dataset, one process: the
-   scan reads one int64 column, the epoch all columns (one wide binary payload).
+   scan reads one int64 column, the epoch all columns (one binary payload of 512 or 16 bytes
+   a row); 1M rows (2M without ``--quick``) in row groups of 20,000, the narrow rows also in
+   row groups of 200,000; where the scan's time goes.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,8 @@ from ddp_even.planning.sharding import Sharding
 SHARDINGS: tuple[Sharding, ...] = ("round_robin", "row_groups", "rows")
 WORLD_SIZE = 4
 KEEP_EVERY = 10  # the on-disk predicate keeps ids divisible by this, plus a dense block
+# The scan-cost datasets: (payload bytes per row, rows per row group).
+SCAN_SHAPES = ((512, 20_000), (16, 20_000), (16, 200_000))
 
 
 def skewed_13() -> npt.NDArray[np.int64]:
@@ -107,9 +113,9 @@ def write_dataset(root: Path, sizes: npt.NDArray[np.int64], payload_bytes: int) 
         for size in sizes.tolist():
             ids = np.arange(start, start + size, dtype=np.int64)
             noise = rng.bytes(payload_bytes * size)
-            payload = pa.array(
-                [noise[i * payload_bytes : (i + 1) * payload_bytes] for i in range(size)],
-                pa.binary(),
+            offsets = np.arange(0, (size + 1) * payload_bytes, payload_bytes, dtype=np.int32)
+            payload = pa.BinaryArray.from_buffers(
+                pa.binary(), size, [None, pa.py_buffer(offsets), pa.py_buffer(noise)]
             )
             table = pa.table(
                 {"id": ids, "value": (ids % 97).astype(np.float32), "payload": payload}, schema
@@ -203,42 +209,132 @@ def _spawned(rank: int, url: str, sharding: Sharding, predicate: bool, workdir: 
     rank_epoch(rank, url, sharding, predicate, workdir)
 
 
-def scan_cost(workdir: Path, row_groups: int, repeats: int) -> list[dict[str, Any]]:
-    """Seconds to count a one-column predicate vs to read an epoch of every column, for a wide
-    row (a 512-byte payload, as features or encoded images make it) and a narrow one."""
+def scan_cost(workdir: Path, rows: int, repeats: int) -> list[dict[str, Any]]:
+    """Seconds to count a one-column predicate vs to read an epoch of every column, for
+    ``rows`` rows of each of ``SCAN_SHAPES``: a wide row (a 512-byte payload, as features or
+    encoded images make it) and a narrow one (16 bytes), in small and in larger row groups.
+
+    Epoch and scan alternate, so that both see the same load; the data are in the page cache
+    for both. Wall seconds are the target's measure; CPU seconds (all the process's threads)
+    change least with other processes' load. The parts say where the scan's time goes:
+    footers and planning (what planning without a predicate costs too), counting
+    (``count_in_columns``: read, convert, predicate), and within counting, pyarrow reading
+    the column alone and the predicate alone on ready DataFrames.
+    """
+    results = []
+    for payload_bytes, group_rows in SCAN_SHAPES:
+        sizes = np.full(rows // group_rows, group_rows, dtype=np.int64)
+        root = workdir / f"payload-{payload_bytes}-groups-{group_rows}"
+        url = write_dataset(root, sizes, payload_bytes)
+        main = medians(alternate(scan_steps(url, workdir), repeats))
+        results.append(
+            {
+                "row_groups": len(sizes),
+                "rows": int(sizes.sum()),
+                "payload_bytes_per_row": payload_bytes,
+                "rows_per_row_group": group_rows,
+                **column_share(url),
+                **main,
+                "scan_over_epoch": main["scan_s"] / main["epoch_read_s"],
+                "scan_over_epoch_cpu": main["scan_cpu_s"] / main["epoch_read_cpu_s"],
+                "parts": medians(alternate(scan_parts(url), repeats)),
+            }
+        )
+    return results
+
+
+Steps = dict[str, Callable[[], object]]
+
+
+def scan_steps(url: str, workdir: Path) -> Steps:
+    """One epoch's read of every column, and planning with the predicate counted (no cache)."""
     from petastorm.predicates import in_lambda
 
     from ddp_even.planning.readers import make_shard_factory
 
-    results = []
-    sizes = np.full(row_groups, 20_000, dtype=np.int64)
-    for payload_bytes in (512, 16):
-        url = write_dataset(workdir / f"payload-{payload_bytes}", sizes, payload_bytes)
+    def read_epoch() -> None:
+        options = {"workers_count": 2}
+        _, factory = make_shard_factory(url, 0, 1, 256, loader="reader", reader_kwargs=options)
+        with factory() as reader:
+            for _ in reader:
+                pass
 
-        def read_epoch(url: str = url) -> None:
-            options = {"workers_count": 2}
-            _, factory = make_shard_factory(url, 0, 1, 256, loader="reader", reader_kwargs=options)
-            with factory() as reader:
-                for _ in reader:
-                    pass
+    def scan() -> None:
+        os.environ["DDP_EVEN_CACHE_DIR"] = tempfile.mkdtemp(dir=str(workdir))  # no cache hit
+        make_shard_factory(url, 0, 1, 256, predicate=in_lambda(["id"], keeps))
 
-        def scan(url: str = url) -> None:
-            os.environ["DDP_EVEN_CACHE_DIR"] = tempfile.mkdtemp(dir=workdir)  # no cache hit
-            make_shard_factory(url, 0, 1, 256, predicate=in_lambda(["id"], keeps))
+    return {"epoch_read": read_epoch, "scan": scan}
 
-        epoch_s, _ = median_seconds(read_epoch, repeats)
-        scan_s, _ = median_seconds(scan, repeats)
-        results.append(
-            {
-                "row_groups": row_groups,
-                "rows": int(sizes.sum()),
-                "payload_bytes_per_row": payload_bytes,
-                "epoch_read_s": epoch_s,
-                "scan_s": scan_s,
-                "scan_over_epoch": scan_s / epoch_s,
-            }
-        )
-    return results
+
+def scan_parts(url: str) -> Steps:
+    """The scan's parts (see :func:`scan_cost`), and a run that finds the counts cached."""
+    from petastorm.predicates import in_lambda
+
+    from ddp_even.planning.datasets import read_row_groups
+    from ddp_even.planning.predicate_counts import count_in_columns
+    from ddp_even.planning.readers import make_shard_factory
+    from ddp_even.planning.storage import resolve_dataset
+
+    predicate = in_lambda(["id"], keeps)
+    resolved = resolve_dataset(url)
+    row_groups = read_row_groups(resolved)
+    everything = list(range(len(row_groups)))
+    parquet_file = pq.ParquetFile(row_groups.files[0])
+    frames = [
+        parquet_file.read_row_group(position, columns=["id"]).to_pandas()
+        for position in range(parquet_file.num_row_groups)
+    ]
+    make_shard_factory(url, 0, 1, 256, predicate=predicate)  # fills the cache for "cached"
+    return {
+        "footers_and_plan": lambda: make_shard_factory(url, 0, 1, 256),
+        "count": lambda: count_in_columns(resolved, row_groups, everything, predicate, ["id"]),
+        "column_read": lambda: pq.ParquetFile(row_groups.files[0]).read(columns=["id"]),
+        "predicate": lambda: [predicate.do_include(frame) for frame in frames],
+        "cached": lambda: make_shard_factory(url, 0, 1, 256, predicate=predicate),
+    }
+
+
+def alternate(steps: Steps, repeats: int) -> dict[str, list[tuple[float, float]]]:
+    """Wall and CPU seconds of each step, ``repeats`` times, the steps taking turns (after
+    one warm-up round), so that all of them see the same load."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
+    for repeat in range(repeats + 1):
+        for name, step in steps.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            step()
+            if repeat:
+                times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return times
+
+
+def medians(times: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
+    """``<step>_s`` and ``<step>_cpu_s``: median wall and CPU seconds, and every time."""
+    result: dict[str, Any] = {}
+    for name, pairs in times.items():
+        result[f"{name}_s"] = statistics.median(wall for wall, _ in pairs)
+        result[f"{name}_cpu_s"] = statistics.median(cpu for _, cpu in pairs)
+        result[f"{name}_times_s"] = [wall for wall, _ in pairs]
+    return result
+
+
+def column_share(url: str) -> dict[str, float]:
+    """The predicate column's share of the row's bytes, on disk and decoded (the footer's
+    uncompressed sizes): what "a small column" means here."""
+    metadata = pq.ParquetFile(url.removeprefix("file://") + "/part-00000.parquet").metadata
+    on_disk = {"id": 0, "all": 0}
+    decoded = {"id": 0, "all": 0}
+    for group in range(metadata.num_row_groups):
+        for column in range(metadata.num_columns):
+            chunk = metadata.row_group(group).column(column)
+            for name in ("all", chunk.path_in_schema):
+                if name in on_disk:
+                    on_disk[name] += chunk.total_compressed_size
+                    decoded[name] += chunk.total_uncompressed_size
+    return {
+        "predicate_column_share_on_disk": on_disk["id"] / on_disk["all"],
+        "predicate_column_share_decoded": decoded["id"] / decoded["all"],
+        "bytes_on_disk": on_disk["all"],
+    }
 
 
 def simulated_table(results: list[dict[str, Any]]) -> Table:
@@ -290,8 +386,43 @@ def on_disk_table(results: list[dict[str, Any]]) -> Table:
     return table
 
 
+def scan_table(results: list[dict[str, Any]], repeats: int) -> Table:
+    table = Table(
+        title=f"Predicate scan vs one epoch's read, one process, medians of {repeats}",
+        title_justify="left",
+    )
+    for column in (
+        "rows x payload\n(rows per group)",
+        "id's share of\nbytes: disk /\ndecoded",
+        "epoch read s\nwall / CPU",
+        "scan s\nwall / CPU",
+        "scan / epoch\nwall / CPU",
+        "CPU s of parts: footers+plan,\ncount (column read,\npredicate), cached",
+    ):
+        table.add_column(column, justify="right")
+    for row in results:
+        parts = row["parts"]
+        table.add_row(
+            f"{row['rows']:,} x {row['payload_bytes_per_row']} B\n({row['rows_per_row_group']:,})",
+            f"{row['predicate_column_share_on_disk']:.0%} / "
+            f"{row['predicate_column_share_decoded']:.0%}",
+            f"{row['epoch_read_s']:.3f} / {row['epoch_read_cpu_s']:.3f}",
+            f"{row['scan_s']:.3f} / {row['scan_cpu_s']:.3f}",
+            f"{row['scan_over_epoch']:.2f} / {row['scan_over_epoch_cpu']:.2f}",
+            f"{parts['footers_and_plan_cpu_s']:.3f}, {parts['count_cpu_s']:.3f} "
+            f"({parts['column_read_cpu_s']:.3f}, {parts['predicate_cpu_s']:.3f}), "
+            f"{parts['cached_cpu_s']:.3f}",
+        )
+    table.caption = (
+        "target: scan ≤ 0.2 of an epoch's read (wall); count = read + convert + predicate"
+    )
+    return table
+
+
 @click.command()
-@click.option("--quick", is_flag=True, help="Fewer repeats and a smaller scan dataset.")
+@click.option(
+    "--quick", is_flag=True, help="Fewer repeats and smaller scan datasets (1M rows, not 2M)."
+)
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -316,21 +447,22 @@ def main(quick: bool, out: Path) -> None:
         disk = on_disk(workdir)
         console.print(on_disk_table(disk))
         console.print(f"(4-rank runs took {time.perf_counter() - began:.0f} s)")
-        scans = scan_cost(workdir, 6 if quick else 12, repeats)
-    for scan in scans:
-        console.print(
-            f"predicate scan (one int64 column) {scan['scan_s']:.3f} s vs one epoch's read of "
-            f"all columns {scan['epoch_read_s']:.3f} s: {scan['scan_over_epoch']:.2f} of it "
-            f"({scan['row_groups']} row groups, {scan['rows']:,} rows of "
-            f"{scan['payload_bytes_per_row']}-byte payload; target ≤ 0.2, median of {repeats})"
-        )
+        scan_repeats = 5 if quick else 9
+        scans = scan_cost(workdir, 1_000_000 if quick else 2_000_000, scan_repeats)
+    console.print(scan_table(scans, scan_repeats))
+    load = os.getloadavg()
+    console.print(f"load average (1, 5, 15 min) after the scan runs: {load}, {os.cpu_count()} cpus")
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_average_after_scan": load,
+        },
         "simulated": simulation,
         "planning_time": timing,
         "on_disk": disk,
-        "scan_cost": scans,
+        "scan_cost": {"repeats": scan_repeats, "results": scans},
     }
     out.write_text(json.dumps(document, indent=2) + "\n")
     console.print(f"wrote {out}")

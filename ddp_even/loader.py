@@ -330,19 +330,27 @@ class EvenLoader(Generic[BatchT]):
         have handed out when every pass over a rank's shard yields the same batches in the same
         order: lists and map-style ``DataLoader`` objects without shuffling (or with a seeded
         sampler), petastorm readers without shuffling (``shuffle_row_groups=False``, one worker
-        or the dummy pool; a seed alone does not fix the order of a thread pool's results), and
+        or the dummy pool; a seed alone does not fix the order of petastorm's thread pool), and
         factories that build such a source. Each rank gets back to its position by reading
         again the batches it had handed out (their cost: one read of what was consumed, no
         training). The epoch's statistics count the whole epoch, and say where it resumed.
 
-        **Elastic**: a loader from :meth:`from_parquet` also resumes a state saved on another
-        number of ranks, in truncate and join mode, when its passes read in the plan's order
-        (``reader_kwargs`` with ``shuffle_row_groups=False`` and ``workers_count=1`` or the
-        dummy pool): the rows no rank had read before the saved step are re-planned over this
-        job's ranks (⌊M/W⌋ or ⌈M/W⌉ each, as ``sharding="rows"`` does) and read without reading
-        again what was consumed. That epoch's statistics then count its rest only and say so
-        (``resumed_from_world_size``). Load on each rank any of the old ranks' states (they
-        hold the same step).
+        A loader from :meth:`from_parquet` reads nothing again when its passes read in an
+        order ddp_even computes (``PlannedPasses.why_not_in_plan_order`` is None): row groups
+        unshuffled (``shuffle_row_groups=False``) or shuffled with a ``seed``, rows unshuffled
+        or shuffled with a ``seed`` (``shuffle_rows``), a thread pool of any size or the dummy
+        pool (a process pool only with ``workers_count=1``), no
+        ``shuffle_row_drop_partitions > 1`` and no ``shuffling_queue_capacity``: each rank's
+        first pass starts at its next row (a row group, and a row offset inside it).
+        ``sharding="replicate"`` always has a seed.
+
+        **Elastic**: such a loader also resumes a state saved on another number of ranks, in
+        truncate and join mode, except with ``sharding="replicate"``: the rows no rank had
+        read before the saved step are re-planned over this job's ranks (⌊M/W⌋ or ⌈M/W⌉ each,
+        as ``sharding="rows"`` does) and read without reading again what was consumed (in the
+        re-plan's order, with the epoch's row shuffle). That epoch's statistics then count its
+        rest only and say so (``resumed_from_world_size``). Load on each rank any of the old
+        ranks' states (they hold the same step).
 
         Raises ``ValueError`` when ``state`` is not a loader state of this version, was saved
         by a loader with other settings, or on another number of ranks by a loader that
@@ -378,6 +386,11 @@ class EvenLoader(Generic[BatchT]):
             cannot = "cycle mode repeats rows, so 'the rows not yet read' is not one set"
         elif self._steps_per_epoch is not None:
             cannot = "steps_per_epoch caps the epoch by steps, not rows"
+        elif self._plan.sharding == "replicate":
+            cannot = (
+                "with sharding='replicate' every rank reads every row, each in its own order, so "
+                "'the rows not yet read' is not one set"
+            )
         elif self._passes.why_not_in_plan_order is not None:
             cannot = (
                 "which rows were read before the saved step is not known: "
@@ -559,8 +572,9 @@ class EvenLoader(Generic[BatchT]):
         return Settings(self._mode, self._steps_per_epoch, sync_every, identity)
 
     def _own_tails(self, epoch: int, rank: int) -> ShardPlan | None:
-        """When resuming ``epoch`` on as many ranks with a planned reader that reads in plan
-        order, the plan of each rank's rows not yet read: its pass starts there."""
+        """When resuming ``epoch`` on as many ranks with a planned reader whose order is known
+        (:mod:`ddp_even.planning.pass_order`), the plan of each rank's rows not yet read, in
+        its reading order: its pass starts there."""
         if (
             self._resume is None
             or self._resume[0] != epoch
@@ -572,7 +586,9 @@ class EvenLoader(Generic[BatchT]):
             return None
         from ddp_even.planning.remainder import plan_own_tails
 
-        tails = plan_own_tails(self._plan, self._passes.row_group_sizes, self._resume[1])
+        tails = plan_own_tails(
+            self._plan, self._passes.row_group_sizes, self._resume[1], self._passes.order, epoch
+        )
         logger.info(
             "ddp_even: epoch %d resumes after step %d: this rank reads only its %d rows not yet "
             "read",
@@ -610,7 +626,7 @@ class EvenLoader(Generic[BatchT]):
         _, step, saved_plan = self._elastic
         sizes = self._passes.row_group_sizes
         rest = plan_unread_rows(
-            unread_rows(saved_plan, sizes, step),
+            unread_rows(saved_plan, sizes, step, self._passes.order, epoch),
             sizes,
             _rank_and_world_size(self._group)[1],
             saved_plan.batch_size,

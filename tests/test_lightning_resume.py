@@ -113,6 +113,7 @@ def _expected_stats(mode: str, epoch: int) -> dict[str, Any]:
         "dropped_batches": None,
         "dropped_rows": None,
         "lost_rows": None,
+        "sharding": None,
         "resumed_at_step": None,
         "resumed_from_world_size": None,
         "oversampling": sum(steps - mine for mine in own) / sum(own),

@@ -34,6 +34,8 @@ TOTAL = sum(flat_sizes(SIZES))
 BATCH = 8
 STOP_AT = 5
 IN_PLAN_ORDER = {"shuffle_row_groups": False, "workers_count": 1}
+# Row groups and rows shuffled by ddp_even with a seed, four threads: also an order it knows.
+SEEDED = {"seed": 7, "shuffle_row_groups": True, "shuffle_rows": True, "workers_count": 4}
 
 
 @settings(max_examples=200, deadline=None)
@@ -78,6 +80,7 @@ def train(
     sharding: str,
     states: list[dict[str, Any]] | None,
     stop_at: int | None = STOP_AT,
+    reader_kwargs: dict[str, Any] = IN_PLAN_ORDER,
 ) -> dict[str, Any]:
     messages: list[str] = []
 
@@ -96,7 +99,7 @@ def train(
         mode,
         sharding=sharding,  # type: ignore[arg-type]
         joinables=[model] if mode == "join" else (),
-        reader_kwargs=IN_PLAN_ORDER,
+        reader_kwargs=reader_kwargs,
     )
     if states is not None:
         loader.load_state_dict(states[rank])  # one of the old ranks' states: the same step
@@ -172,8 +175,28 @@ def test_what_cannot_resume_on_another_number_of_ranks_says_why(url: str) -> Non
             ),
         ),
         (
-            "row groups are shuffled",
+            "row groups are shuffled without a seed",
             EvenLoader.from_parquet(url, BATCH, "truncate", sharding="rows"),
+        ),
+        (
+            "a process pool with several workers",
+            EvenLoader.from_parquet(
+                url, BATCH, "truncate", reader_kwargs={"seed": 1, "reader_pool_type": "process"}
+            ),
+        ),
+        (
+            "row groups are read as separate parts",
+            EvenLoader.from_parquet(
+                url,
+                BATCH,
+                "truncate",
+                sharding="row_groups",
+                reader_kwargs={"seed": 1, "shuffle_row_drop_partitions": 2},
+            ),
+        ),
+        (
+            "with sharding='replicate' every rank reads every row",
+            EvenLoader.from_parquet(url, BATCH, "truncate", sharding="replicate"),
         ),
         (
             "other settings",
@@ -264,3 +287,96 @@ def test_on_as_many_ranks_a_planned_reader_starts_where_it_stopped(url: str) -> 
             resumed[rank]["messages"]
         )
         assert "read 0 batch(es) of this rank's source again" in " ".join(resumed[rank]["messages"])
+
+
+# Rows the readers of this process produced (before a rank's range is cut from a row group).
+_PRODUCED: list[int] = []
+
+
+def _record(rows: Any) -> Any:
+    """A petastorm transform that notes which rows were read (worker threads: this process)."""
+    _PRODUCED.extend(int(row) for row in rows["id"])
+    return rows
+
+
+def resume_in_one_job(rank: int, world_size: int, url: str) -> dict[str, Any]:
+    """An uninterrupted epoch, the same epoch stopped after ``STOP_AT`` steps, and its resume
+    by a new loader: three loaders in one job, reading with ``SEEDED``."""
+    from petastorm.transform import TransformSpec
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logging.getLogger("ddp_even").addHandler(Collect(logging.INFO))
+    logging.getLogger("ddp_even").setLevel(logging.INFO)
+
+    def loader() -> EvenLoader[Any]:
+        options = {**SEEDED, "transform_spec": TransformSpec(_record)}
+        return EvenLoader.from_parquet(
+            url, BATCH, "truncate", sharding="rows", reader_kwargs=options
+        )
+
+    whole = loader()
+    uninterrupted = [[int(row) for row in batch["id"]] for batch in whole]
+    stopped = loader()
+    epoch = iter(stopped)
+    for _ in range(STOP_AT):
+        next(epoch)
+    state = stopped.state_dict()
+    epoch.close()  # its reader stopped and joined: no more rows produced
+    _PRODUCED.clear()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    after = [[int(row) for row in batch["id"]] for batch in resumed]
+    return {
+        "uninterrupted": uninterrupted,
+        "uninterrupted_stats": whole.stats.as_dict(),
+        "resumed": after,
+        "resumed_stats": resumed.stats.as_dict(),
+        "produced": list(_PRODUCED),
+        "messages": messages,
+    }
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_a_seeded_threaded_reader_resumes_where_it_stopped_reading_only_the_rest(
+    url: str,
+) -> None:
+    runs = run_ranks(resume_in_one_job, 2, url, timeout=200)
+    sizes = flat_sizes(SIZES)
+    group_of = np.repeat(np.arange(len(sizes)), sizes)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    for run in runs:
+        # The same batches and statistics as the uninterrupted run's.
+        assert run["resumed"] == run["uninterrupted"][STOP_AT:]
+        assert run["resumed_stats"] == {**run["uninterrupted_stats"], "resumed_at_step": STOP_AT}
+        assert "read 0 batch(es) of this rank's source again" in " ".join(run["messages"])
+        # What the readers produced: each row group holding a row not yet trained on, once
+        # (whole, as every planned read of a row group); no row group trained on before.
+        untrained = [row for batch in run["uninterrupted"][STOP_AT:] for row in batch]
+        groups = sorted(set(group_of[untrained].tolist()))
+        read_whole = Counter(
+            row for group in groups for row in range(starts[group], starts[group] + sizes[group])
+        )
+        assert Counter(run["produced"]) == read_whole
+    first_batch = runs[0]["uninterrupted"][0]
+    assert first_batch != sorted(first_batch), "the test must shuffle"
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_a_seeded_threaded_epoch_stopped_on_3_ranks_finishes_on_2_every_row_once(
+    url: str,
+) -> None:
+    first = run_ranks(train, 3, url, "join", "rows", None, STOP_AT, SEEDED, timeout=200)
+    states = [run["state"] for run in first]
+    second = run_ranks(train, 2, url, "join", "rows", states[:2], STOP_AT, SEEDED, timeout=200)
+    stats = second[0]["stats"]
+    assert stats["resumed_at_step"] == STOP_AT and stats["resumed_from_world_size"] == 3
+    trained = sorted(row for run in first + second for row in run["ids"])
+    assert trained == list(range(TOTAL)), "every row of the epoch trained on exactly once"
+    assert first[0]["ids"] != sorted(first[0]["ids"]), "the test must shuffle"

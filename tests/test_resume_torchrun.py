@@ -1,6 +1,6 @@
 """A real preemption: ``torchrun --max-restarts`` restarts a job whose rank was SIGKILLed.
 
-``tests/helpers/resume_job.py`` trains every mode for two epochs on 3 ranks, checkpointing
+``tests/helpers/resume_job.py`` trains every mode for two epochs on 4 ranks, checkpointing
 model, optimizer and loader every 2 steps; one rank is killed mid-epoch once in each mode, and
 the restarted job resumes from the last checkpoint. What each rank trained on in every epoch
 (up to the checkpoint in the lost attempt, then after it) and the final weights must equal an
@@ -21,7 +21,7 @@ from tests.helpers.resume_job import MODES
 
 pytestmark = pytest.mark.multirank
 
-WORLD_SIZE = 3
+WORLD_SIZE = 4
 JOB = Path(__file__).parent / "helpers" / "resume_job.py"
 
 

@@ -57,10 +57,11 @@ def _gathered(
     epoch: int = 3,
     rank: int = 0,
     global_ranks: tuple[int, ...] = (),
+    sharding: str | None = None,
 ) -> EpochStats:
     others = {index: one for index, one in enumerate(counts) if index != rank}
     gatherer = Gatherer(rank, others, global_ranks)
-    return gather_epoch_stats(gatherer, counts[rank], epoch, mode)
+    return gather_epoch_stats(gatherer, counts[rank], epoch, mode, sharding)
 
 
 # --- RankCounts -----------------------------------------------------------------------------
@@ -225,9 +226,12 @@ def test_more_than_planned_is_neither_dropped_nor_lost() -> None:
 
 @pytest.mark.timeout(30)
 def test_summary_of_a_planned_cycle_epoch() -> None:
-    assert _gathered(_planned_cycle_epoch()).summary() == (
+    stats = _gathered(_planned_cycle_epoch(), sharding="row_groups")
+    assert stats.sharding == "row_groups"
+    assert stats.summary() == (
         "epoch 3 cycle 3 ranks: 5 steps; own 5/3/4; repeated 0/2/1; oversampling 25.0%; "
-        "truncated ranks 0; dropped batches 3/0/0 (rows 24/0/0); rows lost by the source 0/0/6"
+        "truncated ranks 0; dropped batches 3/0/0 (rows 24/0/0); rows lost by the source 0/0/6; "
+        "sharding row_groups"
     )
 
 

@@ -26,6 +26,7 @@ costs at most two requests (its size, then its tail), a ``_metadata`` summary on
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ddp_even.planning.storage import (
@@ -53,6 +55,7 @@ __all__ = [
     "RowGroup",
     "RowGroups",
     "StorageOptions",
+    "changed_row_groups",
     "read_row_groups",
 ]
 
@@ -117,6 +120,9 @@ class RowGroups:
     num_rows: npt.NDArray[np.int64]
     #: Where the list came from.
     source: MetadataSource = "footers"
+    #: Per file: a digest of its footer, when the list was read from the footers (None when
+    #: it came from a ``_metadata`` summary). A file rewritten in place gets another footer.
+    footer_digests: tuple[bytes, ...] | None = None
 
     def __post_init__(self) -> None:
         columns = (self.file_of, self.index_in_file, self.num_rows)
@@ -188,6 +194,54 @@ def read_row_groups(
     return reader.from_footers(list(resolved.paths), listed=True)
 
 
+def changed_row_groups(
+    resolved: ResolvedDataset, planned: RowGroups, indices: Sequence[int]
+) -> str | None:
+    """Which of row groups ``indices`` no longer have the rows ``planned`` lists, or None.
+
+    Reads again the footers of the files holding them (in parallel, as planning does) and
+    returns a sentence naming the first row group whose file now has a different number of
+    rows in it, or too few row groups; None when all of them match.
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> root = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
+        >>> resolved = resolve_dataset(root)
+        >>> planned = read_row_groups(resolved)
+        >>> print(changed_row_groups(resolved, planned, [0, 2]))
+        None
+        >>> pq.write_table(pa.table({"x": list(range(9))}), f"{root}/a.parquet", row_group_size=4)
+        >>> print(changed_row_groups(resolved, planned, [0, 2]))
+        row group 2 (.../a.parquet #2) has 1 rows now, the plan counted 2
+    """
+    file_numbers = sorted({int(planned.file_of[index]) for index in indices})
+    reader = _MetadataReader(resolved.storage, None)
+    footers = dict(
+        zip(
+            file_numbers,
+            reader.read_footers([planned.files[number] for number in file_numbers], listed=False),
+            strict=True,
+        )
+    )
+    for index in sorted(indices):
+        group = planned[index]
+        footer = footers[int(planned.file_of[index])]
+        where = f"row group {index} ({resolved.storage.url(group.path)} #{group.index_in_file})"
+        if group.index_in_file >= footer.num_row_groups:
+            return f"{where} is gone: its file has {footer.num_row_groups} row groups now"
+        rows = footer.row_group(group.index_in_file).num_rows
+        if rows != group.num_rows:
+            return f"{where} has {rows} rows now, the plan counted {group.num_rows}"
+    if planned.footer_digests is not None:
+        # Same rows per row group, other data: counts of a row predicate may be wrong now.
+        for number, footer in footers.items():
+            if _footer_digest(footer) != planned.footer_digests[number]:
+                path = resolved.storage.url(planned.files[number])
+                return f"{path} was rewritten since it was planned (its footer changed)"
+    return None
+
+
 class _MetadataReader:
     """Reads one dataset's listings and metadata through its storage, in parallel."""
 
@@ -221,12 +275,14 @@ class _MetadataReader:
         The first failure cancels what has not started and is raised.
         """
         total = len(items)
-        if total <= 1 and not report:
+        reporting = report and self.progress is not None
+        if total <= 1 and not reporting:
+            # A thread costs more than one file's metadata on a busy machine.
             return [function(item) for item in items]
         workers = max(1, min(self.storage.concurrency, total))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ddp-even-meta") as pool:
             futures = [pool.submit(function, item) for item in items]
-            if report and self.progress is not None:
+            if reporting:
                 self._report(futures)
             else:
                 done, _ = wait(futures, return_when=FIRST_EXCEPTION)
@@ -287,8 +343,9 @@ class _MetadataReader:
         return self.map(lambda path: self.read_footer(path, listed), paths, report=True)
 
     def from_footers(self, paths: list[str], listed: bool) -> RowGroups:
-        sizes = [_footer_sizes(footer) for footer in self.read_footers(paths, listed)]
-        return _build(paths, sizes, "footers", self.storage)
+        footers = self.read_footers(paths, listed)
+        sizes = [_footer_sizes(footer) for footer in footers]
+        return _build(paths, sizes, "footers", self.storage, footers)
 
     def from_row_group_counts(
         self, data_files: Sequence[str], common: pq.FileMetaData, common_path: str, root: str
@@ -323,7 +380,11 @@ class _MetadataReader:
                 )
             sizes.append(_footer_sizes(footer)[:count])
         return _build(
-            [path for path, _ in files_and_counts], sizes, "_common_metadata", self.storage
+            [path for path, _ in files_and_counts],
+            sizes,
+            "_common_metadata",
+            self.storage,
+            footers,
         )
 
 
@@ -447,13 +508,21 @@ def _from_summary(
     return _build([path for path, _ in listed], [sizes for _, sizes in listed], "_metadata")
 
 
+def _footer_digest(footer: pq.FileMetaData) -> bytes:
+    serialized = pa.BufferOutputStream()
+    footer.write_metadata_file(serialized)
+    return hashlib.blake2b(serialized.getvalue().to_pybytes(), digest_size=16).digest()
+
+
 def _build(
     paths: list[str],
     sizes: list[list[int]],
     source: MetadataSource,
     storage: Storage | None = None,
+    footers: Sequence[pq.FileMetaData] | None = None,
 ) -> RowGroups:
-    kept = [(path, file_sizes) for path, file_sizes in zip(paths, sizes, strict=True) if file_sizes]
+    kept_files = [index for index, file_sizes in enumerate(sizes) if file_sizes]
+    kept = [(paths[index], sizes[index]) for index in kept_files]
     if not kept:
         where = paths[0] if storage is None else storage.url(paths[0])
         raise DatasetError(
@@ -471,4 +540,7 @@ def _build(
             (n for _, file_sizes in kept for n in file_sizes), dtype=np.int64, count=total
         ),
         source=source,
+        footer_digests=(
+            None if footers is None else tuple(_footer_digest(footers[i]) for i in kept_files)
+        ),
     )

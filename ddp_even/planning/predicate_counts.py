@@ -4,19 +4,22 @@ Petastorm applies a row predicate (``in_lambda``, ``in_set``, ...) in its worker
 group is read, so the rows a shard yields cannot be known from the footers. They can be
 counted: reading only the predicate's columns of every row group and counting what the
 predicate keeps, called as the training reader will call it. For ``make_batch_reader`` and a
-predicate on stored columns that is a pandas ``DataFrame`` of those columns, read here with
-pyarrow (:func:`count_in_columns`); otherwise (``make_reader``'s decoded rows, hive partition
-keys) petastorm's own worker runs on each row group (``planning/readers.py``). The scan is
+predicate on stored columns that is a pandas ``DataFrame`` of a row group's columns, read here
+with pyarrow (:func:`count_in_columns`: each file opened once, small row groups read and
+converted together, then cut into the frames each would get alone); otherwise
+(``make_reader``'s decoded rows, hive partition keys) petastorm's own worker runs on each row
+group (``planning/readers.py``). The scan is
 spread over the ranks (rank ``r`` counts row groups ``i % W == r``) and the counts are shared,
 so it costs each rank ``1/W`` of a scan of the predicate's columns; a plan of the matching rows
 follows from the counts as from footers.
 
-Counts are cached on disk, keyed by the dataset's files and row-group sizes, the reader kind and
+Counts are cached on disk, keyed by the dataset's files, row-group sizes and footers (a digest
+of each file's footer, so a file rewritten in place misses the cache), the reader kind and
 the predicate (pickled with ``dill``, so lambdas count by their code), in
 ``$DDP_EVEN_CACHE_DIR`` (default ``~/.cache/ddp_even``); a second run over the same dataset and
 predicate does not scan. The ranks first agree that every one of them has the entry (ranks on
-other machines may not), else they all scan. A cached count that no longer matches the data
-is caught when the row group is read
+other machines may not), else they all scan. A count that no longer matches the data (a
+predicate that is not deterministic) is caught when the row group is read
 (:class:`~ddp_even.planning.planned_workers.RowCountMismatchError`).
 """
 
@@ -28,13 +31,14 @@ import logging
 import os
 import posixpath
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -55,9 +59,11 @@ logger = logging.getLogger("ddp_even")
 Share = Callable[[list[int]], list[list[int]]]
 
 # Bumped when the meaning of a cache entry changes.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 # Files read at once by a scan of stored columns.
 _SCAN_THREADS = 4
+# Uncompressed bytes of predicate columns read and converted together (per file being read).
+_READ_BYTES = 32 << 20
 
 
 def cache_directory() -> Path:
@@ -110,9 +116,10 @@ def count_in_columns(
 ) -> list[int]:
     """Rows ``predicate`` keeps in each of ``indices``, reading its columns with pyarrow.
 
-    What ``make_batch_reader``'s worker does with a predicate on stored columns: the row
-    group's predicate columns as a pandas ``DataFrame``, given to ``predicate.do_include``.
-    Files are read in parallel (pyarrow releases the GIL while it reads and decodes).
+    What ``make_batch_reader``'s worker does with a predicate on stored columns: each row
+    group's predicate columns as a pandas ``DataFrame`` of its own, given to
+    ``predicate.do_include``. Each file is opened once and its row groups read several at a
+    time; files are read in parallel (pyarrow releases the GIL while it reads and decodes).
     """
     by_file: dict[int, list[int]] = {}
     for index in indices:
@@ -120,23 +127,109 @@ def count_in_columns(
     filesystem = resolved.storage.filesystem or pafs.LocalFileSystem()
 
     def count_file(file_index: int) -> list[tuple[int, int]]:
-        path = row_groups.files[file_index]
-        with filesystem.open_input_file(path) as source:
-            parquet_file = pq.ParquetFile(source)
-            counted = []
-            for index in by_file[file_index]:
-                table = parquet_file.read_row_group(
-                    int(row_groups.index_in_file[index]), columns=fields
-                )
-                kept = predicate.do_include(table.to_pandas())
-                counted.append((index, int(np.count_nonzero(np.asarray(kept)))))
-            return counted
+        wanted = by_file[file_index]
+        positions = [int(row_groups.index_in_file[index]) for index in wanted]
+        kept_rows: list[int] = []
+        with filesystem.open_input_file(row_groups.files[file_index]) as source:
+            # pre_buffer: the column chunks of one read come in few, coalesced requests.
+            parquet_file = pq.ParquetFile(source, pre_buffer=True)
+            for batch in _read_batches(parquet_file, positions, fields):
+                table = parquet_file.read_row_groups(batch, columns=fields)
+                sizes = [parquet_file.metadata.row_group(position).num_rows for position in batch]
+                for frame in _frames_per_row_group(table, sizes):
+                    kept = predicate.do_include(frame)
+                    kept_rows.append(int(np.count_nonzero(np.asarray(kept))))
+        return list(zip(wanted, kept_rows, strict=True))
 
-    counts: dict[int, int] = {}
-    with ThreadPoolExecutor(max_workers=_SCAN_THREADS) as pool:
-        for counted in pool.map(count_file, by_file):
-            counts.update(counted)
+    if len(by_file) <= 1:  # no thread to start (which waits for a scheduler on a busy machine)
+        counted = [count_file(file_index) for file_index in by_file]
+    else:
+        with ThreadPoolExecutor(max_workers=min(_SCAN_THREADS, len(by_file))) as pool:
+            counted = list(pool.map(count_file, by_file))
+    counts = dict(pair for pairs in counted for pair in pairs)
     return [counts[index] for index in indices]
+
+
+def _read_batches(
+    parquet_file: pq.ParquetFile, positions: list[int], fields: list[str]
+) -> Iterator[list[int]]:
+    """``positions`` (row groups of one file) in runs read together: runs whose predicate
+    columns hold at most ``_READ_BYTES`` uncompressed, so that small row groups share the
+    costs of a read and a conversion while memory stays bounded; one row group at a time when
+    a column's pandas conversion may depend on the rows converted with it (see
+    :func:`_frames_per_row_group`)."""
+    schema = parquet_file.schema_arrow
+    if _has_pandas_metadata(schema) or not all(_flat(schema.field(name).type) for name in fields):
+        yield from ([position] for position in positions)
+        return
+    metadata = parquet_file.metadata
+    # Flat columns: one Parquet leaf each, whose path is the column's name.
+    leaves = [
+        column
+        for column in range(metadata.num_columns)
+        if metadata.schema.column(column).path in fields
+    ]
+    batch: list[int] = []
+    held = 0
+    for position in positions:
+        row_group = metadata.row_group(position)
+        size = sum(row_group.column(column).total_uncompressed_size for column in leaves)
+        if batch and held + size > _READ_BYTES:
+            yield batch
+            batch, held = [], 0
+        batch.append(position)
+        held += size
+    if batch:
+        yield batch
+
+
+def _frames_per_row_group(table: pa.Table, sizes: list[int]) -> Iterator[Any]:
+    """The DataFrame ``to_pandas`` makes of each row group alone, given ``table``: the rows of
+    consecutive row groups of ``sizes`` rows, of flat columns (numbers, strings, times).
+
+    A ``to_pandas`` call costs about half a millisecond whatever the rows (pyarrow 14 rebuilds
+    the column index each time): more than reading a small row group's column. Without nulls,
+    flat columns convert each row the same whatever rows are converted with it, so all rows
+    are converted once and sliced; with nulls the dtype depends on the rows (integers with a
+    null become floats), so each row group is converted alone.
+    """
+    if len(sizes) > 1 and all(column.null_count == 0 for column in table.columns):
+        import pandas as pd  # type: ignore[import-untyped]  # installed with petastorm
+
+        whole = table.to_pandas()
+        offset = 0
+        for size in sizes:
+            # A shallow copy with its own index: to_pandas numbers a row group's rows from 0.
+            frame = whole.iloc[offset : offset + size].copy(deep=False)
+            frame.index = pd.RangeIndex(size)
+            yield frame
+            offset += size
+        return
+    offset = 0
+    for size in sizes:
+        yield table.slice(offset, size).to_pandas()
+        offset += size
+
+
+def _has_pandas_metadata(schema: pa.Schema) -> bool:
+    # With it, to_pandas rebuilds the index and dtypes pandas stored: not row by row.
+    return bool(schema.metadata) and b"pandas" in schema.metadata
+
+
+def _flat(kind: pa.DataType) -> bool:
+    """Whether pandas gets a column of ``kind`` value by value (no dictionary, no nesting)."""
+    return bool(
+        pa.types.is_integer(kind)
+        or pa.types.is_floating(kind)
+        or pa.types.is_boolean(kind)
+        or pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+        or pa.types.is_fixed_size_binary(kind)
+        or pa.types.is_temporal(kind)
+        or pa.types.is_decimal(kind)
+    )
 
 
 def matching_rows(
@@ -204,6 +297,8 @@ def _cache_file(row_groups: RowGroups, predicate: Any, key_parts: Sequence[bytes
         row_groups.file_of.tobytes(),
         row_groups.index_in_file.tobytes(),
         row_groups.num_rows.tobytes(),
+        # A file rewritten in place with the same row groups gets another footer.
+        b"".join(row_groups.footer_digests or ()),
         predicate_bytes,
     ):
         digest.update(len(part).to_bytes(8, "little"))

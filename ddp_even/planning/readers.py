@@ -6,10 +6,11 @@ only when a reader is built.
 Mechanism. Petastorm's public options cannot select an arbitrary set of row groups:
 ``cur_shard``/``shard_count`` take ``i % shard_count == cur_shard``, ``rowgroup_selector``
 needs an index stored in ``_common_metadata`` (built with Spark), and a list of file URLs
-selects whole files. So each reader is petastorm's own ``Reader`` with one step overridden:
+selects whole files. So each reader is petastorm's own ``Reader`` with two steps overridden:
 ``Reader._partition_row_groups``, the step that turns petastorm's list of all row groups into
-this shard's list. Everything else (listing, reading, decoding, workers, shuffling, caching,
-transforms, the pytorch loaders) is petastorm's. The override also checks petastorm's list
+this shard's list, and ``Reader._create_ventilator``, which orders them (below). Everything
+else (listing, reading, decoding, workers, caching, transforms, the pytorch loaders) is
+petastorm's. The override also checks petastorm's list
 against the plan's (same files, same row groups, same order) and raises if they differ, so a
 plan can never silently describe different shards from the ones read. For round-robin plans
 it defers to petastorm's own sharding and only checks the result.
@@ -19,8 +20,16 @@ and then applied by the readers as petastorm applies it. Reader options the plan
 are refused with a ``ValueError``: ``rowgroup_selector`` and ``filters`` change which rows
 exist; ``cur_shard``,
 ``shard_count``, ``shard_seed`` and ``num_epochs`` are set here; an ``NGram`` in
-``schema_fields`` turns rows into windows. A ``transform_spec`` is passed on, but must not drop
+``schema_fields`` turns rows into windows; ``shuffle_row_drop_partitions`` with
+``sharding="rows"`` or a predicate. A ``transform_spec`` is passed on, but must not drop
 rows (the plan counts rows).
+
+Reading order. The reader ventilates its row groups in the order
+:mod:`ddp_even.planning.pass_order` computes (plan order, or seeded by the epoch), with
+petastorm's own shuffle of work items off, and a thread pool of several workers hands its
+results out in that order (:mod:`ddp_even.planning.ordered_results`). Petastorm still
+shuffles for an unseeded ``shuffle_row_groups``, and with ``shuffle_row_drop_partitions > 1``
+(the parts of different row groups are meant to interleave).
 
 Remote datasets (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, fsspec URLs) are planned and
 read through one filesystem, resolved by :mod:`ddp_even.planning.storage` from the URL,
@@ -35,14 +44,19 @@ import functools
 import inspect
 import logging
 import os
-import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
 
 from ddp_even.modes import MODES
-from ddp_even.planning.datasets import DatasetLocation, RowGroups, read_row_groups
+from ddp_even.planning.datasets import (
+    DatasetLocation,
+    RowGroups,
+    changed_row_groups,
+    read_row_groups,
+)
+from ddp_even.planning.pass_order import PassOrder, epoch_seed, pass_rows
 from ddp_even.planning.plans import ShardPlan, plan_shards, sharding_from
 from ddp_even.planning.predicate_counts import (
     Share,
@@ -143,8 +157,14 @@ def make_shard_factory(
     (``balanced=True`` is its deprecated spelling ``"row_groups"``). A ``seed`` in
     ``reader_kwargs`` is mixed with the epoch, so that each epoch shuffles differently but
     reproducibly; with ``"replicate"`` it is mixed with the rank too, and every rank reads
-    every row group in its own order (seed 0 when none is given). ``reader_kwargs`` go to the
-    petastorm reader (see the module docstring for the few that are refused),
+    every row group in its own order (seed 0 when none is given). With a seed, the shuffles
+    are ddp_even's own, not petastorm's (:mod:`ddp_even.planning.pass_order`):
+    ``shuffle_row_groups`` (on by default) permutes the shard's row groups, ``shuffle_rows``
+    each row group's rows (the same permutation on every rank); several thread workers
+    (``workers_count``) still hand out row groups in that order. So every pass of an epoch
+    reads the same rows in the same order. Without a seed ``shuffle_row_groups`` is
+    petastorm's, and ``shuffle_rows`` shuffles each kept range at random. ``reader_kwargs``
+    go to the petastorm reader (see the module docstring for the few that are refused),
     ``loader_kwargs`` to the loader (for example ``shuffling_queue_capacity``). With
     ``loader="reader"`` the plan's batches assume you batch the rows yourself with
     ``batch_size``. ``storage_options`` (a dict, as petastorm and
@@ -183,10 +203,17 @@ def make_shard_factory(
     storage_options = _taken_once("storage_options", storage_options, options)
     filesystem = _taken_once("filesystem", filesystem, options)
     predicate = _taken_once("predicate", predicate, options)
+    if predicate is not None and options.get("shuffle_row_drop_partitions", 1) != 1:
+        raise ValueError(
+            "shuffle_row_drop_partitions is not supported with a predicate: the plan counts the "
+            "rows it keeps per row group, not per part"
+        )
     loader_options = _check_loader_options(loader, dict(loader_kwargs or {}))
     resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
     url = petastorm_url(dataset)
     row_groups = read_row_groups(resolved)
+    # As the footers were at planning; each pass checks its files still match.
+    planned_footers = row_groups
     if predicate is not None:
         fields, stored = check_predicate_fields(predicate, resolved, row_groups)
         counted = row_groups
@@ -222,11 +249,46 @@ def make_shard_factory(
             "; ".join(f"{mode}: {plan.stats(mode).note}" for mode in MODES),
         )
 
-    def build(epoch: int, shard_plan: ShardPlan) -> Any:
-        seed = _epoch_seed(options.get("seed"), epoch, rank, shard_plan)
+    sizes = row_groups.num_rows.tolist()
+    order = PassOrder(options.get("seed"), bool(options.get("shuffle_row_groups", True)))
+
+    def build(epoch: int, shard_plan: ShardPlan | None) -> Any:
+        # The seed is the epoch's, also for a re-planned rest of the epoch: its row shuffle
+        # (shuffle_rows) must cut each row group as the interrupted pass did.
+        seed = epoch_seed(options.get("seed"), epoch, rank, plan)
         epoch_options = {**options, "seed": seed}
+        if shard_plan is None:
+            shard_plan = plan
+            rows = (
+                order.rows(plan, sizes, rank, epoch)
+                if order.is_known(plan)
+                else pass_rows(plan, rank, sizes, None)  # petastorm shuffles it, unseeded
+            )
+        else:
+            # A re-planned rest (remainder.py) lists every piece it reads, in the order to read
+            # it; another plan is read in its own order.
+            rows = list(shard_plan.row_ranges_of(rank))
+            if sum(stop - start for _, start, stop in rows) != shard_plan.rows_per_rank[rank]:
+                rows = pass_rows(shard_plan, rank, sizes, None)
+        changed = changed_row_groups(
+            resolved, planned_footers, sorted({group for group, _, _ in rows})
+        )
+        if changed is not None:
+            # Before any row is read, so that it reaches every rank at the epoch's agreement.
+            raise PlanMismatchError(
+                f"{changed}: the dataset changed since it was planned. Plan again (a new "
+                "EvenLoader.from_parquet or make_shard_factory)"
+            )
         petastorm_reader = _build_reader(
-            url, resolved, reader, row_groups, shard_plan, rank, epoch_options
+            url,
+            resolved,
+            reader,
+            row_groups,
+            shard_plan,
+            rank,
+            epoch_options,
+            rows=rows,
+            petastorm_shuffles=not order.is_known(plan),
         )
         try:
             return _build_loader(petastorm_reader, loader, batch_size, loader_options)
@@ -235,51 +297,73 @@ def make_shard_factory(
             petastorm_reader.join()
             raise
 
-    order = _why_not_in_plan_order(options, loader_options)
-    return plan, PlannedPasses(build, plan, row_groups.num_rows.tolist(), order)
+    why_not = _why_not_in_plan_order(options, loader_options, plan)
+    return plan, PlannedPasses(build, plan, sizes, why_not, order)
 
 
 class PlannedPasses:
     """The factory :func:`make_shard_factory` returns: a fresh loader per call.
 
-    ``passes(epoch=N)`` reads this rank's shard of ``plan`` for epoch ``N`` (the epoch seeds
-    the shuffles); ``passes(shard_plan=other)`` reads this rank's shard of another plan of the
-    same dataset (the rest of an epoch re-planned over another number of ranks).
+    ``passes(epoch=N)`` reads this rank's shard of ``plan`` for epoch ``N`` in the order
+    ``order`` gives (the epoch seeds the shuffles); ``passes(epoch=N, shard_plan=rest)`` reads
+    this rank's pieces of a re-planned rest of epoch ``N`` (from
+    :mod:`ddp_even.planning.remainder`: the rows not yet read, on as many or on another number
+    of ranks), in the order its ``row_ranges`` list them, with epoch ``N``'s row shuffle.
     """
 
     def __init__(
         self,
-        build: Callable[[int, ShardPlan], Any],
+        build: Callable[[int, ShardPlan | None], Any],
         plan: ShardPlan,
         row_group_sizes: list[int],
         why_not_in_plan_order: str | None,
+        order: PassOrder,
     ) -> None:
         self._build = build
         self.plan = plan
         #: Rows of every row group (after the predicate, if any), in petastorm's order.
         self.row_group_sizes = row_group_sizes
-        #: Why a pass may read the shard's rows in another order than the plan's, or None.
+        #: Why a pass may read the shard's rows in another order than ``order`` says, or None.
         self.why_not_in_plan_order = why_not_in_plan_order
+        #: The order of a pass over a whole shard of ``plan``.
+        self.order = order
 
     def __call__(self, epoch: int = 0, shard_plan: ShardPlan | None = None) -> Any:
-        return self._build(epoch, self.plan if shard_plan is None else shard_plan)
+        return self._build(epoch, shard_plan)
 
 
 def _why_not_in_plan_order(
-    reader_options: dict[str, Any], loader_options: dict[str, Any]
+    reader_options: dict[str, Any], loader_options: dict[str, Any], plan: ShardPlan
 ) -> str | None:
-    """Why a pass may hand out rows in another order than the plan lists them, or None."""
-    if reader_options.get("shuffle_row_groups", True):
-        return "row groups are shuffled (pass shuffle_row_groups=False in reader_kwargs)"
-    if reader_options.get("shuffle_rows", False):
-        return "rows are shuffled (shuffle_rows=True)"
+    """Why a pass may hand out rows in another order than :class:`PassOrder` computes, or None.
+
+    Without a reason, rank ``r`` has read the first ``step * batch_size`` rows of
+    ``order.rows(plan, sizes, r, epoch)`` after ``step`` steps (a row offset inside a row group
+    included), which resuming without reading them again, and elastic resume, rely on.
+    """
+    seeded = reader_options.get("seed") is not None or plan.sharding == "replicate"
+    if reader_options.get("shuffle_row_drop_partitions", 1) > 1:
+        return (
+            "row groups are read as separate parts (shuffle_row_drop_partitions > 1), and a "
+            "row offset does not say which parts were read"
+        )
+    if reader_options.get("shuffle_row_groups", True) and not seeded:
+        return (
+            "row groups are shuffled without a seed (pass seed=... in reader_kwargs, or "
+            "shuffle_row_groups=False)"
+        )
+    if reader_options.get("shuffle_rows", False) and not seeded:
+        return (
+            "rows are shuffled without a seed (pass seed=... in reader_kwargs, or "
+            "shuffle_rows=False)"
+        )
     if (
-        reader_options.get("reader_pool_type", "thread") != "dummy"
+        reader_options.get("reader_pool_type", "thread") == "process"
         and reader_options.get("workers_count", 10) != 1
     ):
         return (
-            "several workers deliver row groups in the order they finish (pass workers_count=1 "
-            "or reader_pool_type='dummy' in reader_kwargs)"
+            "a process pool with several workers delivers row groups in the order they finish "
+            "(pass reader_pool_type='thread' or 'dummy', or workers_count=1, in reader_kwargs)"
         )
     if loader_options.get("shuffling_queue_capacity", 0):
         return "the loader's shuffling queue mixes rows (shuffling_queue_capacity)"
@@ -337,17 +421,6 @@ def _count_matching(
     finally:
         scan_reader.stop()
         scan_reader.join()
-
-
-def _epoch_seed(seed: int | None, epoch: int, rank: int, plan: ShardPlan) -> int | None:
-    """The seed of one epoch's reader: the user's, mixed with the epoch (and the rank when
-    every rank reads everything), so epochs differ and a resumed epoch shuffles the same."""
-    if plan.sharding == "replicate":
-        seed = 0 if seed is None else seed
-        return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
-    if seed is None:
-        return None
-    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
 def petastorm_url(dataset: DatasetLocation) -> str | list[str]:
@@ -451,8 +524,16 @@ def _build_reader(
     plan: ShardPlan,
     rank: int,
     options: dict[str, Any],
+    *,
+    rows: Sequence[RowRange] | None = None,
+    petastorm_shuffles: bool = False,
 ) -> Any:
-    """What ``make_reader`` / ``make_batch_reader`` do, with :func:`_planned_reader_class`."""
+    """What ``make_reader`` / ``make_batch_reader`` do, with :func:`_planned_reader_class`.
+
+    The reader reads ``rows`` (pieces of ``plan``'s shard of ``rank``, by default the whole
+    shard in plan order) in that order, unless ``petastorm_shuffles`` lets petastorm's
+    ventilator shuffle them (an unseeded ``shuffle_row_groups``).
+    """
     from petastorm.cache import NullCache
     from petastorm.etl.dataset_metadata import PetastormMetadataError
     from petastorm.fs_utils import get_filesystem_and_path_or_paths
@@ -513,8 +594,10 @@ def _build_reader(
             filesystem,
             dataset_path,
             planned_row_groups=row_groups,
-            planned_shard=plan.shards[rank],
-            planned_ranges=plan.row_ranges_of(rank),
+            planned_rows=(
+                pass_rows(plan, rank, row_groups.num_rows.tolist(), None) if rows is None else rows
+            ),
+            petastorm_shuffles=petastorm_shuffles,
             sharding=plan.sharding,
             worker_class=PlannedArrowWorker if kind == "batch" else PlannedRowWorker,
             is_batched_reader=kind == "batch",
@@ -539,10 +622,12 @@ def _build_reader(
 
 
 class PlanMismatchError(RuntimeError):
-    """Petastorm listed the dataset's row groups differently from the plan.
+    """The dataset is no longer the one planned: its files or row groups changed.
 
-    Raised by ``factory()`` before any data is read: the dataset changed since it was
-    planned (plan again), or ddp_even lists row groups wrongly (please report it).
+    Raised by ``factory()`` before any data is read, when the footers of the pass's files
+    give a row group other rows than the plan counted or show a file rewritten since planning
+    (plan again), or when petastorm lists the row groups differently from the plan (the
+    dataset changed, or ddp_even lists row groups wrongly: please report it).
 
     Example:
         >>> issubclass(PlanMismatchError, RuntimeError)
@@ -557,36 +642,99 @@ def _planned_reader_class() -> type:
     Defined on first use so that importing this module does not import petastorm.
     """
     from petastorm.reader import Reader
+    from petastorm.workers_pool.thread_pool import ThreadPool
+
+    from ddp_even.planning.ordered_results import ResultsInOrder, ShardVentilator
 
     class PlannedShardReader(Reader):  # type: ignore[misc]  # petastorm has no type hints
-        """A petastorm ``Reader`` that reads the row groups a ``ShardPlan`` gives its rank."""
+        """A petastorm ``Reader`` that reads the rows ``planned_rows`` lists, in that order.
+
+        Its ventilator is ddp_even's (:class:`~ddp_even.planning.ordered_results.
+        ShardVentilator`): the row groups in the order of ``planned_rows``, each work item
+        saying which of its rows to keep. Petastorm shuffles that order only when
+        ``petastorm_shuffles`` (an unseeded shuffle) or, with ``shuffle_row_groups``, when row
+        groups are read in parts (``shuffle_row_drop_partitions > 1``), whose interleaving is
+        the point of that option. A thread pool of several workers hands its results out in
+        ventilation order (:class:`~ddp_even.planning.ordered_results.ResultsInOrder`).
+        """
+
+        _workers_pool: Any  # petastorm's, or ResultsInOrder standing in for it
 
         def __init__(
             self,
             *args: Any,
             planned_row_groups: RowGroups,
-            planned_shard: Sequence[int],
-            planned_ranges: Sequence[RowRange],
+            planned_rows: Sequence[RowRange],
+            petastorm_shuffles: bool,
             sharding: Sharding,
             **kwargs: Any,
         ) -> None:
             self._planned_row_groups = planned_row_groups
-            self._planned_shard = frozenset(planned_shard)
+            # Each row group once, where it first comes, with all its ranges in listed order.
             self._planned_ranges: dict[int, list[tuple[int, int]]] = {}
-            for group, start, stop in planned_ranges:
+            for group, start, stop in planned_rows:
                 self._planned_ranges.setdefault(group, []).append((start, stop))
+            self._planned_shard = frozenset(self._planned_ranges)
+            self._petastorm_shuffles = petastorm_shuffles
             self._sharding = sharding
+            self._in_order: ResultsInOrder | None = None
             super().__init__(*args, **kwargs)
+            if self._in_order is not None:
+                self._in_order.pool = self._workers_pool
+                self._workers_pool = self._in_order
 
-        def _create_ventilator(self, row_group_indexes: list[int], *args: Any) -> Any:
-            ventilator = super()._create_ventilator(row_group_indexes, *args)
-            # Every work item says which rows the plan expects and which of them to keep.
+        def _create_ventilator(
+            self,
+            row_group_indexes: list[int],
+            shuffle_row_groups: bool,
+            shuffle_row_drop_partitions: int,
+            num_epochs: int,
+            worker_predicate: Any,
+            max_ventilation_queue_size: int,
+            seed: int | None,
+        ) -> Any:
+            selected = set(row_group_indexes)
             sizes = self._planned_row_groups.num_rows
-            for item in ventilator._items_to_ventilate:
-                group = item["piece_index"]
+            parts = shuffle_row_drop_partitions
+            items = []
+            for group, kept in self._planned_ranges.items():
+                if group not in selected:
+                    continue  # ruled out by a predicate on partition columns: no rows
                 expected = int(sizes[group])
-                kept = self._planned_ranges.get(group, [(0, expected)])
-                item["planned_rows"] = (expected, tuple(kept))
+                for part in range(parts):
+                    # Every work item says which rows the plan expects and which to keep.
+                    part_rows = _part_rows(expected, part, parts)
+                    items.append(
+                        {
+                            "piece_index": group,
+                            "worker_predicate": worker_predicate,
+                            "shuffle_row_drop_partition": (part, parts),
+                            "planned_rows": (
+                                (expected, tuple(kept))
+                                if parts == 1
+                                else (part_rows, ((0, part_rows),))
+                            ),
+                        }
+                    )
+            shuffled = self._petastorm_shuffles or (shuffle_row_groups and parts > 1)
+            # Several threads finish row groups in any order; tagged with their position,
+            # their results are handed out in ventilation order (a shuffled order needs none).
+            pool = self._workers_pool  # set by Reader.__init__ before this call
+            in_order = not shuffled and isinstance(pool, ThreadPool) and pool.workers_count > 1
+            if in_order:
+                for position, item in enumerate(items):
+                    item["position"] = position
+            ventilator = ShardVentilator(
+                pool.ventilate,
+                items,
+                iterations=num_epochs,
+                randomize_item_order=shuffled,
+                random_seed=seed,
+                max_ventilation_queue_size=max_ventilation_queue_size,
+                counts_handed_out=in_order,
+            )
+            if in_order:
+                self._in_order = ResultsInOrder(ventilator)
             return ventilator
 
         def _partition_row_groups(
@@ -609,13 +757,27 @@ def _planned_reader_class() -> type:
                         f"the plan {sorted(self._planned_shard)[:8]}..."
                     )
                 return selected
-            # Same order handling as petastorm's: a seed shuffles the order, never the set.
-            ordered = list(filtered_row_group_indexes)
-            if seed is not None:
-                random.Random(seed).shuffle(ordered)
-            return [index for index in ordered if index in self._planned_shard]
+            # The set only: _create_ventilator orders the row groups.
+            return [index for index in filtered_row_group_indexes if index in self._planned_shard]
+
+        def reset(self) -> None:
+            super().reset()
+            if self._in_order is not None:
+                self._in_order.restart()
 
     return PlannedShardReader
+
+
+def _part_rows(rows: int, part: int, parts: int) -> int:
+    """Rows of part ``part`` of ``parts`` of a row group, as petastorm 0.12.1's workers cut it
+    (``ArrowReaderWorker._read_with_shuffle_row_drop``: row ``i`` goes to part
+    ``floor(i / (rows / min(rows, parts)))``)."""
+    if parts == 1:
+        return rows
+    if rows == 0:
+        return 0
+    owners = np.floor(np.arange(rows) / (float(rows) / min(rows, parts)))
+    return int(np.count_nonzero(owners == part))
 
 
 def _check_same_row_groups(pieces: Sequence[Any], planned: RowGroups) -> None:

@@ -1,8 +1,10 @@
 """The rest of an interrupted epoch, re-planned over another number of ranks.
 
-A planned rank reading in the plan's order (no shuffling, one worker) has read, after ``step``
-steps, the first ``min(step, batches) * batch_size`` rows of its shard. So which rows of the
-epoch are still unread follows from the old plan and the step alone, on every new rank alike.
+A planned rank reading in an order known in advance (:mod:`ddp_even.planning.pass_order`: plan
+order, or a seeded shuffle) has read, after ``step`` steps, the first
+``min(step, batches) * batch_size`` rows of its pass. So which rows of the epoch are still
+unread follows from the old plan, the pass order, the epoch and the step alone, on every new
+rank alike.
 The unread rows, in old-rank order, are cut into ``floor(M / W)`` / ``ceil(M / W)`` rows per new
 rank, as ``sharding="rows"`` cuts a whole epoch; a new rank may read two ranges of one row group
 (the tails of two old ranks).
@@ -11,25 +13,24 @@ rank, as ``sharding="rows"`` cuts a whole epoch; a new rank may read two ranges 
 from __future__ import annotations
 
 from ddp_even.agreement.wire import MAX_COUNT
+from ddp_even.planning.pass_order import PassOrder
 from ddp_even.planning.plans import ShardPlan
 from ddp_even.planning.sharding import RowRange
 
 __all__ = ["plan_own_tails", "plan_unread_rows", "unread_rows"]
 
-
-def _rank_sequence(plan: ShardPlan, sizes: list[int], rank: int) -> list[RowRange]:
-    """The rows ``rank`` reads, in the order it reads them unshuffled."""
-    ranges = {group: (start, stop) for group, start, stop in plan.row_ranges_of(rank)}
-    return [(group, *ranges.get(group, (0, sizes[group]))) for group in plan.shards[rank]]
+_PLAN_ORDER = PassOrder()
 
 
-def _tails(plan: ShardPlan, sizes: list[int], step: int) -> list[list[RowRange]]:
+def _tails(
+    plan: ShardPlan, sizes: list[int], step: int, order: PassOrder, epoch: int
+) -> list[list[RowRange]]:
     """Each rank's rows not yet read after ``step`` steps, in its reading order."""
     tails: list[list[RowRange]] = []
     for rank in range(plan.world_size):
         consumed = min(step, plan.batches_per_rank[rank]) * plan.batch_size
         tail: list[RowRange] = []
-        for group, start, stop in _rank_sequence(plan, sizes, rank):
+        for group, start, stop in order.rows(plan, sizes, rank, epoch):
             skipped = min(consumed, stop - start)
             consumed -= skipped
             if start + skipped < stop:
@@ -38,8 +39,17 @@ def _tails(plan: ShardPlan, sizes: list[int], step: int) -> list[list[RowRange]]
     return tails
 
 
-def plan_own_tails(plan: ShardPlan, sizes: list[int], step: int) -> ShardPlan:
+def plan_own_tails(
+    plan: ShardPlan,
+    sizes: list[int],
+    step: int,
+    order: PassOrder = _PLAN_ORDER,
+    epoch: int = 0,
+) -> ShardPlan:
     """``plan`` with every rank reading only its rows not yet read after ``step`` steps.
+
+    ``order`` and ``epoch`` say in which order the ranks read (plan order by default). Every
+    piece a rank reads is in its ``row_ranges``, in its reading order.
 
     Example:
         >>> from ddp_even.planning import plan_shards
@@ -47,11 +57,20 @@ def plan_own_tails(plan: ShardPlan, sizes: list[int], step: int) -> ShardPlan:
         >>> plan_own_tails(plan, [10, 10], step=2).row_ranges
         (((0, 8, 10),), ((1, 8, 10),))
     """
-    return _plan_of(_tails(plan, sizes, step), sizes, plan.batch_size)
+    return _plan_of(_tails(plan, sizes, step, order, epoch), sizes, plan.batch_size)
 
 
-def unread_rows(plan: ShardPlan, sizes: list[int], step: int) -> list[RowRange]:
+def unread_rows(
+    plan: ShardPlan,
+    sizes: list[int],
+    step: int,
+    order: PassOrder = _PLAN_ORDER,
+    epoch: int = 0,
+) -> list[RowRange]:
     """The rows no rank had read after ``step`` steps of ``plan``'s epoch, in rank order.
+
+    ``order`` and ``epoch`` say in which order the ranks read (plan order by default); a plan
+    whose ranks all read every row (``"replicate"``) has no single set of unread rows.
 
     Example:
         >>> from ddp_even.planning import plan_shards
@@ -59,7 +78,9 @@ def unread_rows(plan: ShardPlan, sizes: list[int], step: int) -> list[RowRange]:
         >>> unread_rows(plan, [10, 10], step=2)
         [(0, 8, 10), (1, 8, 10)]
     """
-    return [piece for tail in _tails(plan, sizes, step) for piece in tail]
+    if plan.sharding == "replicate":
+        raise ValueError("with sharding='replicate' every rank reads every row")
+    return [piece for tail in _tails(plan, sizes, step, order, epoch) for piece in tail]
 
 
 def plan_unread_rows(
@@ -90,7 +111,8 @@ def plan_unread_rows(
 
 
 def _plan_of(pieces: list[list[RowRange]], sizes: list[int], batch_size: int) -> ShardPlan:
-    """The plan in which rank ``r`` reads ``pieces[r]``."""
+    """The plan in which rank ``r`` reads ``pieces[r]``, every piece listed in its ``row_ranges``
+    in reading order (its ``shards`` are sorted, as in every plan)."""
     rows = tuple(sum(stop - start for _, start, stop in mine) for mine in pieces)
     batches = tuple(-(-count // batch_size) for count in rows)
     if max(batches) > MAX_COUNT:

@@ -49,6 +49,11 @@ class Settings:
     # rows and batches.
     plan_identity: tuple[object, ...] | None = None
 
+    @property
+    def sharding(self) -> str | None:
+        """How the plan cut the shards (the first part of its identity), or None."""
+        return None if self.plan_identity is None else str(self.plan_identity[0])
+
     @functools.cached_property
     def description(self) -> str:
         described = (
@@ -116,6 +121,7 @@ class EpochRun(Generic[BatchT]):
                 self.counts,
                 self.epoch,
                 mode,
+                self.settings.sharding,
                 self.resumed_at,
                 self.resumed_from_world_size,
             )

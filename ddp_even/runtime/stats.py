@@ -86,6 +86,10 @@ class EpochStats:
         dropped_rows: the same in rows; None without a plan or where a batch's size is unknown.
         lost_rows: rows of its plan each rank's source never delivered although it read its
             whole shard (a reader that loses rows); None without a plan.
+        sharding: how the loader's shard plan cut the dataset into shards (``"round_robin"``,
+            ``"row_groups"``, ``"rows"`` or ``"replicate"``: every rank read every row group,
+            in its own order; see :mod:`ddp_even.planning.sharding`), or None without a plan.
+            A rest of an epoch re-planned over another number of ranks is cut by ``"rows"``.
         resumed_at_step: the step after which this epoch resumed from a loader state
             (:meth:`EvenLoader.load_state_dict`), or None; every other field counts the whole
             epoch, as if it had not been interrupted (on the same number of ranks).
@@ -117,6 +121,7 @@ class EpochStats:
     dropped_batches: tuple[int, ...] | None = None
     dropped_rows: tuple[int, ...] | None = None
     lost_rows: tuple[int, ...] | None = None
+    sharding: str | None = None
     resumed_at_step: int | None = None
     resumed_from_world_size: int | None = None
     oversampling: float = field(init=False)
@@ -157,6 +162,8 @@ class EpochStats:
                 line += f" (rows {_slashed(self.dropped_rows)})"
         if self.lost_rows is not None and any(self.lost_rows):
             line += f"; rows lost by the source {_slashed(self.lost_rows)}"
+        if self.sharding is not None:
+            line += f"; sharding {self.sharding}"
         if self.empty_ranks:
             line += f"; EMPTY ranks {','.join(map(str, self.empty_ranks))}"
         if self.resumed_at_step is not None:
@@ -198,6 +205,7 @@ def gather_epoch_stats(
     counts: RankCounts,
     epoch: int,
     mode: str,
+    sharding: str | None = None,
     resumed_at_step: int | None = None,
     resumed_from_world_size: int | None = None,
 ) -> EpochStats:
@@ -225,6 +233,7 @@ def gather_epoch_stats(
         dropped_batches=dropped_batches,
         dropped_rows=dropped_rows,
         lost_rows=lost_rows,
+        sharding=sharding,
         resumed_at_step=resumed_at_step,
         resumed_from_world_size=resumed_from_world_size,
     )

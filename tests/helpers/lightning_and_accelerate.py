@@ -119,8 +119,11 @@ def expected_epoch(
             sum(shard) - sum(shard[:mine]) for shard, mine in zip(batches, own, strict=True)
         ]
         expected["lost_rows"] = [0] * world_size
+        # from_parquet's default, and what petastorm's cur_shard/shard_count does.
+        expected["sharding"] = "round_robin"
     else:
         expected["dropped_batches"] = expected["dropped_rows"] = expected["lost_rows"] = None
+        expected["sharding"] = None
     own_total = sum(own)
     expected["oversampling"] = sum(expected["repeated_batches"]) / own_total if own_total else 0.0
     return expected

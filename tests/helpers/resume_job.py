@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ddp_even import EvenLoader
 
 MODES = ("truncate", "cycle", "join")
-LENGTHS = (7, 11, 4)
+LENGTHS = (7, 11, 4, 9)
 CHECKPOINT_EVERY = 2
 VICTIM = 1
 # The step of epoch 1 at which the victim is killed, per mode (not on a checkpoint step).

@@ -10,7 +10,8 @@ them into a gloo process group (``file://`` rendezvous in a fresh temporary dire
   type, message and the rank's traceback in the message); the other ranks are SIGKILLed.
 - With ``capture_exceptions=True`` every rank runs to the end and a rank that raised is reported
   as a :class:`RankError` in its slot of the returned list.
-- Past ``timeout`` seconds every rank still running is SIGKILLed and ``TimeoutError`` names them.
+- Past ``timeout`` seconds every rank still running is SIGKILLed and ``TimeoutError`` names them
+  and carries the Python stacks of all their threads (``faulthandler`` on ``SIGUSR1``).
 
 Each rank runs in its own process group, so processes a rank started are killed with it, and
 dies with SIGKILL if the parent dies (Linux). ``torch`` is imported in the child only after
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import pickle
 import shutil
@@ -44,6 +46,9 @@ _POLL_S = 0.05
 # After a rank fails, how long to wait for the others' outcomes to find the earliest failure.
 _GRACE_S = 1.0
 _RESULT = "result-{rank}.pickle"
+_STACKS = "stacks-{rank}.txt"
+# How long a hung rank gets to write its stacks before it is killed.
+_STACKS_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,9 @@ def _child(
         os._exit(1)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.update(env)
+    # Kept open for the life of the process: faulthandler writes to its file descriptor.
+    stacks = Path(workdir, _STACKS.format(rank=rank)).open("w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
     final = Path(workdir, _RESULT.format(rank=rank))
     try:
@@ -325,6 +333,7 @@ def _collect(
             break
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            _dump_stacks(procs, pending)
             raise TimeoutError(_timeout_message(procs, workdir, outcomes, pending, timeout))
         wait([procs[rank].sentinel for rank in pending], timeout=min(remaining, _POLL_S))
     return [outcomes[rank] for rank in range(world_size)]
@@ -357,6 +366,14 @@ def _raise_first_error(
     raise RankFailedError(first, len(procs), errors[first][1], others)
 
 
+def _dump_stacks(procs: list[Any], pending: set[int]) -> None:
+    """Ask each hung rank for its threads' stacks (see ``_child``) and give them time to write."""
+    for rank in pending:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+    time.sleep(_STACKS_WAIT_S)
+
+
 def _timeout_message(
     procs: list[Any],
     workdir: Path,
@@ -371,6 +388,9 @@ def _timeout_message(
     for rank in sorted(pending):
         if (workdir / _RESULT.format(rank=rank)).exists():
             lines.append(f"rank {rank} returned from fn but its process did not exit")
+        stacks = workdir / _STACKS.format(rank=rank)
+        if stacks.exists() and stacks.stat().st_size:
+            lines.append(f"--- rank {rank} stacks ---\n{stacks.read_text()}")
     for rank, (status, value, _) in sorted(outcomes.items()):
         if status == "error":
             lines.append(f"rank {rank} had raised {value.type_name}: {value.message}")
