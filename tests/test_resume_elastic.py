@@ -9,7 +9,6 @@ rows no rank had read are re-planned over the 3 ranks. Real petastorm readers, r
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from ddp_even import EvenLoader
 from ddp_even.planning import plan_shards
 from ddp_even.planning.remainder import plan_unread_rows, unread_rows
 from tests.helpers.datasets import flat_sizes, write_plain_dataset
+from tests.helpers.logs import ddp_even_messages
 from tests.helpers.spawn import run_ranks
 
 SIZES = [[30, 7, 55], [12, 90, 3], [41, 20, 9, 33]]
@@ -82,14 +82,7 @@ def train(
     stop_at: int | None = STOP_AT,
     reader_kwargs: dict[str, Any] = IN_PLAN_ORDER,
 ) -> dict[str, Any]:
-    messages: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    logging.getLogger("ddp_even").addHandler(Collect(logging.INFO))
-    logging.getLogger("ddp_even").setLevel(logging.INFO)
+    messages = ddp_even_messages()
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -304,14 +297,7 @@ def resume_in_one_job(rank: int, world_size: int, url: str) -> dict[str, Any]:
     by a new loader: three loaders in one job, reading with ``SEEDED``."""
     from petastorm.transform import TransformSpec
 
-    messages: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    logging.getLogger("ddp_even").addHandler(Collect(logging.INFO))
-    logging.getLogger("ddp_even").setLevel(logging.INFO)
+    messages = ddp_even_messages()
 
     def loader() -> EvenLoader[Any]:
         options = {**SEEDED, "transform_spec": TransformSpec(_record)}

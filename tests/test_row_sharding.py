@@ -24,6 +24,7 @@ from ddp_even.planning.planned_workers import RowCountMismatchError
 from ddp_even.planning.readers import make_shard_factory
 from tests.helpers.collectives import AllReduceCounter
 from tests.helpers.datasets import flat_sizes, write_plain_dataset, write_unischema_dataset
+from tests.helpers.logs import ddp_even_messages
 from tests.helpers.shard_reads import collect
 from tests.helpers.spawn import run_ranks
 
@@ -227,14 +228,7 @@ def train_rows(
     rank: int, world_size: int, url: str, reader: str, sharding: str, predicate: bool
 ) -> dict[str, Any]:
     """One truncate epoch of a DDP model over ``from_parquet(sharding=...)``."""
-    caught: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            caught.append(record.getMessage())
-
-    logging.getLogger("ddp_even").addHandler(Collect(logging.INFO))
-    logging.getLogger("ddp_even").setLevel(logging.INFO)
+    caught = ddp_even_messages()
     from petastorm.predicates import in_lambda
 
     try:

@@ -1,8 +1,9 @@
 """A planned job that is preempted on N ranks and finishes its epoch on another number.
 
 Run with ``torchrun --nproc-per-node N tests/helpers/elastic_job.py OUT URL MODE [--kill]``.
-Trains one epoch of a DDP model over ``EvenLoader.from_parquet(URL, sharding="rows")`` read in
-the plan's order, checkpointing model, optimizer, loader and the ids trained so far every
+Trains one epoch of a DDP model over ``EvenLoader.from_parquet(URL, sharding="rows")`` read
+with seeded row-group and row shuffles by three reader threads (an order ddp_even computes),
+checkpointing model, optimizer, loader and the ids trained so far every
 ``CHECKPOINT_EVERY`` steps into ``OUT`` (``ckpt-<step>-rank<r>.pt``). With ``--kill`` rank
 ``VICTIM`` SIGKILLs itself at step ``KILL_AT``. Started again with another number of ranks, rank
 ``r`` resumes from old rank ``r``'s checkpoint at the newest step every old rank saved, and
@@ -63,7 +64,7 @@ def main() -> None:
         mode,
         sharding="rows",
         joinables=[model] if mode == "join" else (),
-        reader_kwargs={"shuffle_row_groups": False, "workers_count": 1},
+        reader_kwargs={"seed": 3, "shuffle_rows": True, "workers_count": 3},
         timeout=60,
     )
     trained: list[int] = []
