@@ -19,6 +19,8 @@ class EvenLoaderError(RuntimeError):
 class PeerSourceError(EvenLoaderError):
     """Another rank's data source raised; this rank stops at the same step.
 
+    ``step``: the steps done before it raised (0: before the first step, or while planning).
+
     The rank whose source failed re-raises its own exception instead.
 
     Example::
@@ -35,9 +37,10 @@ class PeerSourceError(EvenLoaderError):
         self.error_type = error_type
         self.error_message = error_message
         self.step = step
+        when = f"before step {step}" if step > 0 else "before the first step"
         super().__init__(
             f"rank {failed_rank}'s data source raised {error_type}: {error_message} "
-            f"(before step {step}); every rank stops here"
+            f"({when}); every rank stops here"
         )
 
 

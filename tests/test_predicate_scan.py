@@ -20,10 +20,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ddp_even import PeerSourceError
 from ddp_even.planning import predicate_counts
 from ddp_even.planning.datasets import RowGroups, read_row_groups
 from ddp_even.planning.predicate_counts import count_in_columns, matching_rows
+from ddp_even.planning.readers import make_shard_factory
 from ddp_even.planning.storage import resolve_dataset
+from tests.helpers.datasets import write_plain_dataset
+from tests.helpers.spawn import run_ranks
 
 # Two files; row groups of a few rows, so that several are read and converted together.
 FILE_SIZES = [[5, 7, 3, 6], [4, 8, 2]]
@@ -252,8 +256,9 @@ def test_a_miss_scans_this_ranks_share_and_a_hit_on_every_rank_does_not(
         )
         return counted.num_rows.tolist()
 
-    # Miss: rank 0 counts 0, 2, 4; rank 1 sends its counts of 1 and 3 (padded with -1).
-    assert run(0, [[0]], [[10, 30, -1]]) == [0, 10, 20, 30, 40]
+    # Miss: rank 0 counts 0, 2, 4; rank 1 sends "no failure" and its counts of 1 and 3
+    # (padded with -1).
+    assert run(0, [[0]], [[0, 10, 30, -1]]) == [0, 10, 20, 30, 40]
     assert calls == [[0, 2, 4]]
     assert len(list(private_cache.glob("predicate-counts-*.npy"))) == 1
     # Hit on every rank: nothing is counted.
@@ -262,8 +267,51 @@ def test_a_miss_scans_this_ranks_share_and_a_hit_on_every_rank_does_not(
     assert calls == []
     assert any("from the cache" in message for message in caplog.messages)
     # Another rank lacks the entry: every rank scans again.
-    assert run(1, [[0]], [[0, 20, 40]]) == [0, 10, 20, 30, 40]
+    assert run(1, [[0]], [[0, 0, 20, 40]]) == [0, 10, 20, 30, 40]
     assert calls == [[1, 3]]
+
+
+def test_a_count_that_fails_on_one_rank_fails_every_rank(private_cache: Path) -> None:
+    from petastorm.predicates import in_lambda
+
+    groups = _groups([100] * 4)
+    predicate = in_lambda(["id"], lambda ids: ids % 2 == 0)
+
+    def fails(indices: Any) -> list[int]:
+        raise OSError("row group 1 is unreadable")
+
+    def run(rank: int, count_share: Any, *others: list[list[int]]) -> None:
+        matching_rows(
+            groups,
+            predicate,
+            key_parts=[b"batch"],
+            count_share=count_share,
+            rank=rank,
+            world_size=2,
+            share=Ranks(rank, *others),
+        )
+
+    said = [*b"OSError\nrow group 1 is unreadable"]
+    # Rank 1 failed: rank 0 hears it in a second round and names it.
+    with pytest.raises(PeerSourceError) as heard:
+        run(0, _counting([]), [[0]], [[1, -1, -1]], [said + [0] * 991])
+    assert (heard.value.failed_rank, heard.value.error_type) == (1, "OSError")
+    assert heard.value.error_message == (
+        "row group 1 is unreadable, while counting the predicate's rows"
+    )
+    # Rank 1 itself raises its own error, after telling the others.
+    with pytest.raises(OSError, match="unreadable"):
+        run(1, fails, [[0]], [[0, 0, 20]], [[0] * 1024])
+
+
+@pytest.mark.timeout(60)
+def test_a_predicate_returning_numpy_is_refused_before_training(tmp_path: Path) -> None:
+    from petastorm.predicates import in_lambda
+
+    url = write_plain_dataset(tmp_path / "ds", [[10, 20]])
+    numpy_mask = in_lambda(["id"], lambda ids: ids.to_numpy() % 2 == 0)
+    with pytest.raises(TypeError, match="returned a ndarray; make_batch_reader needs a pandas"):
+        make_shard_factory(url, 0, 1, 4, predicate=numpy_mask)
 
 
 def test_the_cache_key_follows_predicate_sizes_footers_and_reader_kind() -> None:
@@ -299,3 +347,38 @@ def test_a_cache_entry_of_another_length_is_ignored(private_cache: Path) -> None
     assert predicate_counts._read_cache(path, 3) is not None
     path.write_bytes(b"not numpy")
     assert predicate_counts._read_cache(path, 3) is None
+
+
+def _raises_on_ids_10_to_29(ids: Any) -> Any:
+    if ids.min() >= 10 and ids.max() < 30:
+        raise ValueError("a predicate that cannot take ids 10 to 29")
+    return ids % 2 == 0
+
+
+def plan_with_a_failing_predicate(rank: int, world_size: int, url: str) -> tuple[str, str]:
+    from petastorm.predicates import in_lambda
+
+    from ddp_even import EvenLoader
+
+    try:
+        EvenLoader.from_parquet(
+            url, batch_size=4, predicate=in_lambda(["id"], _raises_on_ids_10_to_29)
+        )
+    except (ValueError, PeerSourceError) as error:
+        return type(error).__name__, str(error)
+    return "", ""
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_predicate_failing_in_one_ranks_scan_stops_every_rank(tmp_path: Path) -> None:
+    # Row groups 0, 1, 2: rank 1 scans row group 1 (ids 10 to 29), rank 0 the others.
+    url = write_plain_dataset(tmp_path / "ds", [[10, 20, 30]])
+    env = {"DDP_EVEN_CACHE_DIR": str(tmp_path / "cache")}
+    first, second = run_ranks(plan_with_a_failing_predicate, 2, url, env=env, timeout=100)
+    assert second == ("ValueError", "a predicate that cannot take ids 10 to 29")
+    assert first == (
+        "PeerSourceError",
+        "rank 1's data source raised ValueError: a predicate that cannot take ids 10 to 29, "
+        "while counting the predicate's rows (before the first step); every rank stops here",
+    )

@@ -58,6 +58,8 @@ logger = logging.getLogger("ddp_even")
 #: Every rank's list of ints, in rank order, from this rank's list (an all-gather).
 Share = Callable[[list[int]], list[list[int]]]
 
+# Bytes of a failing rank's error the others are told (its type and message).
+_SAID = 1024
 # Bumped when the meaning of a cache entry changes.
 _CACHE_FORMAT = 2
 # Files read at once by a scan of stored columns.
@@ -138,6 +140,7 @@ def count_in_columns(
                 sizes = [parquet_file.metadata.row_group(position).num_rows for position in batch]
                 for frame in _frames_per_row_group(table, sizes):
                     kept = predicate.do_include(frame)
+                    _check_mask(kept)
                     kept_rows.append(int(np.count_nonzero(np.asarray(kept))))
         return list(zip(wanted, kept_rows, strict=True))
 
@@ -256,13 +259,12 @@ def matching_rows(
         return _with_counts(row_groups, cached)
     began = time.perf_counter()
     mine = range(rank, len(row_groups), world_size)
-    counts = count_share(mine)
     width = -(-len(row_groups) // world_size)
-    gathered = share([*counts, *[-1] * (width - len(counts))])
+    gathered = _counted_or_failed(count_share, mine, width, share)
     everything = np.empty(len(row_groups), dtype=np.int64)
     for other in range(world_size):
         indices = np.arange(other, len(row_groups), world_size)
-        everything[indices] = gathered[other][: len(indices)]
+        everything[indices] = gathered[other][1 : len(indices) + 1]
     logger.info(
         "ddp_even: counted the rows the predicate keeps in %d row groups (%d on this rank) in "
         "%.2f s: %d of %d rows",
@@ -275,6 +277,54 @@ def matching_rows(
     if rank == 0 and cache_file is not None:
         _write_cache(cache_file, everything)
     return _with_counts(row_groups, everything)
+
+
+def _check_mask(kept: Any) -> None:
+    import pandas as pd
+
+    if not isinstance(kept, pd.Series):
+        # Petastorm's make_batch_reader worker calls .map on it: fail here, on every rank.
+        raise TypeError(
+            f"the predicate returned a {type(kept).__name__}; make_batch_reader needs a pandas "
+            "Series of booleans from it: compute on the Series it is given (ids % 2 == 0), "
+            "not on numpy arrays"
+        )
+
+
+def _counted_or_failed(
+    count_share: Callable[[Sequence[int]], list[int]],
+    mine: Sequence[int],
+    width: int,
+    share: Share,
+) -> list[list[int]]:
+    """Every rank's counts (after a leading 0); a rank whose count raised fails every rank.
+
+    The rank that failed raises its own error; the others raise
+    :class:`~ddp_even.errors.PeerSourceError` naming it, so that no rank is left waiting in
+    the all-gather of a rank that left.
+    """
+    failure: Exception | None = None
+    try:
+        counts = count_share(mine)
+    except Exception as error:  # any failure of the user's predicate must reach every rank
+        failure, counts = error, []
+    gathered = share([int(failure is not None), *counts, *[-1] * (width - len(counts))])
+    failed = [other for other, vector in enumerate(gathered) if vector[0]]
+    if not failed:
+        return gathered
+    text = b"" if failure is None else f"{type(failure).__name__}\n{failure}".encode()[:_SAID]
+    said = share([*text, *[0] * (_SAID - len(text))])
+    if failure is not None:
+        raise failure
+    from ddp_even.errors import PeerSourceError
+
+    type_name, _, message = (
+        bytes(said[failed[0]]).rstrip(b"\0").decode(errors="replace").partition("\n")
+    )
+    logger.error("ddp_even: rank %d could not count the predicate's rows", failed[0])
+    raise PeerSourceError(
+        failed[0], type_name, f"{message}, while counting the predicate's rows", step=0
+    )
 
 
 def _with_counts(row_groups: RowGroups, counts: npt.NDArray[np.int64]) -> RowGroups:
