@@ -442,8 +442,9 @@ def print_comparison(console: Console, results: Sequence[ModeResult]) -> None:
         "repeating the short shards' rows.\n"
         "[bold]join[/]: every row exactly once; ranks that run out idle until the last one "
         "finishes, which costs time when shards are very uneven.\n"
-        "Evenly sized row groups avoid the skew in the first place: "
-        "`ddp-even plan DATASET --world-size N --batch-size B` shows the shards."
+        "Equal shards avoid the skew in the first place: "
+        '`EvenLoader.from_parquet(..., sharding="rows")` cuts the rows evenly between ranks, '
+        "and `ddp-even plan DATASET --world-size N --batch-size B --sharding rows` shows how."
     )
 
 
