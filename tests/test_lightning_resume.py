@@ -9,7 +9,8 @@ mode and source uninterrupted, then stops at a checkpoint (``ModelCheckpoint(
 every_n_train_steps=K)``) and resumes from it in a fresh fit: mid first epoch, mid second
 epoch and at the last batch of the second epoch. The resumed job must train exactly the
 uninterrupted job's batches, in order, on every rank, end with its weights, and report its
-statistics.
+statistics. The ``parquet`` source (``EvenLoader.from_parquet`` with seeded row-group and row
+shuffles read by three threads) resumes mid second epoch.
 
 Lightning alone resumes exactly only where the loader's position at the checkpoint is the one
 Lightning resumes at; the ``recipe`` variant adds
@@ -25,8 +26,9 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.datasets import shard_ids, write_plain_dataset
 from tests.helpers.lightning_and_accelerate import PYTHON, REPO, launch, read_ranks
-from tests.helpers.lightning_resume_job import BATCH_SIZE, BATCHES, EPOCHS
+from tests.helpers.lightning_resume_job import BATCH_SIZE, BATCHES, EPOCHS, PARQUET_ROW_GROUPS
 
 pytestmark = [pytest.mark.multirank, pytest.mark.skipif(sys.platform != "linux", reason="Linux")]
 
@@ -39,6 +41,8 @@ SOURCES = ("list", "factory")
 # is then in its repeated pass) and the last batch of the second epoch (5 steps an epoch in
 # truncate, 9 in cycle).
 SAVE_AT = {"truncate": (3, 7, 10), "cycle": (7, 15, 18)}
+# The parquet source (as many batches per rank as BATCHES): mid second epoch only.
+PARQUET_SAVE_AT = {"truncate": (7,), "cycle": (15,)}
 WEIGHT_TOLERANCE = 1e-6
 
 READ_AHEAD = (
@@ -61,14 +65,17 @@ def _lightning_alone_fails(mode: str, source: str, step: int) -> str | None:
     """Why Lightning alone resumes wrongly at ``step``, or None where it resumes exactly."""
     steps = _steps_per_epoch(mode)
     saving_epoch = (step - 1) // steps
-    # A list's length is known from its first epoch's agreement on.
-    length_known = source == "list" and saving_epoch >= 1
+    # A plan's length is known at once; a list's from its first epoch's agreement on.
+    length_known = source == "parquet" or (source == "list" and saving_epoch >= 1)
     if step % steps == 0:  # the epoch's last batch
         return OPEN_EPOCH if length_known else None
     return None if length_known else READ_AHEAD
 
 
-CASES = [(mode, source, step) for mode in MODES for source in SOURCES for step in SAVE_AT[mode]]
+CASES = [
+    *((mode, source, step) for mode in MODES for source in SOURCES for step in SAVE_AT[mode]),
+    *((mode, "parquet", step) for mode in MODES for step in PARQUET_SAVE_AT[mode]),
+]
 LIGHTNING_ALONE = [
     pytest.param(
         *case,
@@ -133,14 +140,16 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One Lightning job: every case, one after the other, on the same 2 ranks."""
     workdir = tmp_path_factory.mktemp("lightning-resume")
     out = workdir / "results"
-    command = [PYTHON, str(JOB), "--results", str(out)]
+    data_url = write_plain_dataset(workdir / "data", PARQUET_ROW_GROUPS)
+    command = [PYTHON, str(JOB), "--results", str(out), "--data", data_url]
     expected_files = []
     for mode in MODES:
-        for source in SOURCES:
-            command += ["--case", f"{mode}:{source}:{','.join(map(str, SAVE_AT[mode]))}"]
+        for source in (*SOURCES, "parquet"):
+            save_at = PARQUET_SAVE_AT[mode] if source == "parquet" else SAVE_AT[mode]
+            command += ["--case", f"{mode}:{source}:{','.join(map(str, save_at))}"]
             runs = ["full"] + [
                 f"{kind}{step}-{variant}"
-                for step in SAVE_AT[mode]
+                for step in save_at
                 for variant in ("lightning", "recipe")
                 for kind in ("stop", "resume")
             ]
@@ -149,7 +158,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 for run in runs
                 for rank in range(WORLD_SIZE)
             ]
-    launch(command, out, expected_files, timeout=100, cwd=workdir)
+    launch(command, out, expected_files, timeout=200, cwd=workdir)
     return out
 
 
@@ -167,6 +176,26 @@ def test_the_uninterrupted_run(results: Path, mode: str, source: str) -> None:
         ]
         # The loader numbered its epochs as Lightning did (sampler.set_epoch).
         assert result["history"] == [_expected_stats(mode, epoch) for epoch in range(EPOCHS)]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+@pytest.mark.timeout(250)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_uninterrupted_parquet_run(results: Path, mode: str) -> None:
+    steps = _steps_per_epoch(mode)
+    ranks = read_ranks(results, f"{mode}-parquet-full", WORLD_SIZE)
+    for rank, result in enumerate(ranks):
+        own = set(shard_ids(PARQUET_ROW_GROUPS, WORLD_SIZE, rank))
+        epochs = [_ids(result)[epoch * steps : (epoch + 1) * steps] for epoch in range(EPOCHS)]
+        for ids in epochs:
+            trained = [row for batch in ids for row in batch]
+            assert set(trained) <= own
+            if mode == "cycle":
+                assert set(trained) == own, "cycle trains every own row"
+            else:
+                assert len(trained) == len(set(trained)), "no row twice in truncate"
+        assert epochs[0] != epochs[1], "each epoch shuffles with a seed of its own"
+        assert [stats["sharding"] for stats in result["history"]] == ["round_robin"] * EPOCHS
     assert ranks[0]["weights"] == ranks[1]["weights"]
 
 
@@ -193,7 +222,7 @@ def _check_resumed(results: Path, mode: str, source: str, step: int, variant: st
             (done // steps, done) for done in range(step, EPOCHS * steps)
         ], f"rank {rank}"
         # The batches trained before the checkpoint and after it are the whole run's.
-        assert _ids(stopped) + _ids(resumed) == _expected_ids(mode, rank), f"rank {rank}"
+        assert _ids(stopped) + _ids(resumed) == _ids(full), f"rank {rank}"
         assert (
             max(abs(a - b) for a, b in zip(resumed["weights"], full["weights"], strict=True))
             <= WEIGHT_TOLERANCE

@@ -5,7 +5,9 @@ Run as ``python tests/helpers/lightning_resume_job.py --results DIR --case MODE:
 after the other on the same two ranks, it fits a tiny linear model for ``EPOCHS`` epochs over
 per-rank lists of batches of sample ids of uneven lengths (``BATCHES``), with an
 :class:`~ddp_even.EvenLoader` over them (``SOURCE``: the list itself, whose length the loader
-knows, or a factory of iterators over it, whose length it does not) as the train dataloader:
+knows, or a factory of iterators over it, whose length it does not; or ``parquet``:
+``EvenLoader.from_parquet`` over the dataset ``--data`` with seeded row-group and row shuffles
+read by three threads, whose length it knows from the plan) as the train dataloader:
 
 * ``full``: uninterrupted;
 * ``stop<K>-<variant>``: the same, but Lightning's ``ModelCheckpoint(every_n_train_steps=K)``
@@ -52,6 +54,10 @@ LR = 0.1
 LOADER_STATES_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
 # "lightning": Lightning's own checkpointing alone; "recipe": with EvenLoaderCheckpoints.
 VARIANTS = ("lightning", "recipe")
+# The ``parquet`` source's dataset: one file of these row groups, ids 0, 1, ... in order.
+# Round robin over 2 ranks gives rank 0 26 rows (9 batches) and rank 1 14 (5), as BATCHES.
+PARQUET_ROW_GROUPS = [[14, 8, 12, 6]]
+PARQUET_READING = {"seed": 5, "shuffle_rows": True, "workers_count": 3}
 
 
 def shard(rank: int) -> list[torch.Tensor]:
@@ -70,15 +76,18 @@ def features_and_labels(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, mode: str, source: str) -> None:
+    def __init__(self, mode: str, source: str, data_url: str | None) -> None:
         super().__init__()
         self.mode = mode
         self.source = source
+        self.data_url = data_url
         self.net = torch.nn.Linear(FEATURES, 1)
-        self.loader: EvenLoader[torch.Tensor] | None = None
+        self.loader: EvenLoader[Any] | None = None
         self.steps: list[dict[str, Any]] = []
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if isinstance(batch, dict):  # petastorm's loader: a dict of columns
+            batch = batch["id"]
         self.steps.append(
             {
                 "epoch": self.trainer.current_epoch,
@@ -93,9 +102,18 @@ class Regression(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
 
-    def train_dataloader(self) -> EvenLoader[torch.Tensor]:
+    def train_dataloader(self) -> EvenLoader[Any]:
         batches = shard(self.trainer.global_rank)
-        if self.source == "list":  # known length: one agreement per epoch
+        if self.source == "parquet":  # a plan: lengths known from the footers
+            assert self.data_url is not None, "--data is required for the parquet source"
+            self.loader = EvenLoader.from_parquet(
+                self.data_url,
+                batch_size=BATCH_SIZE,
+                mode=self.mode,
+                reader_kwargs=PARQUET_READING,
+                timeout=30,
+            )
+        elif self.source == "list":  # known length: one agreement per epoch
             self.loader = EvenLoader(batches, mode=self.mode, timeout=30)
         else:  # a factory, unknown length: agreements as it goes
             self.loader = EvenLoader(lambda: iter(batches), mode=self.mode, timeout=30)
@@ -117,13 +135,14 @@ def fit(
     mode: str,
     source: str,
     workdir: Path,
+    data_url: str | None,
     *,
     stop_at: int | None = None,
     ckpt_path: Path | None = None,
     recipe: bool = False,
 ) -> tuple[Regression, pl.Trainer]:
     torch.manual_seed(0)
-    module = Regression(mode, source)
+    module = Regression(mode, source, data_url)
     callbacks: list[pl.Callback] = []
     if stop_at is not None:
         callbacks.append(StopAt(stop_at))
@@ -175,16 +194,20 @@ def write(results: Path, name: str, rank: int, document: dict[str, Any]) -> None
     partial.replace(path)  # whole or absent, for whoever reads it
 
 
-def run_case(results: Path, mode: str, source: str, save_at: list[int]) -> None:
+def run_case(
+    results: Path, mode: str, source: str, save_at: list[int], data_url: str | None
+) -> None:
     """The uninterrupted run, then for each step and variant a stopped and a resumed run."""
     name = f"{mode}-{source}"
-    module, trainer = fit(mode, source, results / name / "full")
+    module, trainer = fit(mode, source, results / name / "full", data_url)
     write(results, f"{name}-full", trainer.global_rank, record(module, trainer))
     for step in save_at:
         for variant in VARIANTS:
             run = f"{step}-{variant}"
             workdir = results / name / run
-            module, trainer = fit(mode, source, workdir, stop_at=step, recipe=variant == "recipe")
+            module, trainer = fit(
+                mode, source, workdir, data_url, stop_at=step, recipe=variant == "recipe"
+            )
             saved = workdir / "saved.ckpt"
             document = record(module, trainer)
             checkpoint = torch.load(saved, map_location="cpu", weights_only=False)
@@ -194,7 +217,7 @@ def run_case(results: Path, mode: str, source: str, save_at: list[int]) -> None:
             document["checkpoint_global_step"] = checkpoint["global_step"]
             document["checkpoint_loader_states"] = states
             write(results, f"{name}-stop{run}", trainer.global_rank, document)
-            module, trainer = fit(mode, source, workdir / "resumed", ckpt_path=saved)
+            module, trainer = fit(mode, source, workdir / "resumed", data_url, ckpt_path=saved)
             write(results, f"{name}-resume{run}", trainer.global_rank, record(module, trainer))
 
 
@@ -205,9 +228,11 @@ def run_case(results: Path, mode: str, source: str, save_at: list[int]) -> None:
     "cases",
     multiple=True,
     required=True,
-    help="MODE:SOURCE:K[,K...]: save and stop at each global step K (source: list, factory).",
+    help="MODE:SOURCE:K[,K...]: save and stop at each global step K (source: list, factory, "
+    "parquet).",
 )
-def main(results: Path, cases: tuple[str, ...]) -> None:
+@click.option("--data", "data_url", default=None, help="The parquet source's dataset URL.")
+def main(results: Path, cases: tuple[str, ...], data_url: str | None) -> None:
     # Lightning's hints for this toy run, its info lines, and the warning that ckpt_path comes
     # without the callbacks that saved it (on purpose: the resumed run only trains).
     warnings.filterwarnings("ignore", message=".*(does not have many workers|smaller than the)")
@@ -217,7 +242,7 @@ def main(results: Path, cases: tuple[str, ...]) -> None:
     torch.set_num_threads(1)
     for case in cases:
         mode, source, steps = case.split(":")
-        run_case(results, mode, source, [int(step) for step in steps.split(",")])
+        run_case(results, mode, source, [int(step) for step in steps.split(",")], data_url)
     if dist.is_initialized():
         dist.barrier()
 
