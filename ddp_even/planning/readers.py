@@ -265,11 +265,8 @@ def make_shard_factory(
                 else pass_rows(plan, rank, sizes, None)  # petastorm shuffles it, unseeded
             )
         else:
-            # A re-planned rest (remainder.py) lists every piece it reads, in the order to read
-            # it; another plan is read in its own order.
-            rows = list(shard_plan.row_ranges_of(rank))
-            if sum(stop - start for _, start, stop in rows) != shard_plan.rows_per_rank[rank]:
-                rows = pass_rows(shard_plan, rank, sizes, None)
+            # Another plan (a re-planned rest, remainder.py) is read in its own order.
+            rows = pass_rows(shard_plan, rank, sizes, None)
         changed = changed_row_groups(
             resolved, planned_footers, sorted({group for group, _, _ in rows})
         )

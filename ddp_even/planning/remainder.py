@@ -121,7 +121,9 @@ def _plan_of(pieces: list[list[RowRange]], sizes: list[int], batch_size: int) ->
         world_size=len(pieces),
         batch_size=batch_size,
         sharding="rows",
-        shards=tuple(tuple(sorted({group for group, _, _ in mine})) for mine in pieces),
+        # In reading order (a row group read in two pieces counts where it first appears), so
+        # that a pass over this plan reads the pieces as listed.
+        shards=tuple(tuple(dict.fromkeys(group for group, _, _ in mine)) for mine in pieces),
         rows_per_rank=rows,
         batches_per_rank=batches,
         num_row_groups=len(sizes),
