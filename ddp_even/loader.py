@@ -564,12 +564,7 @@ class EvenLoader(Generic[BatchT]):
         self.repeating = repeating
 
     def _settings(self, sync_every: int | None, plan: ShardPlan | None) -> Settings:
-        identity = (
-            None
-            if plan is None
-            else (plan.sharding, plan.rows_per_rank, plan.batches_per_rank, plan.batch_size)
-        )
-        return Settings(self._mode, self._steps_per_epoch, sync_every, identity)
+        return Settings(self._mode, self._steps_per_epoch, sync_every, plan)
 
     def _own_tails(self, epoch: int, rank: int) -> ShardPlan | None:
         """When resuming ``epoch`` on as many ranks with a planned reader whose order is known

@@ -20,7 +20,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
@@ -31,6 +31,9 @@ from ddp_even.errors import RankMismatchError
 from ddp_even.modes import Mode, WindowDecision
 from ddp_even.runtime.feed import FedBatch, ShardFeed
 from ddp_even.runtime.stats import EpochStats, RankCounts, gather_epoch_stats
+
+if TYPE_CHECKING:
+    from ddp_even.planning.plans import ShardPlan
 
 logger = logging.getLogger("ddp_even")
 
@@ -45,14 +48,14 @@ class Settings:
     steps_per_epoch: int | None
     # Batches per agreement; None: the whole epoch (known lengths).
     sync_every: int | None
-    # What identifies the loader's shard plan, when it has one: its sharding and every rank's
+    # The loader's shard plan, when it has one: ranks agree on its sharding and every rank's
     # rows and batches.
-    plan_identity: tuple[object, ...] | None = None
+    plan: ShardPlan | None = None
 
     @property
     def sharding(self) -> str | None:
-        """How the plan cut the shards (the first part of its identity), or None."""
-        return None if self.plan_identity is None else str(self.plan_identity[0])
+        """How the plan cut the shards, or None without a plan."""
+        return None if self.plan is None else self.plan.sharding
 
     @functools.cached_property
     def description(self) -> str:
@@ -60,8 +63,10 @@ class Settings:
             f"mode={self.mode.name} steps_per_epoch={self.steps_per_epoch} "
             f"sync_every={self.sync_every if self.sync_every is not None else 'epoch'}"
         )
-        if self.plan_identity is not None:
-            digest = hashlib.blake2b(repr(self.plan_identity).encode(), digest_size=4)
+        if self.plan is not None:
+            plan = self.plan
+            identity = (plan.sharding, plan.rows_per_rank, plan.batches_per_rank, plan.batch_size)
+            digest = hashlib.blake2b(repr(identity).encode(), digest_size=4)
             described += f" plan={digest.hexdigest()}"
         return described
 
