@@ -11,7 +11,8 @@ them into a gloo process group (``file://`` rendezvous in a fresh temporary dire
 - With ``capture_exceptions=True`` every rank runs to the end and a rank that raised is reported
   as a :class:`RankError` in its slot of the returned list.
 - Past ``timeout`` seconds every rank still running is SIGKILLed and ``TimeoutError`` names them
-  and carries the Python stacks of all their threads (``faulthandler`` on ``SIGUSR1``).
+  and carries the Python stacks of all their threads (``faulthandler`` on ``SIGUSR1``) and the
+  last lines ddp_even logged on every rank (each rank logs ddp_even's DEBUG records to a file).
 
 Each rank runs in its own process group, so processes a rank started are killed with it, and
 dies with SIGKILL if the parent dies (Linux). ``torch`` is imported in the child only after
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import logging
 import os
 import pickle
 import shutil
@@ -38,6 +40,8 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
+from tests.helpers import jitter
+
 __all__ = ["RankError", "RankFailedError", "run_ranks"]
 
 T = TypeVar("T")
@@ -47,6 +51,9 @@ _POLL_S = 0.05
 _GRACE_S = 1.0
 _RESULT = "result-{rank}.pickle"
 _STACKS = "stacks-{rank}.txt"
+_LOG = "ddp-even-log-{rank}.txt"
+# Lines of each rank's ddp_even log a timeout shows.
+_LOG_TAIL_LINES = 40
 # How long a hung rank gets to write its stacks before it is killed.
 _STACKS_WAIT_S = 2.0
 
@@ -116,6 +123,8 @@ def _child(
     # Kept open for the life of the process: faulthandler writes to its file descriptor.
     stacks = Path(workdir, _STACKS.format(rank=rank)).open("w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    _log_ddp_even_to(Path(workdir, _LOG.format(rank=rank)))
+    os.environ[jitter.RANK_VARIABLE] = str(rank)
 
     final = Path(workdir, _RESULT.format(rank=rank))
     try:
@@ -151,6 +160,15 @@ def _child(
                 _write_outcome(final, ("error", _rank_error(exc), time.time()))
     except BaseException as exc:
         _write_outcome(final, ("error", _rank_error(exc), time.time()))
+
+
+def _log_ddp_even_to(path: Path) -> None:
+    """Every DEBUG record of ddp_even in this rank, with a timestamp, to ``path``."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    library = logging.getLogger("ddp_even")
+    library.addHandler(handler)
+    library.setLevel(logging.DEBUG)
 
 
 def _write_outcome(final: Path, outcome: tuple[str, Any, float]) -> None:
@@ -391,6 +409,11 @@ def _timeout_message(
         stacks = workdir / _STACKS.format(rank=rank)
         if stacks.exists() and stacks.stat().st_size:
             lines.append(f"--- rank {rank} stacks ---\n{stacks.read_text()}")
+    for rank in range(len(procs)):
+        log = workdir / _LOG.format(rank=rank)
+        if log.exists():
+            tail = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+            lines.append(f"--- rank {rank}: ddp_even's last log lines ---\n" + "\n".join(tail))
     for rank, (status, value, _) in sorted(outcomes.items()):
         if status == "error":
             lines.append(f"rank {rank} had raised {value.type_name}: {value.message}")
