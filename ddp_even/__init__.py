@@ -12,6 +12,7 @@ from ddp_even.errors import (
     PeerSourceError,
     PeerTimeoutError,
     RankMismatchError,
+    SourceEndedEarlyError,
 )
 from ddp_even.loader import EvenLoader
 from ddp_even.runtime.stats import EpochStats
@@ -25,5 +26,6 @@ __all__ = [
     "PeerSourceError",
     "PeerTimeoutError",
     "RankMismatchError",
+    "SourceEndedEarlyError",
 ]
 __version__ = "0.2.0"

@@ -44,6 +44,36 @@ class PeerSourceError(EvenLoaderError):
         )
 
 
+class SourceEndedEarlyError(EvenLoaderError):
+    """A rank's source ended before the batch count its length or shard plan promised.
+
+    With known lengths the ranks agree on the epoch's steps up front, from every rank's batch
+    count; a source that then yields fewer batches lost rows (a predicate or transform that is
+    not deterministic, a reader that dropped row groups, data rewritten mid-pass). When the
+    epoch needs batches the source no longer has (cycle restarts a short pass instead, and
+    ``EpochStats.lost_rows`` counts what it lost, unless the pass was empty), the rank raises
+    it and every other rank raises :class:`PeerSourceError` naming it, together: before the
+    first step when the source has nothing at all, else at the next check of the sources
+    (every few steps, without waiting; until then the short rank hands out its last batch
+    again).
+
+    Example::
+
+        >>> print(SourceEndedEarlyError(read=3, promised=12))
+        this rank's source ended after 3 of the 12 batches its length (or shard plan) ...
+    """
+
+    def __init__(self, read: int, promised: int) -> None:
+        self.read = read
+        self.promised = promised
+        super().__init__(
+            f"this rank's source ended after {read} of the {promised} batches its length (or "
+            "shard plan) promised: rows were lost while reading (a predicate or transform_spec "
+            "that is not deterministic, or data rewritten during the pass). Plan again, or set "
+            "sync_every=1 so that ranks agree as they go instead of trusting the length"
+        )
+
+
 class EmptyShardError(EvenLoaderError):
     """Cycle mode was asked to wrap around a shard that yields no batch at all.
 

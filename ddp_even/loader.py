@@ -29,6 +29,7 @@ from ddp_even.runtime.environment import (
 )
 from ddp_even.runtime.epochs import EpochRun, Settings, run_join, run_known_lengths, run_windows
 from ddp_even.runtime.feed import ShardFeed
+from ddp_even.runtime.footer_plan import agreed_footer_plan
 from ddp_even.runtime.saved_state import resume_point, saved_state
 from ddp_even.runtime.stats import EpochStats, RankCounts
 from ddp_even.sources import ShardSource, as_source, parquet_dataset
@@ -514,7 +515,7 @@ class EvenLoader(Generic[BatchT]):
         fixed_steps = mode.restarts_short_shards and self._steps_per_epoch is not None
         agrees_as_it_goes = self._sync_every is not None or mode.shadows_finished_ranks
         if self._plan is None and known_batches is None and not (agrees_as_it_goes or fixed_steps):
-            self._plan_from_footers(feed, rank, agreer.world_size)
+            self._plan_from_footers(feed, agreer, epoch)
         plan = self._known_plan if rest_of_epoch is None else rest_of_epoch
         if plan is not None:
             self._rank_for_plan(plan)
@@ -525,6 +526,8 @@ class EvenLoader(Generic[BatchT]):
             known_batches = None
             fixed_steps = False
         whole_epoch = known_batches is not None or fixed_steps
+        if known_batches is not None:
+            feed.promise(known_batches, starts_after=len(skipped))
         run = EpochRun(
             settings=self._settings(None if whole_epoch else (self._sync_every or 1), plan),
             agreer=agreer,
@@ -642,12 +645,13 @@ class EvenLoader(Generic[BatchT]):
     def _known_plan(self) -> ShardPlan | None:
         return self._plan if self._plan is not None else self._footer_plan
 
-    def _plan_from_footers(self, feed: ShardFeed[BatchT], rank: int, world_size: int) -> None:
+    def _plan_from_footers(self, feed: ShardFeed[BatchT], agreer: Agreer, epoch: int) -> None:
         """Work out the plan of a petastorm loader sharded with ``cur_shard``/``shard_count``
-        (the usual factory) from its Parquet footers, once: then it runs like a planned one."""
+        (the usual factory) from its Parquet footers, once, with every rank: then it runs like
+        a planned one (:mod:`ddp_even.runtime.footer_plan`)."""
         if not self._footer_plan_tried:
             self._footer_plan_tried = True
-            self._footer_plan = feed.first_pass_plan(rank, world_size)
+            self._footer_plan = agreed_footer_plan(feed, agreer, self._settings(None, None), epoch)
 
     def _agreer_for_this_process(self) -> Agreer:
         if self._agreer is None:

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from benchmarks.bench_agreement import JOIN, BenchConfig, measure_world
+from tests.helpers.collectives import source_checks
 
 pytestmark = pytest.mark.multirank
 
@@ -33,8 +34,11 @@ def test_two_ranks_report_every_variant_and_target() -> None:
         longest = row["variant"] == JOIN or "cycle" in row["variant"]
         assert row["steps"] == (20 if longest else 18), row
         if row["variant"].endswith("known lengths"):
-            # One agreement before the first step, one statistics gather after the last.
-            assert (row["collectives_per_epoch"], row["collectives_in_loop"]) == (2, 0)
+            # One agreement before the first step, the checks of the sources (overlapped with
+            # the steps), one statistics gather after the last step.
+            checks = source_checks(row["steps"], counted_from=1)
+            in_epoch = (row["collectives_per_epoch"], row["collectives_in_loop"])
+            assert in_epoch == (2 + checks, checks)
         if row["variant"] == "ddp_even truncate K=1":
             # One agreement per step and one that ends the epoch, then the statistics.
             assert row["collectives_per_epoch"] == 18 + 2

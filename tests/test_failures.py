@@ -229,30 +229,14 @@ def _dicts(results: list[dict[str, Any] | RankError]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "source_kind",
-    [
-        "factory",
-        pytest.param(
-            "list",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="by design: with known lengths (a list, a map-style "
-                "DataLoader, a plan) the epoch has one agreement, at its start, and no "
-                "collective until its end; a source raising mid-epoch raises on its own rank "
-                "only. README: set sync_every to keep per-step agreement",
-            ),
-        ),
-    ],
-)
-def test_a_source_failing_mid_epoch_stops_every_rank_at_the_same_step(source_kind: str) -> None:
-    # No DDP in the loop: with it, the bug hangs the other ranks in DDP's all-reduce.
+def test_a_source_failing_mid_epoch_stops_every_rank_at_the_same_step() -> None:
+    # No DDP in the loop: with it, a rank raising alone would hang the others in its all-reduce.
     results = _dicts(
         run_ranks(
             _loop_worker,
             3,
             "truncate",
-            source_kind,
+            "factory",
             None,
             False,
             (1, 3),
@@ -275,6 +259,42 @@ def test_a_source_failing_mid_epoch_stops_every_rank_at_the_same_step(source_kin
         else:
             assert result["error"] == "PeerSourceError", (rank, result)
             assert result["peer"] == (1, "OSError", stopped)
+
+
+@pytest.mark.timeout(120)
+def test_with_known_lengths_a_source_failing_mid_epoch_stops_every_rank_at_the_next_check() -> None:
+    """A list's length is known: no agreement between steps, only the checks of the sources
+    (every ``CHECK_EVERY`` steps and after the last). Until the next one, the failing rank hands
+    out its last batch again, so that DDP's all-reduce (in this loop) never waits for it."""
+    from ddp_even.runtime.epochs import CHECK_EVERY
+
+    assert CHECK_EVERY > 8, "the check that reports the failure is the one after the last step"
+    results = _dicts(
+        run_ranks(
+            _loop_worker,
+            3,
+            "truncate",
+            "list",
+            None,
+            True,
+            (1, 3),
+            None,
+            timeout=90,
+            capture_exceptions=True,
+        )
+    )
+    for rank, result in enumerate(results):
+        own = shard(rank, 8)
+        expected = own if rank != 1 else own[:3] + [own[2]] * 5
+        assert result["seen"] == [expected], (rank, result)
+        if rank == 1:
+            assert (result["error"], result["message"]) == (
+                "OSError",
+                "corrupt row group after 3 batches",
+            )
+        else:
+            assert result["error"] == "PeerSourceError", (rank, result)
+            assert result["peer"] == (1, "OSError", 8)
 
 
 def _empty_shard_worker(
@@ -315,8 +335,8 @@ def test_a_break_on_one_rank_only_never_hangs() -> None:
 
     * windows, no other collective in the loop: rank 0's next epoch meets the others' next
       agreement: RankMismatchError on every rank at once;
-    * known lengths: rank 0's next epoch meets the others' end-of-epoch gather: after
-      ``timeout``, RankMismatchError on every rank, naming who was in which collective;
+    * known lengths: rank 0's next epoch's agreement meets the others' check of the sources
+      after their last step: RankMismatchError on every rank at once, naming the epochs;
     * windows with DDP in the loop: the others wait for rank 0 in DDP's all-reduce; rank 0
       raises PeerTimeoutError naming them after ``timeout``; they fail when its process ends
       (or at the training group's timeout while it lives);
@@ -354,8 +374,11 @@ def test_a_break_on_one_rank_only_never_hangs() -> None:
     results = outcomes[("truncate", "list", False)]
     assert [result["error"] for result in results] == ["RankMismatchError"] * 3, results
     for result in results:
-        assert "rank(s) 0: a step agreement; rank(s) 1, 2: the end-of-epoch" in result["message"]
-        assert 5 < result["seconds"] < 6 + 6, result
+        assert "rank 0: epoch 1," in result["message"], result
+        assert (
+            "rank 1: epoch 0," in result["message"] and "checking the sources" in result["message"]
+        )
+        assert result["seconds"] < 5, result
 
     results = outcomes[("truncate", "factory", True)]
     assert results[0]["error"] == "PeerTimeoutError" and results[0]["missing"] == (1, 2)

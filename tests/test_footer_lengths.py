@@ -1,6 +1,7 @@
 """The loop users already write, ``EvenLoader(lambda: DataLoader(make_reader(url,
 cur_shard=rank, shard_count=world_size)))``, runs like a plan: its batch counts follow from the
-Parquet footers, so the epoch needs no collective between steps. 4 gloo ranks, real petastorm.
+Parquet footers, so the epoch needs no agreement between steps (only the overlapped checks of
+the sources every few steps). 4 gloo ranks, real petastorm.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from ddp_even import EvenLoader
-from tests.helpers.collectives import AllReduceCounter
+from tests.helpers.collectives import AllReduceCounter, source_checks
 from tests.helpers.datasets import shard_rows, write_plain_dataset
 from tests.helpers.spawn import run_ranks
 
@@ -70,7 +71,7 @@ def seed_loops(rank: int, world_size: int, url: str) -> dict[str, dict[str, Any]
 
 
 @pytest.mark.timeout(300)
-def test_the_seed_loop_runs_without_collectives_between_steps(tmp_path: Any) -> None:
+def test_the_seed_loop_runs_without_agreements_between_steps(tmp_path: Any) -> None:
     url = write_plain_dataset(tmp_path / "ds", SIZES)
     runs = run_ranks(seed_loops, WORLD_SIZE, url, timeout=240)
     batches = [math.ceil(shard_rows(SIZES, WORLD_SIZE, rank) / BATCH) for rank in range(WORLD_SIZE)]
@@ -78,11 +79,11 @@ def test_the_seed_loop_runs_without_collectives_between_steps(tmp_path: Any) -> 
     for run in runs:
         for case in ("truncate", "dataloader"):
             assert run[case]["steps"] == run[case]["length"] == min(batches)
-            assert run[case]["collectives_in_epoch"] == 0, case
+            assert run[case]["collectives_in_epoch"] == source_checks(min(batches)), case
         assert run["cycle"]["steps"] == run["cycle"]["length"] == max(batches)
-        assert run["cycle"]["collectives_in_epoch"] == 0
+        assert run["cycle"]["collectives_in_epoch"] == source_checks(max(batches))
         # A predicate may drop rows: counts are unknown, so the ranks agree as they go; the
         # epoch still ends together. So does an explicit sync_every.
         for case in ("predicate", "sync_every"):
             assert run[case]["steps"] == min(batches)
-            assert run[case]["collectives_in_epoch"] > 0, case
+            assert run[case]["collectives_in_epoch"] > source_checks(min(batches)), case

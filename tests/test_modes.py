@@ -44,8 +44,9 @@ def _scenarios(lengths: tuple[int, ...]) -> list[Scenario]:
 
 def _passes(scenario: Scenario, steps: int, length: int) -> int:
     if steps == 0:
-        # Reading ahead starts the source; with known lengths and no step it never starts.
-        return 0 if scenario.source == "list" else 1
+        # Reading ahead (before the epoch's first agreement) starts the source; with known
+        # lengths, a source whose length is 0 is never started.
+        return 0 if scenario.source == "list" and length == 0 else 1
     return math.ceil(steps / length)
 
 

@@ -207,9 +207,10 @@ def _check_errors(case: Scenario, outcomes: list[Outcome]) -> None:
 
 def _passes(case: Scenario, steps: int, length: int) -> int:
     if steps == 0:
-        # Reading ahead starts the source; with known lengths and no step it never starts.
+        # Reading ahead (before the epoch's first agreement) starts the source; with known
+        # lengths, a source whose length is 0 is never started.
         whole_epoch = known_lengths(case.mode, case.source, case.sync_every, case.steps_per_epoch)
-        return 0 if whole_epoch else 1
+        return 0 if whole_epoch and length == 0 else 1
     return math.ceil(steps / length)
 
 

@@ -608,12 +608,16 @@ def _fixed_cycle_worker(rank: int, world_size: int, sync_every: int | None) -> d
 
 @pytest.mark.timeout(90)
 def test_cycle_with_steps_per_epoch_agrees_once_per_epoch_unless_a_window_is_set() -> None:
+    from ddp_even.runtime.epochs import CHECK_EVERY
+
+    assert CHECK_EVERY > 10
     once = run_ranks(_fixed_cycle_worker, 2, None, timeout=60)
     windowed = run_ranks(_fixed_cycle_worker, 2, 5, timeout=60)
     for rank in range(2):
         own = shard(rank, 3 + 4 * rank)
         expected = (own * 4)[:10]
         assert once[rank]["seen"] == expected and windowed[rank]["seen"] == expected
-        # One agreement and the statistics gather; with windows of 5, two agreements.
-        assert once[rank]["collectives"] == 2, once[rank]
+        # One agreement, the check of the sources after the last step (10 < CHECK_EVERY) and the
+        # statistics gather; with windows of 5, two agreements and the gather.
+        assert once[rank]["collectives"] == 3, once[rank]
         assert windowed[rank]["collectives"] == 3, windowed[rank]

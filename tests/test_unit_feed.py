@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ddp_even.errors import EvenLoaderError
+from ddp_even.errors import EvenLoaderError, SourceEndedEarlyError
 from ddp_even.runtime.feed import FedBatch, ShardFeed
 from ddp_even.sources import ShardPass, ShardSource, as_source
 from ddp_even.sources.base import ContinuingStream
@@ -266,25 +266,82 @@ def test_restarting_a_one_shot_iterator_is_a_failure() -> None:
     assert "one-shot iterator and was already consumed" in str(feed.failure)
 
 
-# --- take_one_now ---------------------------------------------------------------------------
+# --- take_or_repeat -------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(30)
-def test_take_one_now_hands_out_in_order_then_says_the_source_ended_early() -> None:
+def test_take_or_repeat_hands_out_in_order_then_repeats_the_last_batch() -> None:
     feed = _feed(SHARD[:2])
-    assert feed.take_one_now().batch == SHARD[0]
-    assert feed.take_one_now().batch == SHARD[1]
-    with pytest.raises(EvenLoaderError, match="the source ended before the number of batches"):
-        feed.take_one_now()
+    assert feed.take_or_repeat().batch == SHARD[0]
+    assert feed.take_or_repeat().batch == SHARD[1]
+    again = feed.take_or_repeat()
+    assert (again.batch, again.repeated) == (SHARD[1], True)
+    assert isinstance(feed.failure, EvenLoaderError)
+    assert "the source ended before the number of batches" in str(feed.failure)
 
 
 @pytest.mark.timeout(30)
-def test_take_one_now_raises_the_sources_own_exception() -> None:
+def test_take_or_repeat_keeps_the_sources_own_exception_for_the_next_check() -> None:
     feed = _feed(Pulls([SHARD], fail_after=1))
-    assert feed.take_one_now().batch == SHARD[0]
-    with pytest.raises(OSError, match="disk gone at batch 1") as info:
-        feed.take_one_now()
+    assert feed.take_or_repeat().batch == SHARD[0]
+    again = feed.take_or_repeat()
+    assert (again.batch, again.repeated) == (SHARD[0], True)
+    assert isinstance(feed.failure, OSError)
+    assert str(feed.failure) == "disk gone at batch 1"
+
+
+@pytest.mark.timeout(30)
+def test_take_or_repeat_with_nothing_to_repeat_raises_the_failure() -> None:
+    feed = _feed(Pulls([SHARD], fail_after=0))
+    with pytest.raises(OSError, match="disk gone at batch 0") as info:
+        feed.take_or_repeat()
     assert info.value is feed.failure
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("starts_after", [0, 2])
+def test_a_first_pass_shorter_than_promised_is_a_failure(starts_after: int) -> None:
+    feed = _feed(lambda: iter(SHARD[starts_after:3]))
+    feed.promise(len(SHARD), starts_after=starts_after)
+    feed.fill(len(SHARD))
+    assert feed.buffered == 3 - starts_after
+    assert isinstance(feed.failure, SourceEndedEarlyError)
+    assert (feed.failure.read, feed.failure.promised) == (3, len(SHARD))
+
+
+@pytest.mark.timeout(30)
+def test_a_short_first_pass_restarts_in_cycle_unless_it_is_empty() -> None:
+    feed = _feed(lambda: iter(SHARD[:3]), restarts=True)
+    feed.promise(len(SHARD))
+    feed.fill(4)
+    assert feed.failure is None, "the statistics count the short pass's rows as lost"
+    assert [fed.repeated for fed in _take_all(feed)] == [False] * 3 + [True]
+    empty = _feed(lambda: iter([]), restarts=True)
+    empty.promise(len(SHARD))
+    empty.fill(1)
+    assert isinstance(empty.failure, SourceEndedEarlyError)
+    assert (empty.failure.read, empty.failure.promised) == (0, len(SHARD))
+
+
+@pytest.mark.timeout(30)
+def test_a_short_pass_the_epoch_did_not_need_is_no_failure() -> None:
+    feed = _feed(lambda: iter(SHARD[:3]))
+    feed.promise(len(SHARD))
+    feed.fill(2)
+    _take_all(feed)
+    feed.fill(1)
+    feed.take()
+    assert not feed.had_more_own_data()
+    assert feed.failure is None
+
+
+@pytest.mark.timeout(30)
+def test_a_first_pass_as_long_as_promised_restarts_in_cycle() -> None:
+    feed = _feed(lambda: iter(SHARD), restarts=True)
+    feed.promise(len(SHARD))
+    feed.fill(len(SHARD) + 1)
+    assert feed.failure is None
+    assert [fed.repeated for fed in _take_all(feed)] == [False] * len(SHARD) + [True]
 
 
 # --- passes that never end, and streams that continue ---------------------------------------

@@ -206,20 +206,28 @@ class CollectiveAgreer:
         The first, short wait costs what a plain ``wait()`` costs; only a wait that outlasts
         it writes this rank's presence to the store before waiting on. A collective that
         fails, or is still incomplete at the deadline, becomes an :class:`EvenLoaderError`.
+
+        A wait that gives up does not cancel the collective: it can complete a moment later,
+        for every rank, before this rank looks at it again (a busy machine can take that long
+        to run this thread again). So what the work ended in decides, never the wait that gave
+        up: a rank that raised while its peers carried on would leave them waiting for it in
+        the training's next collective.
         """
         began = time.monotonic()
         try:
             work.wait(datetime.timedelta(seconds=self._quiet))
         except RuntimeError as error:
-            if work.is_completed():  # failed, not slow
+            if not work.is_completed():
+                # Only slow so far: say so, and wait on until this wait's own deadline.
+                self._roll_call.mark_waiting(ticket)
+                remaining = max(self.timeout - (time.monotonic() - began), 0.001)
+                try:
+                    work.wait(datetime.timedelta(seconds=remaining))
+                except RuntimeError as later_error:
+                    if not _succeeded(work):
+                        raise self.failure(later_error, ticket) from later_error
+            elif not _succeeded(work):
                 raise self.failure(error, ticket) from error
-            # Only slow so far: say so, and wait on until this wait's own deadline.
-            self._roll_call.mark_waiting(ticket)
-            remaining = max(self.timeout - (time.monotonic() - began), 0.001)
-            try:
-                work.wait(datetime.timedelta(seconds=remaining))
-            except RuntimeError as later_error:
-                raise self.failure(later_error, ticket) from later_error
         if ticket.since_previous >= self.timeout and self._roll_call.gave_up_on(ticket):
             raise PeerTimeoutError(
                 (self.global_ranks[self.rank],),
@@ -258,6 +266,20 @@ class CollectiveAgreer:
             rank=self.global_ranks[self.rank],
             late=attendance.late,
         )
+
+
+def _succeeded(work: Any) -> bool:
+    """Whether a collective whose wait raised has completed without an error after all."""
+    if not work.is_completed():
+        return False
+    try:
+        work.wait(_AT_ONCE)  # a completed work returns at once, or raises what it failed with
+    except RuntimeError:
+        return False
+    return True
+
+
+_AT_ONCE = datetime.timedelta(milliseconds=1)
 
 
 def _describe(doing: dict[int, str]) -> str:

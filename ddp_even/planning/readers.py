@@ -542,6 +542,7 @@ def _build_reader(
     from petastorm.workers_pool.process_pool import ProcessPool
     from petastorm.workers_pool.thread_pool import ThreadPool
 
+    from ddp_even.petastorm.thread_pool import close_end_of_results_race
     from ddp_even.planning.planned_workers import PlannedArrowWorker, PlannedRowWorker
 
     filesystem: Any
@@ -573,6 +574,7 @@ def _build_reader(
     workers_count = options.get("workers_count", 10)
     if pool_type == "thread":
         pool: Any = ThreadPool(workers_count, options.get("results_queue_size", 50))
+        close_end_of_results_race(pool)
     elif pool_type == "process":
         serializer = ArrowTableSerializer() if kind == "batch" else PickleSerializer()
         pool = ProcessPool(

@@ -4,7 +4,9 @@
   agreement for the next window is started before the last batch of the current one is
   handed out, so its latency hides behind the training step.
 * ``run_known_lengths``: truncate/cycle when every rank knows its batch count, or cycle with
-  a fixed ``steps_per_epoch``; one agreement at the start of the epoch and none after.
+  a fixed ``steps_per_epoch``; one agreement at the start of the epoch, then only a check
+  every :data:`CHECK_EVERY` steps that no rank's source failed or ran short, started after a
+  step's batch is taken and waited at the next step, so the training step hides it.
 * ``run_join``: join; each rank hands out all its batches inside ``torch``'s ``Join``, and the
   loader itself is the first joinable so that ranks that have joined still take part in
   every window's agreement (errors and mismatches reach them too).
@@ -107,6 +109,8 @@ class EpochRun(Generic[BatchT]):
     # The number of ranks the epoch was interrupted on, when it resumed on another number.
     resumed_from_world_size: int | None = None
     finished: bool = False
+    # A check of the sources (known lengths) started and not yet waited for.
+    pending_check: tuple[Report, PendingAgreement] | None = None
 
     def hand_out(self, fed: FedBatch[BatchT]) -> BatchT:
         self.counts.count_batch(fed.pass_number, fed.count_samples(fed.batch))
@@ -115,6 +119,7 @@ class EpochRun(Generic[BatchT]):
 
     def finish(self, had_more_own_data: bool) -> None:
         """Gather the statistics; called at a point every rank reaches."""
+        self.settle_check()
         self.counts.truncated = had_more_own_data
         # A rank that handed out nothing still started its source once.
         self.counts.passes = max(self.counts.passes, min(self.feed.passes_started, 1))
@@ -199,7 +204,27 @@ class EpochRun(Generic[BatchT]):
         if not agreement.has_problem:
             return
         reports = self.agreer.gather_reports(report)
-        raise error_from_reports(reports, self.feed.failure, self.steps_done)
+        error = error_from_reports(reports, self.feed.failure, self.steps_done)
+        logger.debug(
+            "epoch %d, after %d step(s): every rank raises %r", self.epoch, self.steps_done, error
+        )
+        raise error
+
+    def start_check(self) -> None:
+        """Tell every rank, without waiting, whether this rank's source failed or ran short."""
+        report = dataclasses.replace(
+            self.report(0, 0, shard_is_empty=False),
+            fingerprint=self.settings.fingerprint ^ _CHECKING,
+            settings=f"{self.settings.description}, checking the sources",
+        )
+        self.pending_check = (report, self.agreer.start(report))
+
+    def settle_check(self) -> None:
+        """Wait for the check started last, raising on every rank what it found."""
+        if self.pending_check is not None:
+            report, pending = self.pending_check
+            self.pending_check = None
+            self.check(report, pending.wait())
 
     def decide(self, agreement: Agreement, window: int | None) -> WindowDecision:
         return self.settings.mode.decide(
@@ -242,23 +267,31 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
 
 
 def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterator[BatchT]:
-    """One agreement, then the whole epoch. ``own_batches`` is None when only the step count
-    is fixed (cycle with ``steps_per_epoch``): the first batch is read ahead then, so that an
-    empty shard or a failing source is still reported to every rank."""
+    """One agreement, then the whole epoch, checking the sources every :data:`CHECK_EVERY` steps.
+
+    ``own_batches`` is None when only the step count is fixed (cycle with ``steps_per_epoch``).
+    The first batch is read before the agreement, so that a source that fails or has nothing
+    is reported to every rank before the first step. Later, a rank whose source fails or runs
+    short hands out its last batch again until the next check, where every rank raises.
+    """
     window = run.settings.window(0)
-    if own_batches is None:
+    if own_batches is None or own_batches > 0:
         run.feed.fill(1)
-        offered = run.feed.buffered
-        report = run.report(offered, run.feed.own_buffered, run.feed.empty_shard)
+    if own_batches is None:
+        report = run.report(run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard)
     else:
-        # Nothing has been read yet: the length, not the feed, says whether it is empty.
         report = run.report(own_batches, own_batches, shard_is_empty=own_batches == 0)
     agreement = run.agreer.start(report).wait()
     run.check(report, agreement)
     # The whole epoch's steps, also when it resumes part-way.
     decision = run.settings.mode.decide(agreement, window, 0, run.settings.steps_per_epoch)
     run.agreed_steps = decision.steps
-    logger.debug("epoch %d: %d steps agreed for the whole epoch", run.epoch, decision.steps)
+    logger.debug(
+        "epoch %d: %d steps agreed for the whole epoch (this rank: %s own batches)",
+        run.epoch,
+        decision.steps,
+        "unknown" if own_batches is None else own_batches,
+    )
 
     def had_more_own_data() -> bool:
         if own_batches is None:
@@ -266,14 +299,32 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
         # A pass that ended early (a reader losing rows) was not cut by the epoch.
         return not run.feed.own_ended and own_batches > run.counts.own_batches
 
-    for step in range(run.steps_done + 1, decision.steps + 1):
-        run.steps_done += 1
-        batch = run.hand_out(run.feed.take_one_now())
-        if step == decision.steps:
-            yield from _last_batch(run, batch, had_more_own_data)
-            return
-        yield batch
-    run.finish(had_more_own_data())
+    try:
+        for step in range(run.steps_done + 1, decision.steps + 1):
+            run.settle_check()
+            run.steps_done += 1
+            batch = run.hand_out(run.feed.take_or_repeat())
+            if step % CHECK_EVERY == 0 or step == decision.steps:
+                run.start_check()
+            if step == decision.steps:
+                yield from _last_batch(run, batch, had_more_own_data)
+                return
+            yield batch
+        run.finish(had_more_own_data())
+    finally:
+        if run.pending_check is not None:
+            # The consumer stopped early on every rank, which every rank's check completes.
+            run.pending_check[1].wait()
+            run.pending_check = None
+
+
+#: Steps between two checks of the sources in an epoch with known lengths (plus one after the
+#: last step). A check costs its caller an asynchronous all-reduce's start and a wait that has
+#: nothing left to wait for (docs/performance.md); a source that fails or runs short is noticed
+#: by every rank at most this many steps later.
+CHECK_EVERY = 16
+# Marks the checks of the sources, so that they never pair with an ordinary agreement.
+_CHECKING = 0x3C3C_3C3C_3C3C
 
 
 # Marks the agreement on the step to resume after, so that it never pairs with an ordinary one.

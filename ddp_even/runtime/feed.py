@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
-from ddp_even.errors import EvenLoaderError
+from ddp_even.errors import EvenLoaderError, SourceEndedEarlyError
 from ddp_even.sources import ShardPass, ShardSource
 
 if TYPE_CHECKING:
@@ -66,6 +66,11 @@ class ShardFeed(Generic[BatchT]):
         self.own_ended = False
         # The exception the source raised, kept until every rank has heard of it.
         self.failure: BaseException | None = None
+        # (batches the first pass yields, batches of the shard before its start), when a
+        # length or a shard plan says so.
+        self._promised: tuple[int, int] | None = None
+        # The batch last handed out by take_or_repeat.
+        self._last: FedBatch[BatchT] | None = None
 
     @property
     def buffered(self) -> int:
@@ -101,6 +106,12 @@ class ShardFeed(Generic[BatchT]):
         ours = _few(sorted(planned))
         return f"it reads row groups {_few(sorted(read))}, its shard of the plan is {ours}"
 
+    def promise(self, own_batches: int, starts_after: int = 0) -> None:
+        """The shard has ``own_batches`` batches (a length or a shard plan says so), and the first
+        pass starts after ``starts_after`` of them: a first pass that ends sooner fails with
+        :class:`~ddp_even.SourceEndedEarlyError`."""
+        self._promised = (own_batches - starts_after, starts_after)
+
     def fill(self, target: int) -> None:
         """Read until ``target`` batches are buffered, the shard ends, or the source raises."""
         while len(self._buffer) < target and self.failure is None:
@@ -116,18 +127,28 @@ class ShardFeed(Generic[BatchT]):
         """The oldest buffered batch, out of the buffer (an agreement has counted it)."""
         return self._buffer.popleft()
 
-    def take_one_now(self) -> FedBatch[BatchT]:
-        """Read one batch with no agreement to report to: raise what the source raises."""
+    def take_or_repeat(self) -> FedBatch[BatchT]:
+        """The next batch, where no agreement comes before each step (known lengths).
+
+        Once the source has failed or ended early, the batch last handed out comes again as a
+        repeat, so that this rank keeps stepping with the others until the next check tells
+        every rank (``failure`` holds the error until then).
+        """
         self.fill(1)
-        if self.failure is not None:
-            raise self.failure
-        if not self._buffer:
-            raise EvenLoaderError(
+        if self._buffer:
+            self._last = self._buffer.popleft()
+            return self._last
+        if self.failure is None:
+            self.failure = EvenLoaderError(
                 "the source ended before the number of batches its length (or shard plan) "
                 "promised; set sync_every=1 (or more) so that ranks agree as they go instead "
                 "of trusting the length"
             )
-        return self._buffer.popleft()
+        if self._last is None:
+            # Nothing to repeat. Not reached by the loader: an epoch with known lengths reads
+            # its first batch before its agreement, which reports a failure there.
+            raise self.failure
+        return self._last._replace(pass_number=max(self._last.pass_number, 2))
 
     def had_more_own_data(self) -> bool:
         """Whether the first pass still had batches when the epoch stopped (reads one to check)."""
@@ -137,8 +158,8 @@ class ShardFeed(Generic[BatchT]):
             return False
         try:
             self._buffer.append(self._read_one(may_restart=False))
-        except _ShardEnded:
-            return False
+        except (_ShardEnded, SourceEndedEarlyError):
+            return False  # a short pass the epoch did not need: the statistics count its loss
         except Exception as error:
             logger.warning("reading past the end of the epoch raised %r", error)
             return False
@@ -185,13 +206,24 @@ class ShardFeed(Generic[BatchT]):
         self._pass = opened
         self.passes_started += 1
         self._batches_in_pass = 0
+        logger.debug("pass %d over this rank's shard opened", self.passes_started)
 
     def _end_pass(self) -> None:
         assert self._pass is not None
         self._pass.close()
         self._pass = None
+        logger.debug(
+            "pass %d over this rank's shard ended after %d batch(es)",
+            self.passes_started,
+            self._batches_in_pass,
+        )
         if self.passes_started == 1:
             self.own_ended = True
+            promised, before = self._promised or (0, 0)
+            # A pass that restarts (cycle) goes on after a short first pass, which the epoch's
+            # statistics count as lost rows; one that cannot leaves the epoch short of steps.
+            if self.own_read < promised and (not self._restarts or self.own_read == 0):
+                raise SourceEndedEarlyError(before + self.own_read, before + promised)
         elif self._batches_in_pass == 0:
             raise EvenLoaderError(
                 f"pass {self.passes_started} over this rank's shard yielded nothing although the "

@@ -10,7 +10,10 @@
 * A reader the loader opened (through a factory) is stopped and joined when its pass ends;
   a reader the user passed in stays theirs to stop.
 * Which row groups a reader reads is in its ventilator's items (petastorm has no public
-  accessor); sharding and plans are checked against it.
+  accessor); sharding and plans are checked against it. The ventilator thread shuffles that
+  list in place at the start of each pass, so it is copied in one step before it is read.
+* Petastorm's thread pool can end a pass with row groups still in flight
+  (:mod:`ddp_even.petastorm.thread_pool`); every reader read here gets the race-free version.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import pyarrow.filesystem
 from petastorm.pytorch import LoaderBase
 from petastorm.reader import Reader
 
+from ddp_even.petastorm.thread_pool import close_end_of_results_race
 from ddp_even.sources.base import ContinuingStream, ShardPass, ShardSource, count_rows
 
 if TYPE_CHECKING:
@@ -66,14 +70,21 @@ def _read_to_end(reader: Reader) -> None:
 def row_groups_read_by(reader: Reader) -> frozenset[int] | None:
     """The global row-group indices ``reader`` reads, or None if petastorm hides them."""
     try:
-        items = reader.ventilator._items_to_ventilate
+        items = _ventilated_items(reader)
         return frozenset(int(item["piece_index"]) for item in items)
     except (AttributeError, KeyError, TypeError):
         return None
 
 
+def _ventilated_items(reader: Reader) -> list[dict[str, Any]]:
+    """The reader's work items, copied in one step: ``list()`` of a list runs no Python code
+    that would let the ventilator thread shuffle it half-way through the copy."""
+    return list(reader.ventilator._items_to_ventilate)
+
+
 class _PetastormSource(ShardSource[Any]):
     def __init__(self, reader: Reader, *, owned: bool) -> None:
+        close_end_of_results_race(getattr(reader, "_workers_pool", None))
         self._reader = reader
         self._owned = owned
         self._passes_opened = 0
@@ -211,7 +222,7 @@ def round_robin_plan(
 
 def _why_rows_unknown(reader: Reader) -> str | None:
     try:
-        items = reader.ventilator._items_to_ventilate
+        items = _ventilated_items(reader)
         local = isinstance(reader.dataset.fs, pyarrow.filesystem.LocalFileSystem)
         worker = _a_worker(reader)
     except AttributeError as error:  # another petastorm version: no guess

@@ -27,3 +27,13 @@ class AllReduceCounter:
 
     def stop(self) -> None:
         ddp_even.agreement.transport.dist.all_reduce = self._real  # type: ignore[attr-defined]
+
+
+def source_checks(steps: int, counted_from: int = 2) -> int:
+    """All-reduces an epoch of ``steps`` steps with known lengths starts from step
+    ``counted_from`` on: a check of the sources every ``CHECK_EVERY`` steps and one at the last
+    step (``AllReduceCounter`` started after the first batch counts from step 2)."""
+    from ddp_even.runtime.epochs import CHECK_EVERY
+
+    checked = {step for step in range(1, steps + 1) if step % CHECK_EVERY == 0 or step == steps}
+    return sum(1 for step in checked if step >= counted_from)
