@@ -250,7 +250,7 @@ def scan_steps(url: str, workdir: Path) -> Steps:
     """One epoch's read of every column, and planning with the predicate counted (no cache)."""
     from petastorm.predicates import in_lambda
 
-    from ddp_even.planning.readers import make_shard_factory
+    from ddp_even.petastorm.readers import make_shard_factory
 
     def read_epoch() -> None:
         options = {"workers_count": 2}
@@ -270,10 +270,10 @@ def scan_parts(url: str) -> Steps:
     """The scan's parts (see :func:`scan_cost`), and a run that finds the counts cached."""
     from petastorm.predicates import in_lambda
 
-    from ddp_even.planning.datasets import read_row_groups
+    from ddp_even.petastorm.readers import make_shard_factory
     from ddp_even.planning.predicate_counts import count_in_columns
-    from ddp_even.planning.readers import make_shard_factory
-    from ddp_even.planning.storage import resolve_dataset
+    from ddp_even.planning.row_groups import read_row_groups
+    from ddp_even.storage import resolve_dataset
 
     predicate = in_lambda(["id"], keeps)
     resolved = resolve_dataset(url)

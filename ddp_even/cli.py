@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -29,22 +30,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from ddp_even.errors import DatasetError
 from ddp_even.modes import MODES
-from ddp_even.planning.datasets import DatasetError, RowGroups, read_row_groups
 from ddp_even.planning.plans import ShardPlan, plan_shards
-from ddp_even.planning.sharding import SHARDINGS, check_sharding
+from ddp_even.planning.row_groups import RowGroups, read_row_groups
+from ddp_even.planning.sharding import SHARDINGS, sharding_from
 
 __all__ = ["main"]
 
 # Beyond this many ranks the rank table shows a summary unless --all-ranks is given.
 _MAX_LISTED_RANKS = 32
 _BAR_WIDTH = 20
-_SHARDING_NAMES = {
-    "round_robin": "petastorm round robin",
-    "row_groups": "balanced row groups",
-    "rows": "equal row ranges",
-    "replicate": "replicated",
-}
 # Metadata reads faster than this show no progress bar (a local dataset, a small remote one).
 _PROGRESS_AFTER_S = 1.0
 
@@ -69,7 +65,7 @@ def main() -> None:
 )
 @click.option(
     "--sharding",
-    type=click.Choice(SHARDINGS),
+    type=click.Choice(list(SHARDINGS)),
     default="round_robin",
     show_default=True,
     help="Who reads what: petastorm's round robin, whole balanced row groups, equal row "
@@ -113,13 +109,16 @@ def plan_command(
     """
     location: str | list[str] = dataset[0] if len(dataset) == 1 else list(dataset)
     options = _storage_options(storage_option)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # said below, in CLI words
+            chosen = sharding_from(sharding, True if balanced else None)
+    except ValueError as error:
+        raise click.BadParameter(
+            f"--balanced contradicts --sharding {sharding}", param_hint="--balanced"
+        ) from error
     if balanced:
-        if sharding not in ("round_robin", "row_groups"):
-            raise click.BadParameter(
-                f"--balanced contradicts --sharding {sharding}", param_hint="--balanced"
-            )
         click.echo("--balanced is deprecated: use --sharding row_groups", err=True)
-        sharding = "row_groups"
     try:
         with _MetadataProgress(Console(stderr=True)) as progress:
             row_groups = read_row_groups(
@@ -129,12 +128,12 @@ def plan_command(
         raise click.ClickException(str(error)) from error
     round_robin = plan_shards(row_groups, world_size, batch_size)
     too_many = round_robin.describe_too_many_ranks()
-    if too_many is not None and sharding == "round_robin":
+    if too_many is not None and SHARDINGS[chosen].is_petastorms:
         raise click.ClickException(
             f"{too_many}. Use --world-size {len(row_groups)} or less, --sharding rows, or write "
             f"the dataset with at least {world_size} row groups"
         )
-    plan = plan_shards(row_groups, world_size, batch_size, sharding=check_sharding(sharding))
+    plan = plan_shards(row_groups, world_size, batch_size, sharding=chosen)
     if as_json:
         click.echo(json.dumps(_as_json(location, row_groups, plan, round_robin), indent=2))
         return
@@ -144,7 +143,7 @@ def plan_command(
     if plan.row_ranges:
         console.print(_split_table(plan, row_groups, all_ranks))
     console.print(_mode_table(plan))
-    if plan.sharding != "round_robin":
+    if not SHARDINGS[plan.sharding].is_petastorms:
         console.print(_comparison_table(round_robin, plan))
 
 
@@ -224,14 +223,14 @@ def _as_json(
         "num_files": len(row_groups.files),
         "plan": plan.to_dict(),
     }
-    if plan.sharding != "round_robin":
+    if not SHARDINGS[plan.sharding].is_petastorms:
         document["round_robin"] = round_robin.to_dict()
     return document
 
 
 def _header(location: str | Sequence[str], row_groups: RowGroups, plan: ShardPlan) -> Text:
     name = location if isinstance(location, str) else f"{len(location)} files"
-    sharding = _SHARDING_NAMES[plan.sharding]
+    sharding = SHARDINGS[plan.sharding].label
     return Text.assemble(
         (str(name), "bold"),
         f"\n{plan.num_row_groups:,} row groups in {len(row_groups.files):,} file(s) "
@@ -262,7 +261,7 @@ def _rank_table(plan: ShardPlan, all_ranks: bool) -> Table:
         )
     bound = (
         f"lower bound for the fullest rank {plan.lower_bound_rows:,} rows; "
-        if plan.sharding in ("round_robin", "row_groups")
+        if SHARDINGS[plan.sharding].keeps_row_groups_whole
         else ""
     )
     table.caption = f"spread {plan.spread_rows:,} rows; {bound}(red: fewest, yellow: most)"
@@ -360,7 +359,7 @@ def _split_table(plan: ShardPlan, row_groups: RowGroups, all_ranks: bool) -> Tab
 
 
 def _comparison_table(round_robin: ShardPlan, planned: ShardPlan) -> Table:
-    name = _SHARDING_NAMES[planned.sharding]
+    name = SHARDINGS[planned.sharding].label
     table = Table(title=f"Round robin vs {name}", title_justify="left")
     table.add_column("")
     table.add_column("round robin", justify="right")

@@ -1,6 +1,15 @@
-"""Exceptions ddp_even raises on every rank at the same step, instead of hanging."""
+"""Every exception ddp_even raises.
+
+:class:`EvenLoaderError` and its subclasses are raised on every rank at the same step, instead
+of a hang. :class:`DatasetError` says a dataset cannot be planned (before any rank starts
+training); :class:`PlanMismatchError` and :class:`RowCountMismatchError` say the data is no
+longer what was planned (a rank's source raises them, and the loader makes every rank hear of
+it).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 
 class EvenLoaderError(RuntimeError):
@@ -129,7 +138,7 @@ class OffPlanError(EvenLoaderError):
         super().__init__(
             f"the shard plan does not match what the ranks read ({described}); build the "
             "readers from the same plan (EvenLoader.from_parquet, or the factory of "
-            "ddp_even.planning.readers.make_shard_factory), or plan with the sharding the "
+            "ddp_even.petastorm.readers.make_shard_factory), or plan with the sharding the "
             "readers use (balanced=False for petastorm's cur_shard/shard_count)"
         )
 
@@ -176,4 +185,98 @@ class PeerTimeoutError(EvenLoaderError):
         super().__init__(
             f"rank(s) {names} did not answer the step agreement within {timeout:g} s "
             f"(dead, stalled, or waiting in a collective this rank did not enter): {detail}"
+        )
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be planned: missing, unreachable, not Parquet, or laid out so petastorm
+    fails too.
+
+    The message is one line: it names the path or URL and says what to do.
+
+    Example:
+        >>> from ddp_even.planning.row_groups import read_row_groups
+        >>> try:
+        ...     read_row_groups("/no/such/dataset")
+        ... except DatasetError as error:
+        ...     print(error)
+        /no/such/dataset does not exist: check the path or URL
+    """
+
+
+class PlanMismatchError(RuntimeError):
+    """The dataset is no longer the one planned: its files or row groups changed.
+
+    Raised by ``factory()`` before any data is read, when the footers of the pass's files
+    give a row group other rows than the plan counted or show a file rewritten since planning
+    (plan again), or when petastorm lists the row groups differently from the plan (the
+    dataset changed, or ddp_even lists row groups wrongly: please report it).
+
+    Example:
+        >>> issubclass(PlanMismatchError, RuntimeError)
+        True
+    """
+
+
+class RowCountMismatchError(RuntimeError):
+    """A row group yielded a different number of rows from the plan's count.
+
+    The dataset changed since it was planned, its footers disagree with its data, or a row
+    predicate or transform is not deterministic (the plan counted its rows once).
+    """
+
+
+class ConverterDeletedError(EvenLoaderError):
+    """The Parquet files of a petastorm Spark converter are gone.
+
+    ``converter.delete()`` removes them, and so does the exit of the process that called
+    ``make_spark_converter`` (petastorm registers that with ``atexit``). Raised on every rank
+    when the loader is built or a pass starts, instead of petastorm's ``RuntimeError`` after
+    waiting 30 s for the files.
+
+    Example::
+
+        >>> print(ConverterDeletedError("file:///cache/run-1", ["file:///cache/run-1/part-0"], 4))
+        the Spark converter's Parquet files under file:///cache/run-1 are gone (1 of 4 missing, ...
+    """
+
+    def __init__(self, cache_dir_url: str, missing: Sequence[str], total: int) -> None:
+        self.cache_dir_url = cache_dir_url
+        self.missing = tuple(missing)
+        super().__init__(
+            f"the Spark converter's Parquet files under {cache_dir_url} are gone "
+            f"({len(self.missing)} of {total} missing, e.g. {self.missing[0]}): it was deleted "
+            "(converter.delete()) or the process that called make_spark_converter has exited "
+            "(petastorm deletes the files then). Keep that process alive and call "
+            "converter.delete() after training, or make a new converter: "
+            "make_spark_converter(df)"
+        )
+
+
+class TooFewRowGroupsError(EvenLoaderError, ValueError):
+    """A Spark converter holds fewer row groups than there are ranks.
+
+    petastorm shards a converter by row group (one per non-empty DataFrame partition, or more
+    for large partitions), so some ranks would have nothing: its readers raise
+    ``NoDataAvailableError`` on every rank. Raised on every rank when the loader is built (or
+    when a factory's ``make_torch_dataloader`` context is entered), saying what to do.
+
+    Example::
+
+        >>> print(TooFewRowGroupsError(1, 4, "file:///cache/run-1"))
+        the Spark converter's DataFrame (file:///cache/run-1) was written as 1 row group(s), ...
+    """
+
+    def __init__(self, row_groups: int, world_size: int, where: str) -> None:
+        self.row_groups = row_groups
+        self.world_size = world_size
+        super().__init__(
+            f"the Spark converter's DataFrame ({where}) was written as {row_groups} row "
+            f"group(s), fewer than the {world_size} ranks: petastorm shards by row group and "
+            f"raises NoDataAvailableError on every rank. Repartition the DataFrame into at "
+            f"least {world_size} partitions before converting it: "
+            f"make_spark_converter(df.repartition({world_size})) (a multiple of "
+            f"{world_size} partitions of similar sizes keeps shards even); or plan the shards: "
+            "EvenLoader.from_parquet(converter, batch_size=..., balanced=True, mode='join') runs "
+            "with ranks that hold no row group"
         )

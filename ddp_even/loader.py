@@ -1,42 +1,46 @@
-"""``EvenLoader``: the loader the user already has, with the same number of steps on every rank."""
+"""``EvenLoader``: the loader the user already has, with the same number of steps on every rank.
+
+One ``for`` over the loader is one epoch: ``_run_epoch`` prepares the source (resuming, if a
+state was loaded: :mod:`ddp_even.runtime.resume`), settles the plan (a given one, one worked
+out from the Parquet footers, or none), chooses the epoch's shape (known lengths, windows of
+agreement, or join: :mod:`ddp_even.runtime.epochs`) and runs it.
+"""
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 import os
 import weakref
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
-from ddp_even.agreement.transport import (
-    Agreer,
-    CollectiveAgreer,
-    SoloAgreer,
-    control_group_for,
-    training_timeout,
-)
-from ddp_even.checks import check_positive_int
+from ddp_even.agreement.transport import Agreer, agreer_for
+from ddp_even.checks import check_positive_int, check_timeout
 from ddp_even.errors import EvenLoaderError
 from ddp_even.modes import mode_named
 from ddp_even.runtime.environment import (
+    rank_and_world_size,
     refuse_join_inside_lightning,
     warn_if_launched_without_a_group,
 )
 from ddp_even.runtime.epochs import EpochRun, Settings, run_join, run_known_lengths, run_windows
 from ddp_even.runtime.feed import ShardFeed
 from ddp_even.runtime.footer_plan import agreed_footer_plan
-from ddp_even.runtime.saved_state import resume_point, saved_state
+from ddp_even.runtime.resume import (
+    PendingResume,
+    ResumedStart,
+    pending_resume,
+    resumed_start,
+    saved_state,
+)
 from ddp_even.runtime.stats import EpochStats, RankCounts
-from ddp_even.sources import ShardSource, as_source, parquet_dataset
+from ddp_even.sources import PlannedSource, as_source, parquet_dataset
 
 if TYPE_CHECKING:
     from ddp_even.planning.plans import ShardPlan
-    from ddp_even.planning.readers import PlannedPasses
 
 BatchT = TypeVar("BatchT")
 
@@ -124,7 +128,7 @@ class EvenLoader(Generic[BatchT]):
         for name, value in (("steps_per_epoch", steps_per_epoch), ("sync_every", sync_every)):
             if value is not None:
                 check_positive_int(name, value)
-        _check_timeout(timeout)
+        check_timeout(timeout)
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup, got {group!r}")
         joinables = tuple(joinables)
@@ -157,27 +161,25 @@ class EvenLoader(Generic[BatchT]):
                 "cur_shard=rank, shard_count=world_size), batch_size=64)"
             )
         if dist.is_available() and dist.is_initialized():
-            self._source.check_shard(*_rank_and_world_size(group))
+            self._source.check_shard(*rank_and_world_size(group))
         self._steps_per_epoch = steps_per_epoch
         self._sync_every = sync_every
         self._group = group
         self._joinables = joinables
         self._timeout = None if timeout is None else float(timeout)
-        self._plan = plan
+        # A factory that reads any plan of its dataset (from_parquet's): resumes elastically.
+        self._passes = source if isinstance(source, PlannedSource) else None
+        self._plan = plan if plan is not None or self._passes is None else self._passes.plan
         # A petastorm loader's plan worked out from its footers (no plan given); tried once.
         self._footer_plan: ShardPlan | None = None
         self._footer_plan_tried = False
-        # from_parquet's factory: it can read any plan of the dataset (elastic resume).
-        self._passes: PlannedPasses | None = None
-        # (epoch, step, plan) of a state saved on another number of ranks, to resume from.
-        self._elastic: tuple[int, int, ShardPlan] | None = None
-        # Made at the first epoch, a point every rank reaches.
-        self._agreer: Agreer | None = None
+        # Made at the first epoch, a point every rank reaches (or met while planning).
+        self._agreer: Agreer | None = None if self._passes is None else self._passes.agreer
         self._next_epoch = 0
         self._running: weakref.ref[_Epoch[BatchT]] | None = None
         self._current_run: EpochRun[BatchT] | None = None
-        # (epoch, step) to resume after, from load_state_dict.
-        self._resume: tuple[int, int] | None = None
+        # Where the next epoch resumes, from load_state_dict.
+        self._pending: PendingResume | None = None
         self.history: list[EpochStats] = []
         self.repeating = False
         # What trainers look for to number epochs (Lightning calls sampler.set_epoch); there
@@ -248,12 +250,11 @@ class EvenLoader(Generic[BatchT]):
                 f"loader must be 'batched_dataloader' or 'dataloader', got {loader!r}: "
                 "EvenLoader counts batches, so the rows must be batched"
             )
-        from ddp_even.planning.readers import make_shard_factory
+        from ddp_even.petastorm.readers import make_shard_factory
 
-        _check_timeout(timeout)
-        rank, world_size = _rank_and_world_size(group)
-        agreer = _agreer_for(group, timeout) if predicate is not None else None
-        plan, factory = make_shard_factory(
+        check_timeout(timeout)
+        rank, world_size = rank_and_world_size(group)
+        _, passes = make_shard_factory(
             parquet_dataset(dataset),  # a Spark converter: its files, in petastorm's order
             rank,
             world_size,
@@ -261,7 +262,8 @@ class EvenLoader(Generic[BatchT]):
             sharding=sharding,
             balanced=balanced,
             predicate=predicate,
-            share=None if agreer is None or agreer.world_size == 1 else agreer.gather_counts,
+            # Counting a predicate's rows is the first time the ranks meet.
+            agreer=agreer_for(group, timeout) if predicate is not None else None,
             loader=loader,
             reader=reader,
             reader_kwargs=reader_kwargs,
@@ -269,19 +271,15 @@ class EvenLoader(Generic[BatchT]):
             storage_options=storage_options,
             filesystem=filesystem,
         )
-        even_loader: EvenLoader[Any] = cls(
-            factory,
+        return cls(
+            passes,
             mode,
             steps_per_epoch=steps_per_epoch,
             sync_every=sync_every,
             group=group,
             joinables=joinables,
             timeout=timeout,
-            plan=plan,
         )
-        even_loader._agreer = agreer
-        even_loader._passes = factory
-        return even_loader
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is: plain data to save with the model, to resume mid-epoch.
@@ -313,12 +311,12 @@ class EvenLoader(Generic[BatchT]):
         if run is not None and not run.finished and self._running_epoch_is(run):
             epoch, step = run.epoch, run.counts.steps
             resumed_from = run.resumed_from_world_size
-        elif self._resume is not None:
-            epoch, step = self._resume
+        elif self._pending is not None and self._pending.saved_plan is None:
+            epoch, step = self._pending.epoch, self._pending.step
         return saved_state(
             settings=self._settings(self._sync_every, self._plan).description,
-            world_size=_rank_and_world_size(self._group)[1],
-            rank=_rank_and_world_size(None)[0],
+            world_size=rank_and_world_size(self._group)[1],
+            rank=rank_and_world_size(None)[0],
             epoch=epoch,
             step=step,
             resumed_from_world_size=resumed_from,
@@ -357,67 +355,16 @@ class EvenLoader(Generic[BatchT]):
         by a loader with other settings, or on another number of ranks by a loader that
         cannot re-plan.
         """
-        world_size = _rank_and_world_size(self._group)[1]
-        saved_world_size = state.get("world_size") if isinstance(state, Mapping) else None
-        if (
-            self._passes is not None
-            and isinstance(saved_world_size, int)
-            and not isinstance(saved_world_size, bool)
-            and saved_world_size >= 1
-            and saved_world_size != world_size
-        ):
-            self._load_elastic(state, saved_world_size)
-            return
-        epoch, step = resume_point(
+        self._next_epoch, self._pending = pending_resume(
             state,
-            settings=self._settings(self._sync_every, self._plan).description,
-            world_size=world_size,
+            settings_for=lambda plan: (
+                self._settings(self._sync_every, plan or self._plan).description
+            ),
+            world_size=rank_and_world_size(self._group)[1],
+            mode=self._mode,
+            steps_per_epoch=self._steps_per_epoch,
+            planned=self._passes,
         )
-        self._next_epoch = epoch
-        self._resume = (epoch, step) if step > 0 else None
-        self._elastic = None
-
-    def _load_elastic(self, state: Mapping[str, Any], saved_world_size: int) -> None:
-        from ddp_even.planning import plan_shards
-
-        assert self._passes is not None and self._plan is not None
-        saved_step = state.get("step")
-        cannot = None
-        if self._mode.restarts_short_shards:
-            cannot = "cycle mode repeats rows, so 'the rows not yet read' is not one set"
-        elif self._steps_per_epoch is not None:
-            cannot = "steps_per_epoch caps the epoch by steps, not rows"
-        elif self._plan.sharding == "replicate":
-            cannot = (
-                "with sharding='replicate' every rank reads every row, each in its own order, so "
-                "'the rows not yet read' is not one set"
-            )
-        elif self._passes.why_not_in_plan_order is not None:
-            cannot = (
-                "which rows were read before the saved step is not known: "
-                f"{self._passes.why_not_in_plan_order}"
-            )
-        if cannot is not None and isinstance(saved_step, int) and saved_step > 0:
-            raise ValueError(
-                f"the loader state was saved on {saved_world_size} ranks in the middle of epoch "
-                f"{state.get('epoch')}, and this job has {self._plan.world_size}: {cannot}. "
-                f"Resume on {saved_world_size} ranks, or start the next epoch (set_epoch)"
-            )
-        saved_plan = plan_shards(
-            self._passes.row_group_sizes,
-            saved_world_size,
-            self._plan.batch_size,
-            sharding=self._plan.sharding,
-        )
-        epoch, step = resume_point(
-            state,
-            settings=self._settings(self._sync_every, saved_plan).description,
-            world_size=saved_world_size,
-        )
-        self._next_epoch = epoch
-        self._resume = None
-        # Between epochs (step 0) the next epoch is planned for this job's ranks anyway.
-        self._elastic = (epoch, step, saved_plan) if step > 0 else None
 
     def set_epoch(self, epoch: int) -> None:
         """Number the next epoch ``epoch`` (as ``DistributedSampler.set_epoch`` does).
@@ -462,15 +409,6 @@ class EvenLoader(Generic[BatchT]):
             )
         return steps
 
-    def _rank_for_plan(self, plan: ShardPlan) -> int:
-        rank, world_size = _rank_and_world_size(self._group)
-        if plan.world_size != world_size:
-            raise ValueError(
-                f"the shard plan is for {plan.world_size} ranks but the process group has "
-                f"{world_size}; plan with world_size={world_size}"
-            )
-        return rank
-
     def __iter__(self) -> Iterator[BatchT]:
         running = None if self._running is None else self._running()
         if running is not None:
@@ -493,41 +431,59 @@ class EvenLoader(Generic[BatchT]):
         epoch = self._next_epoch
         self._next_epoch += 1
         agreer = self._agreer_for_this_process()
-        rank = agreer.rank
-        mode = self._mode
-        source, rest_of_epoch = self._source, self._rest_of_interrupted_epoch(epoch)
-        own_tails = self._own_tails(epoch, rank)
-        if rest_of_epoch is not None:
-            assert self._passes is not None
-            source = as_source(functools.partial(self._passes, shard_plan=rest_of_epoch))
-        elif own_tails is not None:
-            assert self._passes is not None
-            source = as_source(_first_pass_from(self._passes, own_tails))
-        source.start_epoch(epoch)
-        # Before any pass opens: a source may start its first pass at the resumed step.
-        resuming = self._resume is not None and self._resume[0] == epoch
-        skipped = self._skipped(source, own_tails, rank) if resuming else ()
+        start = self._prepare_source(epoch, agreer)
         feed: ShardFeed[BatchT] = ShardFeed(
-            source, mode.restarts_short_shards, self._steps_per_epoch is not None
+            start.source, self._mode.restarts_short_shards, self._steps_per_epoch is not None
         )
-        counts = RankCounts()
-        known_batches = source.known_batches()
+        run = self._settle_plan(epoch, agreer, start, feed)
+        if self._mode.shadows_finished_ranks and agreer.world_size > 1:
+            refuse_join_inside_lightning()
+        self._current_run = run
+        if start.step is not None:
+            run.resume_after(start.step, start.skipped)
+        try:
+            yield from self._shape_of(run)
+        finally:
+            self.repeating = False
+            feed.close()
+
+    def _prepare_source(self, epoch: int, agreer: Agreer) -> ResumedStart:
+        """What ``epoch`` reads: the source, or where a loaded state resumes it."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending.epoch != epoch:
+            self._source.start_epoch(epoch)
+            return ResumedStart(self._source)
+        return resumed_start(
+            pending,
+            self._source,
+            plan=self._plan,
+            planned=self._passes,
+            mode=self._mode,
+            rank=agreer.rank,
+            world_size=agreer.world_size,
+        )
+
+    def _settle_plan(
+        self, epoch: int, agreer: Agreer, start: ResumedStart, feed: ShardFeed[BatchT]
+    ) -> EpochRun[BatchT]:
+        """The epoch's run: its plan (given, from the footers, or none) and its settings."""
+        mode, rank, counts = self._mode, agreer.rank, RankCounts()
+        known_batches = start.source.known_batches()
         fixed_steps = mode.restarts_short_shards and self._steps_per_epoch is not None
         agrees_as_it_goes = self._sync_every is not None or mode.shadows_finished_ranks
         if self._plan is None and known_batches is None and not (agrees_as_it_goes or fixed_steps):
             self._plan_from_footers(feed, agreer, epoch)
-        plan = self._known_plan if rest_of_epoch is None else rest_of_epoch
+        plan = start.plan or self._known_plan
         if plan is not None:
             self._rank_for_plan(plan)
             known_batches = counts.planned_batches = plan.batches_per_rank[rank]
             counts.planned_rows = plan.rows_per_rank[rank]
         if agrees_as_it_goes:
             # An explicit window, and join (which shares no step count), agree as they go.
-            known_batches = None
-            fixed_steps = False
+            known_batches, fixed_steps = None, False
         whole_epoch = known_batches is not None or fixed_steps
         if known_batches is not None:
-            feed.promise(known_batches, starts_after=len(skipped))
+            feed.promise(known_batches, starts_after=len(start.skipped))
         run = EpochRun(
             settings=self._settings(None if whole_epoch else (self._sync_every or 1), plan),
             agreer=agreer,
@@ -536,32 +492,20 @@ class EvenLoader(Generic[BatchT]):
             counts=counts,
             mark_repeating=self._mark_repeating,
             record=self.history.append,
+            known_batches=known_batches,
         )
         if plan is not None:
-            first_pass = plan if own_tails is None else own_tails
-            run.off_plan = feed.differs_from(first_pass.shards[rank])
-        if mode.shadows_finished_ranks and agreer.world_size > 1:
-            refuse_join_inside_lightning()
-        self._current_run = run
-        if rest_of_epoch is not None and self._elastic is not None:
-            run.resumed_at, run.resumed_from_world_size = (
-                self._elastic[1],
-                self._elastic[2].world_size,
-            )
-        self._elastic = None
-        if self._resume is not None and self._resume[0] == epoch:
-            run.resume_after(self._resume[1], skipped)
-        self._resume = None
-        try:
-            if whole_epoch:
-                yield from run_known_lengths(run, known_batches)
-            elif mode.shadows_finished_ranks and agreer.world_size > 1:
-                yield from run_join(run, self._joinables)
-            else:
-                yield from run_windows(run)
-        finally:
-            self.repeating = False
-            feed.close()
+            run.off_plan = feed.differs_from((start.first_pass or plan).shards[rank])
+        if start.resumed_from is not None:
+            run.resumed_at, run.resumed_from_world_size = start.resumed_from
+        return run
+
+    def _shape_of(self, run: EpochRun[BatchT]) -> Iterator[BatchT]:
+        if run.settings.sync_every is None:
+            return run_known_lengths(run, run.known_batches)
+        if self._mode.shadows_finished_ranks and run.agreer.world_size > 1:
+            return run_join(run, self._joinables)
+        return run_windows(run)
 
     def _mark_repeating(self, repeating: bool) -> None:
         self.repeating = repeating
@@ -569,81 +513,22 @@ class EvenLoader(Generic[BatchT]):
     def _settings(self, sync_every: int | None, plan: ShardPlan | None) -> Settings:
         return Settings(self._mode, self._steps_per_epoch, sync_every, plan)
 
-    def _own_tails(self, epoch: int, rank: int) -> ShardPlan | None:
-        """When resuming ``epoch`` on as many ranks with a planned reader whose order is known
-        (:mod:`ddp_even.planning.pass_order`), the plan of each rank's rows not yet read, in
-        its reading order: its pass starts there."""
-        if (
-            self._resume is None
-            or self._resume[0] != epoch
-            or self._passes is None
-            or self._plan is None
-            or self._passes.why_not_in_plan_order is not None
-            or self._resume[1] > self._plan.batches_per_rank[rank]  # in a repeated pass
-        ):
-            return None
-        from ddp_even.planning.remainder import plan_own_tails
-
-        tails = plan_own_tails(
-            self._plan, self._passes.row_group_sizes, self._resume[1], self._passes.order, epoch
-        )
-        logger.info(
-            "ddp_even: epoch %d resumes after step %d: this rank reads only its %d rows not yet "
-            "read",
-            epoch,
-            self._resume[1],
-            tails.rows_per_rank[rank],
-        )
-        return tails
-
-    def _skipped(
-        self, source: ShardSource[Any], own_tails: ShardPlan | None, rank: int
-    ) -> Sequence[int | None]:
-        """Rows of the batches a resumed epoch's first pass starts after (None: unknown)."""
-        assert self._resume is not None
-        step = self._resume[1]
-        if own_tails is not None:
-            return self._batch_rows_before(step, rank)
-        # A repeated pass (cycle) cannot be reached by starting the first one later.
-        if not self._mode.restarts_short_shards and source.starts_at(step):
-            return [None] * step
-        return ()
-
-    def _batch_rows_before(self, step: int, rank: int) -> list[int | None]:
-        """Rows of each batch ``rank`` handed out in its epoch's first ``step`` steps."""
-        assert self._plan is not None
-        batch_size, rows = self._plan.batch_size, self._plan.rows_per_rank[rank]
-        return [min(batch_size, rows - index * batch_size) for index in range(step)]
-
-    def _rest_of_interrupted_epoch(self, epoch: int) -> ShardPlan | None:
-        """The plan of the rows not yet read in ``epoch``, saved on another number of ranks."""
-        if self._elastic is None or self._elastic[0] != epoch or self._passes is None:
-            return None
-        from ddp_even.planning.remainder import plan_unread_rows, unread_rows
-
-        _, step, saved_plan = self._elastic
-        sizes = self._passes.row_group_sizes
-        rest = plan_unread_rows(
-            unread_rows(saved_plan, sizes, step, self._passes.order, epoch),
-            sizes,
-            _rank_and_world_size(self._group)[1],
-            saved_plan.batch_size,
-        )
-        logger.info(
-            "ddp_even: epoch %d resumes after step %d of %d ranks on %d: its %d unread rows "
-            "re-planned (%s rows per rank)",
-            epoch,
-            step,
-            saved_plan.world_size,
-            rest.world_size,
-            rest.total_rows,
-            "/".join(map(str, rest.rows_per_rank)),
-        )
-        return rest
+    def _settings_described(self, plan: ShardPlan | None) -> str:
+        """What a saved state holds of the settings, with ``plan`` (the loader's by default)."""
+        return self._settings(self._sync_every, plan or self._plan).description
 
     @property
     def _known_plan(self) -> ShardPlan | None:
         return self._plan if self._plan is not None else self._footer_plan
+
+    def _rank_for_plan(self, plan: ShardPlan) -> int:
+        rank, world_size = rank_and_world_size(self._group)
+        if plan.world_size != world_size:
+            raise ValueError(
+                f"the shard plan is for {plan.world_size} ranks but the process group has "
+                f"{world_size}; plan with world_size={world_size}"
+            )
+        return rank
 
     def _plan_from_footers(self, feed: ShardFeed[BatchT], agreer: Agreer, epoch: int) -> None:
         """Work out the plan of a petastorm loader sharded with ``cur_shard``/``shard_count``
@@ -655,11 +540,10 @@ class EvenLoader(Generic[BatchT]):
 
     def _agreer_for_this_process(self) -> Agreer:
         if self._agreer is None:
-            self._agreer = self._new_agreer()
+            self._agreer = agreer_for(self._group, self._timeout)
+            if self._agreer.world_size == 1:
+                warn_if_launched_without_a_group()
         return self._agreer
-
-    def _new_agreer(self) -> Agreer:
-        return _agreer_for(self._group, self._timeout)
 
     def _running_epoch_is(self, run: EpochRun[BatchT]) -> bool:
         running = None if self._running is None else self._running()
@@ -703,45 +587,3 @@ class _Epoch(Generic[BatchT]):
 
     def close(self) -> None:
         self._batches.close()
-
-
-def _first_pass_from(passes: PlannedPasses, first: ShardPlan) -> Callable[[int], Any]:
-    """A factory whose first pass reads ``first``'s shard, the later ones the whole shard."""
-    opened = 0
-
-    def factory(epoch: int = 0) -> Any:
-        nonlocal opened
-        opened += 1
-        return passes(epoch, shard_plan=first if opened == 1 else None)
-
-    return factory
-
-
-def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
-        raise ValueError(
-            f"timeout must be a finite positive number of seconds (or None: the training "
-            f"group's own timeout), got {timeout!r}"
-        )
-
-
-def _agreer_for(group: dist.ProcessGroup | None, timeout: float | None) -> Agreer:
-    """The agreer of this process in ``group`` (made once per loader, at a point every rank
-    reaches: the first epoch, or ``from_parquet`` when it has a predicate to count)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        warn_if_launched_without_a_group()
-        return SoloAgreer()
-    if timeout is None:
-        timeout = training_timeout(group)
-    return CollectiveAgreer(control_group_for(group, timeout), float(timeout))
-
-
-def _rank_and_world_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1

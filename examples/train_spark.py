@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_even import EvenLoader
-from ddp_even.sources.spark_converter import ConverterSource
+from ddp_even.petastorm.spark_converter import ConverterSource
 
 # petastorm 0.12.1 drives pyarrow 14 through its deprecated API and warns at every reader;
 # its DataLoader hands torch read-only arrays, which this script never writes into.

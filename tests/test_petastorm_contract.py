@@ -115,3 +115,110 @@ def test_the_source_of_the_fixed_method_is_the_one_read() -> None:
     assert source.index("_ventilated_items_processed") < source.index("completed()"), (
         "petastorm now reads the ventilator first: the race may be fixed upstream"
     )
+
+
+# --- every private attribute listed in ddp_even/petastorm/__init__.py ---------------------
+
+
+def _contract(holds: bool, attribute: str) -> None:
+    assert holds, (
+        f"petastorm {petastorm.__version__} (ddp_even is written for {PINNED}) changed "
+        f"{attribute}: see ddp_even/petastorm/__init__.py for what relies on it"
+    )
+
+
+def test_the_reader_steps_the_planned_reader_overrides_take_the_same_parameters() -> None:
+    import inspect
+
+    from petastorm.reader import Reader
+
+    partition = list(inspect.signature(Reader._partition_row_groups).parameters)
+    _contract(
+        partition
+        == [
+            "self",
+            "dataset",
+            "row_groups",
+            "shard_count",
+            "cur_shard",
+            "filtered_row_group_indexes",
+            "seed",
+        ],
+        "Reader._partition_row_groups",
+    )
+    ventilator = list(inspect.signature(Reader._create_ventilator).parameters)
+    _contract(
+        ventilator
+        == [
+            "self",
+            "row_group_indexes",
+            "shuffle_row_groups",
+            "shuffle_row_drop_partitions",
+            "num_epochs",
+            "worker_predicate",
+            "max_ventilation_queue_size",
+            "seed",
+        ],
+        "Reader._create_ventilator",
+    )
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_pool_readers_internals_are_where_ddp_even_looks(url: str) -> None:
+    from petastorm.workers_pool import thread_pool
+
+    with make_reader(url, cur_shard=1, shard_count=WORLD_SIZE, workers_count=2, seed=7) as reader:
+        pool = reader._workers_pool
+        _contract(isinstance(pool, ThreadPool), "Reader._workers_pool")
+        items = list(reader.ventilator._items_to_ventilate)
+        _contract(
+            sorted(item["piece_index"] for item in items) == list(range(1, len(SIZES), 4))
+            and all("worker_predicate" in item for item in items),
+            "Reader.ventilator._items_to_ventilate",
+        )
+        worker = pool._workers[0]._worker_impl
+        _contract(hasattr(worker, "_transform_spec"), "the worker's _transform_spec")
+        _contract(worker.args[10] == 7, "the workers' args[10] (the seed)")
+        for name in ("publish_func", "_shuffle_rows", "_split_pieces"):
+            _contract(hasattr(worker, name), f"the worker's {name}")
+        for name in ("_ventilator", "_results_queue", "_ventilated_items"):
+            _contract(hasattr(pool, name), f"ThreadPool.{name}")
+        _contract(hasattr(pool, "_ventilated_items_processed"), "ThreadPool counts")
+        _contract(
+            isinstance(thread_pool._VERIFY_END_OF_VENTILATION_PERIOD, float),
+            "thread_pool._VERIFY_END_OF_VENTILATION_PERIOD",
+        )
+        _contract(bool(reader.dataset.paths), "Reader.dataset.paths")
+        _contract(reader.dataset.fs is not None, "Reader.dataset.fs")
+
+
+@pytest.mark.timeout(60)
+def test_a_dummy_pool_keeps_its_worker_and_a_list_of_results(url: str) -> None:
+    with make_reader(url, reader_pool_type="dummy", schema_fields=["id"]) as reader:
+        pool = reader._workers_pool
+        _contract(isinstance(pool._results_queue, list), "DummyPool._results_queue")
+        item = reader.ventilator._items_to_ventilate[0]
+        pool._worker.process(item["piece_index"], item["worker_predicate"], (0, 1))
+        published = sum(len(rows) for rows in pool._results_queue)
+        _contract(published == SIZES[item["piece_index"]], "DummyPool._worker.process")
+        pool._results_queue.clear()
+
+
+def test_the_ventilator_and_the_loader_have_what_ddp_even_subclasses_and_empties() -> None:
+    import inspect
+
+    from petastorm.arrow_reader_worker import ArrowReaderWorker
+    from petastorm.pytorch import DataLoader
+
+    parameters = inspect.signature(ConcurrentVentilator.__init__).parameters
+    _contract(
+        {"ventilate_fn", "items_to_ventilate", "iterations", "randomize_item_order"}
+        <= set(parameters),
+        "ConcurrentVentilator.__init__",
+    )
+    _contract(callable(ConcurrentVentilator.processed_item), "ConcurrentVentilator.processed_item")
+    _contract(
+        hasattr(ArrowReaderWorker, "_read_with_shuffle_row_drop"),
+        "ArrowReaderWorker._read_with_shuffle_row_drop",
+    )
+    _contract("_batch_acc" in inspect.getsource(DataLoader.__init__), "LoaderBase._batch_acc")

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from ddp_even.planning.readers import PlanMismatchError, make_shard_factory, petastorm_url
+from ddp_even.errors import PlanMismatchError
+from ddp_even.petastorm.readers import make_shard_factory, petastorm_url
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.shard_reads import (
     Layouts,
@@ -72,7 +73,7 @@ def test_balanced_readers_read_exactly_their_row_groups(
     tmp_path: Path, make_dataset: Any, options: dict[str, Any]
 ) -> None:
     url = make_dataset(tmp_path / "ds")
-    from ddp_even.planning.datasets import read_row_groups
+    from ddp_even.planning.row_groups import read_row_groups
 
     groups = read_row_groups(url)
     all_ids = ids_of_row_groups(

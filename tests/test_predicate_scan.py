@@ -21,11 +21,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from ddp_even import PeerSourceError
+from ddp_even.petastorm.readers import make_shard_factory
 from ddp_even.planning import predicate_counts
-from ddp_even.planning.datasets import RowGroups, read_row_groups
 from ddp_even.planning.predicate_counts import count_in_columns, matching_rows
-from ddp_even.planning.readers import make_shard_factory
-from ddp_even.planning.storage import resolve_dataset
+from ddp_even.planning.row_groups import RowGroups, read_row_groups
+from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.spawn import run_ranks
 

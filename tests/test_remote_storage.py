@@ -29,11 +29,13 @@ from rich.console import Console
 
 import ddp_even.cli
 from ddp_even.cli import main
+from ddp_even.errors import DatasetError
+from ddp_even.petastorm.legacy_filesystem import legacy_filesystem
+from ddp_even.petastorm.readers import make_shard_factory
 from ddp_even.planning import plan_for_dataset
-from ddp_even.planning.datasets import DatasetError, read_row_groups
 from ddp_even.planning.plans import ShardPlan
-from ddp_even.planning.readers import make_shard_factory
-from ddp_even.planning.storage import legacy_filesystem, resolve_dataset
+from ddp_even.planning.row_groups import read_row_groups
+from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import flat_sizes
 from tests.helpers.s3_server import S3Server, free_port, start_s3_server, upload_directory
 from tests.helpers.shard_reads import Layouts, collect

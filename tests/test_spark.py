@@ -35,14 +35,10 @@ from click.testing import CliRunner
 
 from ddp_even import EvenLoader
 from ddp_even.cli import main as cli
+from ddp_even.errors import ConverterDeletedError, TooFewRowGroupsError
+from ddp_even.petastorm.sources import row_groups_read_by
+from ddp_even.petastorm.spark_converter import ConverterSource, converter_files
 from ddp_even.planning import plan_for_dataset
-from ddp_even.sources.petastorm import row_groups_read_by
-from ddp_even.sources.spark_converter import (
-    ConverterDeletedError,
-    ConverterSource,
-    TooFewRowGroupsError,
-    converter_files,
-)
 from tests.helpers.spark import (
     VEC_SIZE,
     materialize_unischema,

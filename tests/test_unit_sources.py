@@ -214,7 +214,7 @@ def parquet_url(tmp_path: Path) -> str:
 def test_a_petastorm_reader_is_found_by_the_registry(parquet_url: str) -> None:
     from petastorm import make_batch_reader
 
-    from ddp_even.sources.petastorm import PetastormReaderSource
+    from ddp_even.petastorm.sources import PetastormReaderSource
 
     reader = make_batch_reader(parquet_url, reader_pool_type="dummy", num_epochs=1)
     try:
@@ -239,7 +239,7 @@ def test_a_petastorm_loader_and_a_factory_of_readers(parquet_url: str) -> None:
     from petastorm import make_batch_reader
     from petastorm.pytorch import DataLoader as PetastormDataLoader
 
-    from ddp_even.sources.petastorm import PetastormLoaderSource
+    from ddp_even.petastorm.sources import PetastormLoaderSource
 
     reader = make_batch_reader(parquet_url, reader_pool_type="dummy", num_epochs=1)
     try:

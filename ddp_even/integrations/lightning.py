@@ -6,6 +6,13 @@ into it and runs the steps it hands out. Truncate and cycle work; join mode cann
 Lightning makes a collective of its own at every step that torch's ``Join`` cannot shadow.
 :class:`EvenLoaderStats` adds the statistics to the trainer's loggers after each training
 epoch. This is the only module of ddp_even that imports Lightning (``lightning.pytorch``).
+
+Lightning internals relied on (lightning 2.6, pinned in ``constraints.txt``):
+``lightning.pytorch.loops.progress._ProcessedTracker`` and the fit loop's
+``epoch_loop.batch_progress`` (its ``ready``/``started``/``processed``/``completed`` counts and
+``is_last_batch``): where Lightning restarts a resumed fit, for :class:`EvenLoaderCheckpoints`
+(a Lightning without them is left be). ``tests/test_lightning_resume.py`` fails first if they
+change.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loops.progress import _ProcessedTracker
 
 from ddp_even.loader import EvenLoader
-from ddp_even.runtime.saved_state import STATE_FORMAT
+from ddp_even.runtime.resume import STATE_FORMAT
 from ddp_even.runtime.stats import EpochStats
 
 __all__ = ["EvenLoaderCheckpoints", "EvenLoaderStats", "find_even_loaders", "stats_metrics"]

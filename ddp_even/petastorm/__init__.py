@@ -1,1 +1,43 @@
-"""Everything that knows petastorm's internals (petastorm 0.12.1, pinned in constraints.txt)."""
+"""Everything that knows petastorm: the only package of ddp_even that imports it.
+
+* ``sources.py``: petastorm's loaders and readers as shard sources, and the plan of the usual
+  ``cur_shard``/``shard_count`` loop from its footers;
+* ``spark_converter.py``: petastorm's Spark converter as a source (:class:`ConverterSource`);
+* ``readers.py``: readers that read exactly a plan's shard (``make_shard_factory``), with
+  ``planned_workers.py`` (petastorm's workers keeping a rank's rows) and
+  ``ordered_results.py`` (a thread pool's results in ventilation order);
+* ``thread_pool.py``: petastorm's thread pool without its end-of-results race;
+* ``legacy_filesystem.py``: the legacy ``pyarrow.filesystem`` petastorm reads through.
+
+Nothing here is imported by ``import ddp_even``: the sources register by class name
+(:mod:`ddp_even.sources.base`) and the rest is imported when used.
+
+Private petastorm 0.12.1 attributes relied on (pinned in ``constraints.txt``), each with why;
+``tests/test_petastorm_contract.py`` checks every one of them against the installed petastorm
+and fails first, naming the attribute, if a release changes it:
+
+* ``Reader._partition_row_groups`` and ``Reader._create_ventilator`` (their parameters):
+  overridden by the planned reader to read a plan's shard, in a known order (``readers.py``);
+* ``Reader._workers_pool``: set before ``_create_ventilator`` runs; its pool is made race-free
+  (``thread_pool.py``), its worker shows a ``transform_spec`` (``sources.py``), and a
+  predicate's rows are counted through it (``readers.py``);
+* ``Reader.ventilator._items_to_ventilate`` (a list of dicts with ``piece_index`` and
+  ``worker_predicate``): which row groups a reader reads (``sources.py``, ``readers.py``);
+* ``ThreadPool._workers[i]._worker_impl``, ``DummyPool._worker`` and the worker's
+  ``_transform_spec``: whether a ``transform_spec`` may drop rows (``sources.py``);
+* ``DummyPool._results_queue`` (a list): a predicate's rows per row group (``readers.py``);
+* ``ThreadPool.get_results`` and its ``_ventilator``, ``_results_queue``, ``_ventilated_items``,
+  ``_ventilated_items_processed`` and ``thread_pool._VERIFY_END_OF_VENTILATION_PERIOD``: the
+  race-free ``get_results`` (``thread_pool.py``);
+* the workers' ``args[10]`` (the reader's seed), ``publish_func``, ``_shuffle_rows`` and
+  ``_split_pieces``: the planned workers keep a range of rows and shuffle them by the seed
+  (``planned_workers.py``);
+* ``ConcurrentVentilator``'s constructor and ``processed_item``: the planned reader's
+  ventilator counts an item done when it is handed out (``ordered_results.py``);
+* ``ArrowReaderWorker._read_with_shuffle_row_drop``'s split of a row group into parts: the rows
+  of each part (``readers.py``, ``_part_rows``);
+* ``LoaderBase._batch_acc``: ``DataLoader``'s rows left over from the last pass, emptied before
+  each pass (``sources.py``);
+* ``Reader.dataset.paths`` and ``Reader.dataset.fs`` (pyarrow 14's legacy ``ParquetDataset``):
+  the files a reader reads and whether they are local (``sources.py``).
+"""

@@ -1,13 +1,16 @@
-"""Planning before training: a dataset's row groups, shard plans, balanced shards, readers.
+"""Planning before training: a dataset's row groups, and who reads which of them.
 
-Listing row groups and planning need pyarrow only; petastorm is imported only by
-``readers.py``, when a reader is built. The names users need::
+Pure arithmetic over row-group sizes, except :func:`read_row_groups` (and
+:func:`plan_for_dataset`), which read Parquet metadata through :mod:`ddp_even.storage`. Nothing
+here imports petastorm; the readers that follow a plan are in :mod:`ddp_even.petastorm.readers`.
+The names users need::
 
     from ddp_even.planning import plan_for_dataset, plan_shards, ShardPlan
 """
 
-from ddp_even.planning.datasets import DatasetError, RowGroups, read_row_groups
+from ddp_even.errors import DatasetError
 from ddp_even.planning.plans import ModeStats, ShardPlan, plan_for_dataset, plan_shards
+from ddp_even.planning.row_groups import RowGroups, read_row_groups
 
 __all__ = [
     "DatasetError",

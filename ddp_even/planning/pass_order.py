@@ -1,6 +1,6 @@
 """The order in which a planned reader reads its shard: one pure function, for readers and resumes.
 
-A planned reader (:mod:`ddp_even.planning.readers`) ventilates its row groups in the order
+A planned reader (:mod:`ddp_even.petastorm.readers`) ventilates its row groups in the order
 :meth:`PassOrder.rows` gives, and :mod:`ddp_even.planning.remainder` works out from the same
 order which rows a rank had read after ``step`` steps. The order is the rank's shard in plan
 order, or, with ``shuffle_row_groups`` and a seed, that shard permuted by the epoch's seed
@@ -9,7 +9,7 @@ to compute, and :meth:`PassOrder.rows` refuses it.
 
 Rows inside a row group keep their stored order, or with ``shuffle_rows`` and a seed a
 permutation of the row group seeded by ``(epoch seed, row group)`` (applied by the workers,
-:mod:`ddp_even.planning.planned_workers`, before a split row group is cut): a
+:mod:`ddp_even.petastorm.planned_workers`, before a split row group is cut): a
 :data:`~ddp_even.planning.sharding.RowRange` counts rows in that order, so the ranges here hold
 either way.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddp_even.planning.plans import ShardPlan
-from ddp_even.planning.sharding import RowRange
+from ddp_even.planning.sharding import SHARDINGS, RowRange
 
 __all__ = ["PassOrder", "epoch_seed", "pass_rows"]
 
@@ -42,7 +42,7 @@ def epoch_seed(seed: int | None, epoch: int, rank: int, plan: ShardPlan) -> int 
         >>> epoch_seed(None, 0, 0, plan) is None
         True
     """
-    if plan.sharding == "replicate":
+    if SHARDINGS[plan.sharding].every_rank_reads_everything:
         seed = 0 if seed is None else seed
         return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
     if seed is None:
@@ -98,7 +98,11 @@ class PassOrder:
 
     def is_known(self, plan: ShardPlan) -> bool:
         """Whether the order follows from the plan: no shuffle, or a seeded one."""
-        return not self.shuffle_row_groups or self.seed is not None or plan.sharding == "replicate"
+        return (
+            not self.shuffle_row_groups
+            or self.seed is not None
+            or SHARDINGS[plan.sharding].every_rank_reads_everything
+        )
 
     def row_group_seed(self, plan: ShardPlan, rank: int, epoch: int) -> int | None:
         """The seed that permutes ``rank``'s row groups in ``epoch``, or None (plan order)."""

@@ -12,7 +12,6 @@ you already have.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,18 +22,11 @@ import numpy.typing as npt
 from ddp_even.agreement.wire import MAX_COUNT
 from ddp_even.checks import check_positive_int
 from ddp_even.modes import MODES, mode_named
-from ddp_even.planning.datasets import (
-    DatasetError,
-    DatasetLocation,
-    Progress,
-    RowGroups,
-    StorageOptions,
-    read_row_groups,
-)
-from ddp_even.planning.sharding import RowRange, Sharding, check_sharding, shard_rows
+from ddp_even.planning.row_groups import Progress, RowGroups, read_row_groups
+from ddp_even.planning.sharding import SHARDINGS, RowRange, Sharding, shard_rows, sharding_from
+from ddp_even.storage import DatasetLocation, StorageOptions
 
 __all__ = [
-    "DatasetError",
     "ModeStats",
     "ShardPlan",
     "plan_for_dataset",
@@ -148,7 +140,7 @@ class ShardPlan:
             >>> plan_shards([5, 5, 5], world_size=2, batch_size=4, sharding="rows").balanced
             True
         """
-        return self.sharding != "round_robin"
+        return not SHARDINGS[self.sharding].is_petastorms
 
     def row_ranges_of(self, rank: int) -> tuple[RowRange, ...]:
         """The split row groups ``rank`` reads part of: ``(row group, start, stop)`` each.
@@ -237,7 +229,7 @@ class ShardPlan:
             >>> plan_shards([5, 5], world_size=3, batch_size=4).petastorm_error is not None
             True
         """
-        if self.sharding != "round_robin" or self.world_size <= self.num_row_groups:
+        if not SHARDINGS[self.sharding].is_petastorms or self.world_size <= self.num_row_groups:
             return None
         return (
             f"petastorm raises NoDataAvailableError on every rank: {self.num_row_groups} row "
@@ -351,7 +343,7 @@ def plan_shards(
 ) -> ShardPlan:
     """Plan ``world_size`` shards of row groups whose sizes are known.
 
-    ``row_groups`` is a :class:`~ddp_even.planning.datasets.RowGroups` or the row counts in
+    ``row_groups`` is a :class:`~ddp_even.planning.row_groups.RowGroups` or the row counts in
     petastorm's global order. ``sharding`` chooses who reads what (see
     :mod:`ddp_even.planning.sharding`): ``"round_robin"`` (petastorm's ``i % world_size``),
     ``"row_groups"`` (whole row groups, balanced), ``"rows"`` (``floor(N / W)`` or
@@ -391,34 +383,8 @@ def plan_shards(
         num_row_groups=len(sizes),
         total_rows=int(sizes.sum()),
         largest_row_group=int(sizes.max()),
-        row_ranges=shards.row_ranges if sharding == "rows" else (),
+        row_ranges=shards.row_ranges if SHARDINGS[sharding].splits_row_groups else (),
     )
-
-
-def sharding_from(sharding: object, balanced: bool | None) -> Sharding:
-    """The sharding asked for, taking the deprecated ``balanced`` flag into account.
-
-    Example:
-        >>> sharding_from("rows", None)
-        'rows'
-    """
-    checked = check_sharding(sharding)
-    if balanced is None:
-        return checked
-    if not isinstance(balanced, bool):
-        raise TypeError(f"balanced must be True or False, got {balanced!r}")
-    warnings.warn(
-        'balanced= is deprecated: pass sharding="row_groups" (balanced=True) or '
-        'sharding="round_robin" (balanced=False); sharding="rows" gives equal shards',
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    from_flag: Sharding = "row_groups" if balanced else "round_robin"
-    if checked != "round_robin" and checked != from_flag:
-        raise ValueError(
-            f"balanced={balanced} contradicts sharding={checked!r}: pass only sharding"
-        )
-    return from_flag
 
 
 def plan_for_dataset(
@@ -436,9 +402,9 @@ def plan_for_dataset(
 
     ``dataset`` is a URL (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...), a
     local path, or a list of Parquet files, as given to petastorm; ``storage_options`` or
-    ``filesystem`` reach remote storage (see :func:`~ddp_even.planning.storage.resolve_dataset`),
+    ``filesystem`` reach remote storage (see :func:`~ddp_even.storage.resolve.resolve_dataset`),
     ``progress(done, total)`` follows the metadata reads. Raises
-    :class:`~ddp_even.planning.datasets.DatasetError` when the dataset cannot be read, and
+    :class:`~ddp_even.errors.DatasetError` when the dataset cannot be read, and
     ``ValueError`` for bad arguments.
 
     Example:

@@ -8,7 +8,7 @@ predicate on stored columns that is a pandas ``DataFrame`` of a row group's colu
 with pyarrow (:func:`count_in_columns`: each file opened once, small row groups read and
 converted together, then cut into the frames each would get alone); otherwise
 (``make_reader``'s decoded rows, hive partition keys) petastorm's own worker runs on each row
-group (``planning/readers.py``). The scan is
+group (``petastorm/readers.py``). The scan is
 spread over the ranks (rank ``r`` counts row groups ``i % W == r``) and the counts are shared,
 so it costs each rank ``1/W`` of a scan of the predicate's columns; a plan of the matching rows
 follows from the counts as from footers.
@@ -20,7 +20,7 @@ the predicate (pickled with ``dill``, so lambdas count by their code), in
 predicate does not scan. The ranks first agree that every one of them has the entry (ranks on
 other machines may not), else they all scan. A count that no longer matches the data (a
 predicate that is not deterministic) is caught when the row group is read
-(:class:`~ddp_even.planning.planned_workers.RowCountMismatchError`).
+(:class:`~ddp_even.petastorm.planned_workers.RowCountMismatchError`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ddp_even.planning.datasets import RowGroups
-from ddp_even.planning.storage import ResolvedDataset
+from ddp_even.planning.row_groups import RowGroups
+from ddp_even.storage import ResolvedDataset
 
 __all__ = [
     "Share",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ddp_even.agreement.wire import MAX_COUNT
 from ddp_even.planning.pass_order import PassOrder
 from ddp_even.planning.plans import ShardPlan
-from ddp_even.planning.sharding import RowRange
+from ddp_even.planning.sharding import SHARDINGS, RowRange
 
 __all__ = ["plan_own_tails", "plan_unread_rows", "unread_rows"]
 
@@ -78,7 +78,7 @@ def unread_rows(
         >>> unread_rows(plan, [10, 10], step=2)
         [(0, 8, 10), (1, 8, 10)]
     """
-    if plan.sharding == "replicate":
+    if SHARDINGS[plan.sharding].every_rank_reads_everything:
         raise ValueError("with sharding='replicate' every rank reads every row")
     return [piece for tail in _tails(plan, sizes, step, order, epoch) for piece in tail]
 

@@ -1,4 +1,4 @@
-"""Which rank reads which rows: the four ways of sharding a dataset's row groups.
+"""Which rank reads which rows: the four shardings, one class each in one registry.
 
 * ``"round_robin"``: petastorm's own sharding, row group ``i`` to rank ``i % world_size``.
 * ``"row_groups"``: whole row groups, balanced so that rows per rank are as even as whole row
@@ -11,26 +11,39 @@
   most ``W - 1`` extra row-group reads: at most one per rank.
 * ``"replicate"``: every rank reads every row group, each in its own seeded order.
 
-Pure functions of the row-group sizes and the world size: every rank computes the same shards
-on its own, without communicating.
+A sharding is everything that differs between them: how it cuts (``cut``), what that means for
+the readers and for resuming, and its words for tables. Pure functions of the row-group sizes
+and the world size: every rank computes the same shards on its own, without communicating.
+The planner, the readers, resuming and the CLI loop over :data:`SHARDINGS`; adding a sharding
+is one class here (and its tests).
 """
 
 from __future__ import annotations
 
 import itertools
+import warnings
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 import numpy as np
 import numpy.typing as npt
 
 from ddp_even.planning.balance import balanced_assignment, round_robin_assignment
 
-__all__ = ["SHARDINGS", "RowRange", "Sharding", "Shards", "check_sharding", "shard_rows"]
+__all__ = [
+    "SHARDINGS",
+    "RowRange",
+    "Sharding",
+    "ShardingPolicy",
+    "Shards",
+    "check_sharding",
+    "shard_rows",
+    "sharding_from",
+]
 
-#: The ways a dataset can be sharded (see the module docstring).
+#: The names of the shardings (see the module docstring), as arguments take them.
 Sharding = Literal["round_robin", "row_groups", "rows", "replicate"]
-SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
 
 #: Part of a split row group a rank reads: ``(global row-group index, start, stop)``, rows
 #: counted from the row group's first row, ``stop`` excluded.
@@ -49,6 +62,95 @@ class Shards:
     rows_per_rank: npt.NDArray[np.int64]
 
 
+class ShardingPolicy(ABC):
+    """One way of cutting a dataset's row groups into shards (see :data:`SHARDINGS`)."""
+
+    name: ClassVar[Sharding]
+    #: What it is, in a few words (tables).
+    label: ClassVar[str]
+    #: Petastorm's own ``cur_shard``/``shard_count`` sharding: readers may build it themselves.
+    is_petastorms: ClassVar[bool] = False
+    #: Some row groups are read by several ranks, each keeping a range of their rows.
+    splits_row_groups: ClassVar[bool] = False
+    #: Every rank reads every row group, each in its own order (seeded by the rank too).
+    every_rank_reads_everything: ClassVar[bool] = False
+    #: Whole row groups per rank: "at least the largest row group" bounds the rows per rank.
+    keeps_row_groups_whole: ClassVar[bool] = True
+
+    @abstractmethod
+    def cut(self, sizes: npt.NDArray[np.int64], world_size: int) -> Shards:
+        """Every rank's shard of row groups of ``sizes`` rows."""
+
+    @property
+    def why_not_elastic(self) -> str | None:
+        """Why a state saved mid-epoch cannot resume on another number of ranks, or None."""
+        return None
+
+
+class RoundRobin(ShardingPolicy):
+    """Petastorm's: row group ``i`` to rank ``i % world_size``."""
+
+    name = "round_robin"
+    label = "petastorm round robin"
+    is_petastorms = True
+
+    def cut(self, sizes: npt.NDArray[np.int64], world_size: int) -> Shards:
+        return _whole(sizes, round_robin_assignment(len(sizes), world_size), world_size)
+
+
+class BalancedRowGroups(ShardingPolicy):
+    """Whole row groups, as even in rows as whole row groups allow."""
+
+    name = "row_groups"
+    label = "balanced row groups"
+
+    def cut(self, sizes: npt.NDArray[np.int64], world_size: int) -> Shards:
+        return _whole(sizes, balanced_assignment(sizes, world_size), world_size)
+
+
+class EqualRows(ShardingPolicy):
+    """Equal row ranges: ``floor(N / W)`` or ``ceil(N / W)`` rows per rank."""
+
+    name = "rows"
+    label = "equal row ranges"
+    splits_row_groups = True
+    keeps_row_groups_whole = False
+
+    def cut(self, sizes: npt.NDArray[np.int64], world_size: int) -> Shards:
+        return _row_split(sizes, world_size)
+
+
+class Replicate(ShardingPolicy):
+    """Every rank reads every row group, in its own seeded order."""
+
+    name = "replicate"
+    label = "replicated"
+    every_rank_reads_everything = True
+    keeps_row_groups_whole = False
+
+    def cut(self, sizes: npt.NDArray[np.int64], world_size: int) -> Shards:
+        everything = tuple(range(len(sizes)))
+        return Shards(
+            row_groups=(everything,) * world_size,
+            row_ranges=((),) * world_size,
+            rows_per_rank=np.full(world_size, int(sizes.sum()), dtype=np.int64),
+        )
+
+    @property
+    def why_not_elastic(self) -> str:
+        return (
+            "with sharding='replicate' every rank reads every row, each in its own order, so "
+            "'the rows not yet read' is not one set"
+        )
+
+
+#: Every sharding by name, in the order tables list them.
+SHARDINGS: dict[Sharding, ShardingPolicy] = {
+    policy.name: policy for policy in (RoundRobin(), BalancedRowGroups(), EqualRows(), Replicate())
+}
+assert tuple(SHARDINGS) == get_args(Sharding), "Sharding names every policy, in order"
+
+
 def check_sharding(sharding: object) -> Sharding:
     """``sharding`` if it names a sharding; a ``ValueError`` listing them otherwise.
 
@@ -62,6 +164,33 @@ def check_sharding(sharding: object) -> Sharding:
     raise ValueError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}; got {sharding!r}")
 
 
+def sharding_from(sharding: object, balanced: bool | None) -> Sharding:
+    """The sharding asked for, taking the deprecated ``balanced`` flag into account: the one
+    place that knows it (``balanced=True`` is ``"row_groups"``, ``False`` ``"round_robin"``).
+
+    Example:
+        >>> sharding_from("rows", None)
+        'rows'
+    """
+    checked = check_sharding(sharding)
+    if balanced is None:
+        return checked
+    if not isinstance(balanced, bool):
+        raise TypeError(f"balanced must be True or False, got {balanced!r}")
+    warnings.warn(
+        'balanced= is deprecated: pass sharding="row_groups" (balanced=True) or '
+        'sharding="round_robin" (balanced=False); sharding="rows" gives equal shards',
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    from_flag: Sharding = "row_groups" if balanced else "round_robin"
+    if checked != "round_robin" and checked != from_flag:
+        raise ValueError(
+            f"balanced={balanced} contradicts sharding={checked!r}: pass only sharding"
+        )
+    return from_flag
+
+
 def shard_rows(sizes: npt.NDArray[np.int64], world_size: int, sharding: Sharding) -> Shards:
     """Shard row groups of ``sizes`` rows over ``world_size`` ranks.
 
@@ -70,19 +199,11 @@ def shard_rows(sizes: npt.NDArray[np.int64], world_size: int, sharding: Sharding
         >>> shards.row_groups, shards.row_ranges, shards.rows_per_rank.tolist()
         (((0,), (0, 1, 2)), (((0, 0, 11),), ((0, 11, 12),)), [11, 11])
     """
-    if sharding == "rows":
-        return _row_split(sizes, world_size)
-    if sharding == "replicate":
-        everything = tuple(range(len(sizes)))
-        return Shards(
-            row_groups=(everything,) * world_size,
-            row_ranges=((),) * world_size,
-            rows_per_rank=np.full(world_size, int(sizes.sum()), dtype=np.int64),
-        )
-    if sharding == "row_groups":
-        ranks = balanced_assignment(sizes, world_size)
-    else:
-        ranks = round_robin_assignment(len(sizes), world_size)
+    return SHARDINGS[sharding].cut(sizes, world_size)
+
+
+def _whole(sizes: npt.NDArray[np.int64], ranks: npt.NDArray[np.int64], world_size: int) -> Shards:
+    """Shards of whole row groups, row group ``i`` to rank ``ranks[i]``."""
     return Shards(
         row_groups=_grouped_by_rank(ranks, np.arange(len(sizes)), world_size),
         row_ranges=((),) * world_size,

@@ -1,4 +1,9 @@
-"""Checks of where the loader runs that no argument shows: a trainer, a launcher's variables."""
+"""Where the loader runs, beyond its arguments: the process's rank, a trainer, a launcher.
+
+Relies on one CPython private: ``sys._getframe``, to see whether Lightning's fit loop called
+(``refuse_join_inside_lightning``; the frames of every Python, tested by
+``tests/test_lightning.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,19 @@ import os
 import sys
 import types
 
+import torch.distributed as dist
+
 from ddp_even.errors import EvenLoaderError
 
 logger = logging.getLogger("ddp_even")
+
+
+def rank_and_world_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """This process's rank in ``group`` (the world by default) and its size; ``(0, 1)`` without
+    a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
 
 
 def refuse_join_inside_lightning() -> None:

@@ -99,6 +99,8 @@ class EpochRun(Generic[BatchT]):
     mark_repeating: Callable[[bool], None]
     # Keeps the gathered statistics of a finished epoch.
     record: Callable[[EpochStats], None]
+    # This rank's batch count known up front (a length or a plan) when the epoch trusts it.
+    known_batches: int | None = None
     # Where this rank's source differs from its shard of the plan, when it does.
     off_plan: str | None = None
     steps_done: int = 0

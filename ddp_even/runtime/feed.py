@@ -94,9 +94,11 @@ class ShardFeed(Generic[BatchT]):
         return None if self._pass is None else self._pass.row_groups
 
     def first_pass_plan(self, rank: int, world_size: int) -> ShardPlan | None:
-        """Every rank's shard plan, when the first pass's source can work it out."""
+        """Every rank's shard plan, when the first pass's source can work it out (opens it)."""
         self.first_pass_row_groups()
-        return None if self._pass is None else self._pass.plan_for(rank, world_size)
+        if self._pass is None or self._pass.plan_for is None:
+            return None
+        return self._pass.plan_for(rank, world_size)
 
     def differs_from(self, planned: Sequence[int]) -> str | None:
         """How the first pass's row groups differ from ``planned``, when the source can tell."""

@@ -1,7 +1,7 @@
 """The usual petastorm loop's batch counts, from its Parquet footers, agreed by every rank.
 
 A petastorm loader sharded with ``cur_shard``/``shard_count`` reads rows that follow from the
-footers when nothing drops rows (:func:`ddp_even.sources.petastorm.round_robin_plan` says
+footers when nothing drops rows (:func:`ddp_even.petastorm.sources.round_robin_plan` says
 when). Each rank works that plan out from its own reader; whether the epoch then runs with
 known lengths (one agreement, no collective between steps) or agrees as it goes must be one
 decision for every rank: a rank with the plan and a rank without would wait in different
@@ -55,12 +55,13 @@ def agreed_footer_plan(
     agreement = agreer.start(report).wait()
     if not agreement.has_problem:
         # Every rank sent the same key: the same plan, or none on every rank.
-        logger.debug("footer plan %s on every rank", report.settings.removeprefix(prefix))
+        logger.debug("the same footer plan on every rank:%s", report.settings.removeprefix(prefix))
         return local
     reports = agreer.gather_reports(report)
     if any(peer.epoch != epoch or not peer.settings.startswith(prefix) for peer in reports):
         raise error_from_reports(reports, failure, 0)  # ranks not in the same loop
     if any(peer.failed for peer in reports):
+        # Ranks in this agreement differ only by the plan they worked out: as one loop.
         same_loop = [dataclasses.replace(peer, fingerprint=0) for peer in reports]
         raise error_from_reports(same_loop, failure, 0)
     plans = "; ".join(f"rank {peer.rank}:{peer.settings.removeprefix(prefix)}" for peer in reports)

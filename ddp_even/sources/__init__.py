@@ -11,10 +11,23 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ddp_even.sources.base import ShardPass, ShardSource, count_rows, registered_source
+from ddp_even.sources.base import (
+    PlannedSource,
+    ShardPass,
+    ShardSource,
+    count_rows,
+    registered_source,
+)
 from ddp_even.sources.iterables import FactorySource, IterableSource, is_context_manager
 
-__all__ = ["ShardPass", "ShardSource", "as_source", "count_rows", "parquet_dataset"]
+__all__ = [
+    "PlannedSource",
+    "ShardPass",
+    "ShardSource",
+    "as_source",
+    "count_rows",
+    "parquet_dataset",
+]
 
 
 def as_source(source: object) -> ShardSource[Any]:
@@ -56,7 +69,7 @@ def parquet_dataset(dataset: Any) -> Any:
     """What ``EvenLoader.from_parquet`` plans and reads for ``dataset``.
 
     A petastorm Spark converter (``make_spark_converter(df)``) stands for its Parquet files in
-    the order petastorm reads them (:func:`~ddp_even.sources.spark_converter.converter_files`);
+    the order petastorm reads them (:func:`~ddp_even.petastorm.spark_converter.converter_files`);
     anything else is a dataset URL, path or list of files, returned as it is.
 
     Example::
@@ -65,6 +78,6 @@ def parquet_dataset(dataset: Any) -> Any:
         'file:///data/train'
     """
     # Told by class name: a URL never imports petastorm.
-    from ddp_even.sources.spark_converter import converter_files, is_spark_converter
+    from ddp_even.petastorm.spark_converter import converter_files, is_spark_converter
 
     return converter_files(dataset) if is_spark_converter(dataset) else dataset

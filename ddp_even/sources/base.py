@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from ddp_even.agreement.transport import Agreer
+    from ddp_even.planning.pass_order import PassOrder
     from ddp_even.planning.plans import ShardPlan
 
 BatchT = TypeVar("BatchT")
@@ -46,9 +48,9 @@ class ShardPass(Generic[BatchT]):
         # The pass never ends (a petastorm reader with num_epochs=None).
         self.endless = endless
         # ``plan_for(rank, world_size)``: the shard plan of every rank's pass, worked out from
-        # the data's metadata, where the source can tell that its rows follow from it (None
-        # where it cannot).
-        self.plan_for = plan_for or _no_plan
+        # the data's metadata, where the source can tell that its rows follow from it (it
+        # returns None where it cannot); None for sources that never can.
+        self.plan_for = plan_for
 
     def __iter__(self) -> Iterator[BatchT]:
         return self
@@ -68,10 +70,6 @@ class ShardPass(Generic[BatchT]):
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None
             on_close()
-
-
-def _no_plan(rank: int, world_size: int) -> None:
-    return None
 
 
 class ShardSource(ABC, Generic[BatchT]):
@@ -117,6 +115,33 @@ class ShardSource(ABC, Generic[BatchT]):
     def starts_at(self, batch: int) -> bool:
         """Make the next pass start at its ``batch``-th batch, if the source can (True)."""
         return False
+
+
+class PlannedSource(ABC):
+    """A factory that can read any plan of one dataset (what ``EvenLoader.from_parquet`` gives
+    the loader): through it an epoch resumes without reading again what was consumed, and on
+    another number of ranks (:mod:`ddp_even.runtime.resume`).
+
+    ``source(epoch=N)`` reads this rank's shard of :attr:`plan` for epoch ``N``;
+    ``source(epoch=N, shard_plan=rest)`` this rank's pieces of another plan of the same row
+    groups (a re-planned rest of the epoch, :mod:`ddp_even.planning.remainder`).
+    """
+
+    #: The plan of a whole epoch.
+    plan: ShardPlan
+    #: Rows of every row group (after a predicate, if any), in petastorm's order.
+    row_group_sizes: list[int]
+    #: Why a pass may read the shard's rows in another order than :attr:`order` says, or None.
+    why_not_in_plan_order: str | None
+    #: The order of a pass over a whole shard of :attr:`plan`.
+    order: PassOrder
+    #: The agreement the ranks already met in while planning (counting a predicate's rows),
+    #: which the loader goes on with; None if they did not meet.
+    agreer: Agreer | None
+
+    @abstractmethod
+    def __call__(self, epoch: int = 0, shard_plan: ShardPlan | None = None) -> Any:
+        """A fresh loader (an iterable of batches) for one pass."""
 
 
 class ContinuingStream(Generic[BatchT]):
@@ -202,14 +227,14 @@ def _agreed_length(fields: list[Any]) -> int | None:
 # Kinds whose module wraps a library of its own: the qualified name of a class (matched
 # against the object's class and its bases) -> the module with ``source_for(obj, owned)``.
 _REGISTERED_KINDS: dict[str, str] = {
-    "petastorm.pytorch.LoaderBase": "ddp_even.sources.petastorm",
-    "petastorm.reader.Reader": "ddp_even.sources.petastorm",
+    "petastorm.pytorch.LoaderBase": "ddp_even.petastorm.sources",
+    "petastorm.reader.Reader": "ddp_even.petastorm.sources",
     # make_spark_converter's result, and what its make_torch_dataloader() returns.
     "petastorm.spark.spark_dataset_converter.SparkDatasetConverter": (
-        "ddp_even.sources.spark_converter"
+        "ddp_even.petastorm.spark_converter"
     ),
     "petastorm.spark.spark_dataset_converter.TorchDatasetContextManager": (
-        "ddp_even.sources.spark_converter"
+        "ddp_even.petastorm.spark_converter"
     ),
 }
 

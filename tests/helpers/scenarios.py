@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from ddp_even import EvenLoader, PeerSourceError
-from ddp_even.agreement import transport as _transport
+from ddp_even.agreement import control_group as _control_group
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ class NoJoin(Joinable):
 
 def control_collectives_issued() -> int:
     """Control collectives this process has issued so far, over every control group."""
-    return sum(channel.issued for channel in _transport._channels.values())
+    return sum(channel.issued for channel in _control_group._channels.values())
 
 
 def _make_loader(

@@ -13,6 +13,8 @@ them into a gloo process group (``file://`` rendezvous in a fresh temporary dire
 - Past ``timeout`` seconds every rank still running is SIGKILLed and ``TimeoutError`` names them
   and carries the Python stacks of all their threads (``faulthandler`` on ``SIGUSR1``) and the
   last lines ddp_even logged on every rank (each rank logs ddp_even's DEBUG records to a file).
+  Where ``py-spy`` is on the PATH (or named by ``DDP_EVEN_PY_SPY``), the native stacks too:
+  what a process stuck in C++ (a gloo thread, a destructor) waits for.
 
 Each rank runs in its own process group, so processes a rank started are killed with it, and
 dies with SIGKILL if the parent dies (Linux). ``torch`` is imported in the child only after
@@ -30,6 +32,7 @@ import pickle
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +55,7 @@ _GRACE_S = 1.0
 _RESULT = "result-{rank}.pickle"
 _STACKS = "stacks-{rank}.txt"
 _LOG = "ddp-even-log-{rank}.txt"
+_NATIVE = "native-stacks-{rank}.txt"
 # Lines of each rank's ddp_even log a timeout shows.
 _LOG_TAIL_LINES = 40
 # How long a hung rank gets to write its stacks before it is killed.
@@ -351,7 +355,7 @@ def _collect(
             break
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            _dump_stacks(procs, pending)
+            _dump_stacks(procs, pending, workdir)
             raise TimeoutError(_timeout_message(procs, workdir, outcomes, pending, timeout))
         wait([procs[rank].sentinel for rank in pending], timeout=min(remaining, _POLL_S))
     return [outcomes[rank] for rank in range(world_size)]
@@ -384,9 +388,21 @@ def _raise_first_error(
     raise RankFailedError(first, len(procs), errors[first][1], others)
 
 
-def _dump_stacks(procs: list[Any], pending: set[int]) -> None:
-    """Ask each hung rank for its threads' stacks (see ``_child``) and give them time to write."""
+def _dump_stacks(procs: list[Any], pending: set[int], workdir: Path) -> None:
+    """Ask each hung rank for its threads' stacks (see ``_child``) and give them time to write;
+    with py-spy, take the native stacks too."""
+    py_spy = os.environ.get("DDP_EVEN_PY_SPY") or shutil.which("py-spy")
     for rank in pending:
+        if py_spy:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                native = subprocess.run(
+                    [py_spy, "dump", "--native", "--pid", str(procs[rank].pid)],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    check=False,
+                )
+                Path(workdir, _NATIVE.format(rank=rank)).write_text(native.stdout + native.stderr)
         with contextlib.suppress(ProcessLookupError):
             os.kill(procs[rank].pid, signal.SIGUSR1)
     time.sleep(_STACKS_WAIT_S)
@@ -409,6 +425,9 @@ def _timeout_message(
         stacks = workdir / _STACKS.format(rank=rank)
         if stacks.exists() and stacks.stat().st_size:
             lines.append(f"--- rank {rank} stacks ---\n{stacks.read_text()}")
+        native = workdir / _NATIVE.format(rank=rank)
+        if native.exists():
+            lines.append(f"--- rank {rank} native stacks (py-spy) ---\n{native.read_text()}")
     for rank in range(len(procs)):
         log = workdir / _LOG.format(rank=rank)
         if log.exists():

@@ -18,7 +18,7 @@ metadata only, so it can be rebuilt here without petastorm and without reading a
      ``num_row_groups_per_file`` key: that many row groups per file, files in sorted order;
    - otherwise every file's footer.
 
-The dataset can live anywhere ``storage.py`` resolves (local disk, ``s3://``, ``gs://``,
+The dataset can live anywhere :mod:`ddp_even.storage` resolves (local disk, ``s3://``, ``gs://``,
 ``hdfs://``, ``abfs://``, fsspec filesystems): the same rules run over remote listings.
 Directories are listed level by level and footers read with bounded concurrency; a data file
 costs at most two requests (its size, then its tail), a ``_metadata`` summary one read in all.
@@ -39,8 +39,8 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ddp_even.planning.storage import (
-    DatasetError,
+from ddp_even.errors import DatasetError
+from ddp_even.storage import (
     DatasetLocation,
     ResolvedDataset,
     Storage,
@@ -49,12 +49,9 @@ from ddp_even.planning.storage import (
 )
 
 __all__ = [
-    "DatasetError",
-    "DatasetLocation",
     "Progress",
     "RowGroup",
     "RowGroups",
-    "StorageOptions",
     "changed_row_groups",
     "read_row_groups",
 ]
@@ -169,7 +166,7 @@ def read_row_groups(
     (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...) or a local path to a
     directory or file, or a list of files (the order of a list is kept, as petastorm keeps it).
     ``storage_options`` / ``filesystem`` say how to reach remote storage (see
-    :func:`~ddp_even.planning.storage.resolve_dataset`); ``progress(done, total)`` is called as
+    :func:`~ddp_even.storage.resolve.resolve_dataset`); ``progress(done, total)`` is called as
     metadata files are read. Raises :class:`DatasetError` for a missing path or bucket, denied
     access, an unreachable endpoint, a file that is not Parquet, a layout petastorm rejects, or
     a dataset without row groups.

@@ -8,7 +8,7 @@
 - any other scheme (``abfs://``, ``az://``, ``memory://``, ...): the fsspec filesystem registered
   for it, given ``storage_options``.
 
-Each comes with the :class:`~ddp_even.planning.storage_backends.FailureHints` that say which
+Each comes with the :class:`~ddp_even.storage.backends.FailureHints` that say which
 credentials and endpoint settings to check when a request fails.
 
 Why ddp_even builds the filesystem rather than petastorm: given a URL and ``storage_options``,
@@ -27,9 +27,9 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from ddp_even.planning.errors import DatasetError
-from ddp_even.planning.locations import ParsedLocation
-from ddp_even.planning.storage_backends import FailureHints
+from ddp_even.errors import DatasetError
+from ddp_even.storage.backends import FailureHints
+from ddp_even.storage.locations import ParsedLocation
 
 __all__ = [
     "GCS_SCHEMES",

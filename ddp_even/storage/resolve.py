@@ -1,9 +1,11 @@
 """Where a dataset lives: the storage that lists and reads it, from a URL and the user's options.
 
-Planning (``datasets.py``) lists directories and reads Parquet metadata through the
-:class:`Storage` that :func:`resolve_dataset` finds; the planned readers (``readers.py``) hand
-petastorm the *same* filesystem, wrapped as the legacy ``pyarrow.filesystem`` object petastorm
-0.12.1 needs (:func:`legacy_filesystem`), so petastorm names its files exactly as the plan does.
+Planning (``ddp_even/planning/row_groups.py``) lists directories and reads Parquet metadata
+through the :class:`Storage` that :func:`resolve_dataset` finds; the planned readers
+(``ddp_even/petastorm/readers.py``) hand petastorm the *same* filesystem, wrapped as the legacy
+``pyarrow.filesystem`` object petastorm 0.12.1 needs
+(:func:`ddp_even.petastorm.legacy_filesystem.legacy_filesystem`), so petastorm names its files
+exactly as the plan does.
 
 Which filesystem reads a dataset, first match wins:
 
@@ -16,6 +18,9 @@ Which filesystem reads a dataset, first match wins:
   (``filesystems.py``).
 - any other scheme (``abfs://``, ``az://``, ``memory://``, ...): the fsspec filesystem registered
   for it, given ``storage_options``.
+
+One fsspec private is relied on: ``AbstractFileSystem._strip_protocol``, a URL's path on its
+filesystem (the same as fsspec's own ``url_to_fs`` uses; ``tests/test_remote_storage.py``).
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow.fs as pafs
 
-from ddp_even.planning.errors import DatasetError
-from ddp_even.planning.filesystems import (
+from ddp_even.errors import DatasetError
+from ddp_even.storage.backends import ArrowStorage, FailureHints, LocalStorage, Storage
+from ddp_even.storage.filesystems import (
     GCS_SCHEMES,
     HDFS_SCHEMES,
     S3_SCHEMES,
@@ -40,8 +46,7 @@ from ddp_even.planning.filesystems import (
     hdfs_filesystem,
     s3_filesystem,
 )
-from ddp_even.planning.legacy_filesystem import legacy_filesystem, unwrap_legacy
-from ddp_even.planning.locations import (
+from ddp_even.storage.locations import (
     DatasetLocation,
     ParsedLocation,
     bucket_path,
@@ -50,15 +55,13 @@ from ddp_even.planning.locations import (
     parse_location,
     trim_path,
 )
-from ddp_even.planning.storage_backends import ArrowStorage, FailureHints, LocalStorage, Storage
 
 __all__ = [
-    "DatasetError",
+    "SCHEMES",
     "DatasetLocation",
     "ResolvedDataset",
     "Storage",
     "StorageOptions",
-    "legacy_filesystem",
     "resolve_dataset",
 ]
 
@@ -152,33 +155,57 @@ def resolve_dataset(
         )
     scheme = parsed[0].scheme
     options = dict(storage_options or {})
-    if scheme in ("", "file"):
-        if options:
-            logger.debug("ddp_even: storage_options ignored for the local dataset %s", items[0])
-        return ResolvedDataset(LocalStorage(), tuple(local_path(item) for item in items), is_list)
-    if scheme in S3_SCHEMES + GCS_SCHEMES:
-        storage = _object_store(scheme, options, items[0])
-        return ResolvedDataset(storage, tuple(bucket_path(url) for url in parsed), is_list)
-    if scheme in HDFS_SCHEMES:
-        storage = _hdfs_storage(parsed[0], options, items[0])
-        return ResolvedDataset(storage, tuple(trim_path(url.path) for url in parsed), is_list)
-    return _fsspec_dataset(items, is_list, fsspec_filesystem(items[0], scheme, options), scheme)
+    resolve = SCHEMES.get(scheme)
+    if resolve is None:
+        return _fsspec_dataset(items, is_list, fsspec_filesystem(items[0], scheme, options), scheme)
+    storage, paths = resolve(items, parsed, options)
+    return ResolvedDataset(storage, paths, is_list)
 
 
-def _object_store(scheme: str, options: dict[str, Any], url: str) -> ArrowStorage:
+def _local(
+    items: list[str], parsed: list[ParsedLocation], options: dict[str, Any]
+) -> tuple[Storage, tuple[str, ...]]:
+    if options:
+        logger.debug("ddp_even: storage_options ignored for the local dataset %s", items[0])
+    return LocalStorage(), tuple(local_path(item) for item in items)
+
+
+def _object_store(
+    items: list[str], parsed: list[ParsedLocation], options: dict[str, Any]
+) -> tuple[Storage, tuple[str, ...]]:
+    scheme = parsed[0].scheme
     if scheme in S3_SCHEMES:
-        filesystem, hints = s3_filesystem(options, url)
+        filesystem, hints = s3_filesystem(options, items[0])
     else:
-        filesystem, hints = gcs_filesystem(options, url)
-    return ArrowStorage(
+        filesystem, hints = gcs_filesystem(options, items[0])
+    storage = ArrowStorage(
         filesystem, scheme, lambda path: f"{scheme}://{path}", hints, has_buckets=True
     )
+    return storage, tuple(bucket_path(url) for url in parsed)
 
 
-def _hdfs_storage(location: ParsedLocation, options: dict[str, Any], url: str) -> ArrowStorage:
-    filesystem, hints = hdfs_filesystem(location, options, url)
+def _hdfs(
+    items: list[str], parsed: list[ParsedLocation], options: dict[str, Any]
+) -> tuple[Storage, tuple[str, ...]]:
+    location = parsed[0]
+    filesystem, hints = hdfs_filesystem(location, options, items[0])
     prefix = f"{location.scheme}://{location.netloc}"
-    return ArrowStorage(filesystem, location.scheme, lambda path: prefix + path, hints)
+    storage = ArrowStorage(filesystem, location.scheme, lambda path: prefix + path, hints)
+    return storage, tuple(trim_path(url.path) for url in parsed)
+
+
+#: How each URL scheme reaches its storage, from ``(urls, parsed urls, storage options)``;
+#: any other scheme (``abfs://``, ``az://``, ``memory://``...) goes to the fsspec filesystem
+#: registered for it. A new scheme is one entry here and its filesystem in ``filesystems.py``.
+SCHEMES: dict[
+    str,
+    Callable[[list[str], list[ParsedLocation], dict[str, Any]], tuple[Storage, tuple[str, ...]]],
+] = {
+    "": _local,
+    "file": _local,
+    **dict.fromkeys(S3_SCHEMES + GCS_SCHEMES, _object_store),
+    **dict.fromkeys(HDFS_SCHEMES, _hdfs),
+}
 
 
 def _fsspec_dataset(
@@ -198,8 +225,28 @@ def _fsspec_dataset(
     return ResolvedDataset(storage, paths, is_list)
 
 
+def _unwrap_legacy(filesystem: Any) -> Any:
+    """The filesystem inside a legacy ``pyarrow.filesystem`` wrapper (``S3FSWrapper``, or the
+    adapter :mod:`ddp_even.petastorm.legacy_filesystem` gives petastorm)."""
+    legacy = sys.modules.get("pyarrow.filesystem")
+    if legacy is None or not isinstance(filesystem, legacy.FileSystem):
+        return filesystem
+    adapted = getattr(filesystem, "filesystem", None)
+    if isinstance(adapted, pafs.FileSystem):
+        return adapted
+    if isinstance(filesystem, legacy.LocalFileSystem):
+        return pafs.LocalFileSystem()
+    inner = getattr(filesystem, "fs", None)
+    if inner is None:
+        raise TypeError(
+            f"cannot read through the legacy {type(filesystem).__name__}: pass a "
+            "pyarrow.fs.FileSystem or an fsspec filesystem"
+        )
+    return inner
+
+
 def _with_filesystem(items: list[str], is_list: bool, filesystem: Any) -> ResolvedDataset:
-    filesystem = unwrap_legacy(filesystem)
+    filesystem = _unwrap_legacy(filesystem)
     if not isinstance(filesystem, pafs.FileSystem):
         fsspec = sys.modules.get("fsspec")
         if fsspec is None or not isinstance(filesystem, fsspec.AbstractFileSystem):

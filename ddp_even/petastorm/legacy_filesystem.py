@@ -3,20 +3,19 @@
 pyarrow 14 takes its legacy dataset path, the one petastorm's ``validate_schema=`` needs, only
 for a legacy filesystem; :func:`legacy_filesystem` gives it one over the ``pyarrow.fs``
 filesystem planning used, so petastorm names its files exactly as the plan does.
-:func:`unwrap_legacy` goes the other way for a legacy filesystem a user passes.
+(:mod:`ddp_even.storage.resolve` goes the other way for a legacy filesystem a user passes.)
 """
 
 from __future__ import annotations
 
 import functools
 import posixpath
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pyarrow.fs as pafs
 
-__all__ = ["legacy_filesystem", "unwrap_legacy"]
+__all__ = ["legacy_filesystem"]
 
 
 def legacy_filesystem(filesystem: pafs.FileSystem) -> Any:
@@ -88,22 +87,3 @@ def _legacy_adapter_class() -> type:
             return self.filesystem.open_input_file(path)
 
     return ArrowLegacyFileSystem
-
-
-def unwrap_legacy(filesystem: Any) -> Any:
-    """The filesystem inside a legacy ``pyarrow.filesystem`` wrapper (``S3FSWrapper``...)."""
-    legacy = sys.modules.get("pyarrow.filesystem")
-    if legacy is None or not isinstance(filesystem, legacy.FileSystem):
-        return filesystem
-    if isinstance(filesystem, _legacy_adapter_class()):
-        adapted: pafs.FileSystem = getattr(filesystem, "filesystem")  # noqa: B009
-        return adapted
-    if isinstance(filesystem, legacy.LocalFileSystem):
-        return pafs.LocalFileSystem()
-    inner = getattr(filesystem, "fs", None)
-    if inner is None:
-        raise TypeError(
-            f"cannot read through the legacy {type(filesystem).__name__}: pass a "
-            "pyarrow.fs.FileSystem or an fsspec filesystem"
-        )
-    return inner

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from ddp_even.planning.errors import DatasetError
+from ddp_even.errors import DatasetError
 
 __all__ = [
     "DatasetLocation",

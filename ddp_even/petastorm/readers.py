@@ -27,12 +27,12 @@ rows (the plan counts rows).
 Reading order. The reader ventilates its row groups in the order
 :mod:`ddp_even.planning.pass_order` computes (plan order, or seeded by the epoch), with
 petastorm's own shuffle of work items off, and a thread pool of several workers hands its
-results out in that order (:mod:`ddp_even.planning.ordered_results`). Petastorm still
+results out in that order (:mod:`ddp_even.petastorm.ordered_results`). Petastorm still
 shuffles for an unseeded ``shuffle_row_groups``, and with ``shuffle_row_drop_partitions > 1``
 (the parts of different row groups are meant to interleave).
 
 Remote datasets (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, fsspec URLs) are planned and
-read through one filesystem, resolved by :mod:`ddp_even.planning.storage` from the URL,
+read through one filesystem, resolved by :mod:`ddp_even.storage.resolve` from the URL,
 ``storage_options`` or ``filesystem`` (given as arguments or, as petastorm names them, in
 ``reader_kwargs``); petastorm gets it as the legacy filesystem it needs.
 """
@@ -45,36 +45,30 @@ import inspect
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from ddp_even.errors import PlanMismatchError
 from ddp_even.modes import MODES
-from ddp_even.planning.datasets import (
-    DatasetLocation,
-    RowGroups,
-    changed_row_groups,
-    read_row_groups,
-)
+from ddp_even.petastorm.legacy_filesystem import legacy_filesystem
 from ddp_even.planning.pass_order import PassOrder, epoch_seed, pass_rows
-from ddp_even.planning.plans import ShardPlan, plan_shards, sharding_from
+from ddp_even.planning.plans import ShardPlan, plan_shards
 from ddp_even.planning.predicate_counts import (
-    Share,
     check_predicate_fields,
     count_in_columns,
     matching_rows,
 )
-from ddp_even.planning.sharding import RowRange, Sharding
-from ddp_even.planning.storage import (
-    ResolvedDataset,
-    StorageOptions,
-    legacy_filesystem,
-    resolve_dataset,
-)
+from ddp_even.planning.row_groups import RowGroups, changed_row_groups, read_row_groups
+from ddp_even.planning.sharding import SHARDINGS, RowRange, Sharding, sharding_from
+from ddp_even.sources import PlannedSource
+from ddp_even.storage import DatasetLocation, ResolvedDataset, StorageOptions, resolve_dataset
+
+if TYPE_CHECKING:
+    from ddp_even.agreement.transport import Agreer
 
 __all__ = [
     "LoaderKind",
-    "PlanMismatchError",
     "PlannedPasses",
     "ReaderKind",
     "make_shard_factory",
@@ -143,7 +137,7 @@ def make_shard_factory(
     storage_options: StorageOptions | None = None,
     filesystem: Any = None,
     predicate: Any = None,
-    share: Share | None = None,
+    agreer: Agreer | None = None,
 ) -> tuple[ShardPlan, PlannedPasses]:
     """Plan the shards of ``dataset`` and return ``(plan, factory)`` for ``rank``.
 
@@ -169,19 +163,20 @@ def make_shard_factory(
     ``loader="reader"`` the plan's batches assume you batch the rows yourself with
     ``batch_size``. ``storage_options`` (a dict, as petastorm and
     fsspec take it) or ``filesystem`` (a ``pyarrow.fs`` or fsspec filesystem) reach remote
-    storage; both plan and readers use them (see :mod:`ddp_even.planning.storage`).
+    storage; both plan and readers use them (see :mod:`ddp_even.storage.resolve`).
 
     ``predicate`` (a petastorm row predicate, also accepted in ``reader_kwargs``) is counted
     before planning: the rows it keeps in each row group are counted by reading its columns
     only, and the plan shares out the matching rows (see
-    :mod:`ddp_even.planning.predicate_counts`, which also caches the counts). ``share``, an
-    all-gather of int lists among the ranks, spreads that scan over them (each counts ``1/W``
-    of the row groups); without it this process counts every row group itself.
+    :mod:`ddp_even.planning.predicate_counts`, which also caches the counts). ``agreer``, the
+    ranks' agreement (:mod:`ddp_even.agreement.transport`), spreads that scan over them (each
+    counts ``1/W`` of the row groups, then they all-gather the counts); without it this process
+    counts every row group itself. The factory keeps it for the loader to go on with.
 
     Every rank computes the same plan from the same metadata, so no communication is needed.
     Raises ``ValueError`` when petastorm could not build the readers (more ranks than row
     groups with round robin) or for a refused option, and
-    :class:`~ddp_even.planning.datasets.DatasetError` when the dataset cannot be read.
+    :class:`~ddp_even.errors.DatasetError` when the dataset cannot be read.
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
@@ -215,6 +210,7 @@ def make_shard_factory(
     # As the footers were at planning; each pass checks its files still match.
     planned_footers = row_groups
     if predicate is not None:
+        share = agreer.gather_counts if agreer is not None and agreer.world_size > 1 else None
         fields, stored = check_predicate_fields(predicate, resolved, row_groups)
         counted = row_groups
 
@@ -295,10 +291,10 @@ def make_shard_factory(
             raise
 
     why_not = _why_not_in_plan_order(options, loader_options, plan)
-    return plan, PlannedPasses(build, plan, sizes, why_not, order)
+    return plan, PlannedPasses(build, plan, sizes, why_not, order, agreer)
 
 
-class PlannedPasses:
+class PlannedPasses(PlannedSource):
     """The factory :func:`make_shard_factory` returns: a fresh loader per call.
 
     ``passes(epoch=N)`` reads this rank's shard of ``plan`` for epoch ``N`` in the order
@@ -315,6 +311,7 @@ class PlannedPasses:
         row_group_sizes: list[int],
         why_not_in_plan_order: str | None,
         order: PassOrder,
+        agreer: Agreer | None = None,
     ) -> None:
         self._build = build
         self.plan = plan
@@ -324,6 +321,8 @@ class PlannedPasses:
         self.why_not_in_plan_order = why_not_in_plan_order
         #: The order of a pass over a whole shard of ``plan``.
         self.order = order
+        #: The agreer a predicate's rows were counted with (``EvenLoader.from_parquet``).
+        self.agreer = agreer
 
     def __call__(self, epoch: int = 0, shard_plan: ShardPlan | None = None) -> Any:
         return self._build(epoch, shard_plan)
@@ -338,7 +337,10 @@ def _why_not_in_plan_order(
     ``order.rows(plan, sizes, r, epoch)`` after ``step`` steps (a row offset inside a row group
     included), which resuming without reading them again, and elastic resume, rely on.
     """
-    seeded = reader_options.get("seed") is not None or plan.sharding == "replicate"
+    seeded = (
+        reader_options.get("seed") is not None
+        or SHARDINGS[plan.sharding].every_rank_reads_everything
+    )
     if reader_options.get("shuffle_row_drop_partitions", 1) > 1:
         return (
             "row groups are read as separate parts (shuffle_row_drop_partitions > 1), and a "
@@ -452,7 +454,7 @@ def _taken_once(name: str, argument: Any, reader_options: dict[str, Any]) -> Any
 
 
 def _check_reader_options(options: dict[str, Any], sharding: Sharding) -> dict[str, Any]:
-    if sharding == "rows" and options.get("shuffle_row_drop_partitions", 1) != 1:
+    if SHARDINGS[sharding].splits_row_groups and options.get("shuffle_row_drop_partitions", 1) != 1:
         raise ValueError(
             "shuffle_row_drop_partitions is not supported with sharding='rows', which already "
             "splits row groups into ranges; use shuffle_rows=True to shuffle inside row groups"
@@ -542,8 +544,8 @@ def _build_reader(
     from petastorm.workers_pool.process_pool import ProcessPool
     from petastorm.workers_pool.thread_pool import ThreadPool
 
+    from ddp_even.petastorm.planned_workers import PlannedArrowWorker, PlannedRowWorker
     from ddp_even.petastorm.thread_pool import close_end_of_results_race
-    from ddp_even.planning.planned_workers import PlannedArrowWorker, PlannedRowWorker
 
     filesystem: Any
     dataset_path: str | list[str]
@@ -620,20 +622,6 @@ def _build_reader(
         ) from error
 
 
-class PlanMismatchError(RuntimeError):
-    """The dataset is no longer the one planned: its files or row groups changed.
-
-    Raised by ``factory()`` before any data is read, when the footers of the pass's files
-    give a row group other rows than the plan counted or show a file rewritten since planning
-    (plan again), or when petastorm lists the row groups differently from the plan (the
-    dataset changed, or ddp_even lists row groups wrongly: please report it).
-
-    Example:
-        >>> issubclass(PlanMismatchError, RuntimeError)
-        True
-    """
-
-
 @functools.cache
 def _planned_reader_class() -> type:
     """Petastorm's ``Reader`` with the shard-selection step following the plan.
@@ -643,18 +631,18 @@ def _planned_reader_class() -> type:
     from petastorm.reader import Reader
     from petastorm.workers_pool.thread_pool import ThreadPool
 
-    from ddp_even.planning.ordered_results import ResultsInOrder, ShardVentilator
+    from ddp_even.petastorm.ordered_results import ResultsInOrder, ShardVentilator
 
     class PlannedShardReader(Reader):  # type: ignore[misc]  # petastorm has no type hints
         """A petastorm ``Reader`` that reads the rows ``planned_rows`` lists, in that order.
 
-        Its ventilator is ddp_even's (:class:`~ddp_even.planning.ordered_results.
+        Its ventilator is ddp_even's (:class:`~ddp_even.petastorm.ordered_results.
         ShardVentilator`): the row groups in the order of ``planned_rows``, each work item
         saying which of its rows to keep. Petastorm shuffles that order only when
         ``petastorm_shuffles`` (an unseeded shuffle) or, with ``shuffle_row_groups``, when row
         groups are read in parts (``shuffle_row_drop_partitions > 1``), whose interleaving is
         the point of that option. A thread pool of several workers hands its results out in
-        ventilation order (:class:`~ddp_even.planning.ordered_results.ResultsInOrder`).
+        ventilation order (:class:`~ddp_even.petastorm.ordered_results.ResultsInOrder`).
         """
 
         _workers_pool: Any  # petastorm's, or ResultsInOrder standing in for it
@@ -746,7 +734,7 @@ def _planned_reader_class() -> type:
             seed: int | None,
         ) -> list[int]:
             _check_same_row_groups(row_groups, self._planned_row_groups)
-            if self._sharding == "round_robin":
+            if SHARDINGS[self._sharding].is_petastorms:
                 selected: list[int] = super()._partition_row_groups(
                     dataset, row_groups, shard_count, cur_shard, filtered_row_group_indexes, seed
                 )

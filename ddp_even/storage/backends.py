@@ -4,7 +4,7 @@ Planning (``datasets.py``) lists directories and reads Parquet metadata through 
 :class:`Storage`: :class:`LocalStorage` for the local disk (which petastorm opens itself), or
 :class:`ArrowStorage` over any ``pyarrow.fs`` filesystem (S3, GCS, HDFS, fsspec ones). An
 :class:`ArrowStorage` turns failures about access, reachability and missing buckets into a
-one-line :class:`~ddp_even.planning.errors.DatasetError` that says what to check
+one-line :class:`~ddp_even.errors.DatasetError` that says what to check
 (:class:`FailureHints`).
 """
 
@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from ddp_even.planning.errors import DatasetError
+from ddp_even.errors import DatasetError
 
 __all__ = ["ArrowStorage", "FailureHints", "FileKind", "LocalStorage", "Storage"]
 
@@ -86,7 +86,7 @@ class Storage(ABC):
     the ones about access, reachability and missing buckets into a :class:`DatasetError`.
 
     Example:
-        >>> from ddp_even.planning.storage import resolve_dataset
+        >>> from ddp_even.storage import resolve_dataset
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
         >>> root = tempfile.mkdtemp()
         >>> pq.write_table(pa.table({"x": [1, 2, 3]}), f"{root}/a.parquet", row_group_size=2)
@@ -105,7 +105,7 @@ class Storage(ABC):
         """True for the local disk read without ``filesystem=``: petastorm opens it itself.
 
         Example:
-            >>> from ddp_even.planning.storage import resolve_dataset
+            >>> from ddp_even.storage import resolve_dataset
             >>> resolve_dataset("/data/train").storage.is_local
             True
         """
@@ -117,7 +117,7 @@ class Storage(ABC):
         """The pyarrow filesystem, or None for the local disk.
 
         Example:
-            >>> from ddp_even.planning.storage import resolve_dataset
+            >>> from ddp_even.storage import resolve_dataset
             >>> import pyarrow.fs
             >>> local = resolve_dataset("/data", filesystem=pyarrow.fs.LocalFileSystem())
             >>> local.storage.filesystem.type_name
@@ -129,7 +129,7 @@ class Storage(ABC):
         """Whether ``path`` is a file, a directory, or missing.
 
         Example:
-            >>> from ddp_even.planning.storage import resolve_dataset
+            >>> from ddp_even.storage import resolve_dataset
             >>> resolve_dataset("/").storage.kind("/no/such/path")
             'missing'
         """
@@ -139,7 +139,7 @@ class Storage(ABC):
         """Names of the files and of the subdirectories directly in ``path``.
 
         Example:
-            >>> from ddp_even.planning.storage import resolve_dataset
+            >>> from ddp_even.storage import resolve_dataset
             >>> import pathlib, tempfile
             >>> root = pathlib.Path(tempfile.mkdtemp())
             >>> (root / "a.parquet").touch(); (root / "part=1").mkdir()
@@ -152,7 +152,7 @@ class Storage(ABC):
         """A Parquet file's footer, reading the file's tail.
 
         Example:
-            >>> from ddp_even.planning.storage import resolve_dataset
+            >>> from ddp_even.storage import resolve_dataset
             >>> import tempfile
             >>> path = f"{tempfile.mkdtemp()}/a.parquet"
             >>> pq.write_table(pa.table({"x": [1, 2, 3]}), path, row_group_size=2)
@@ -165,7 +165,7 @@ class Storage(ABC):
         """A summary file (``_metadata``, ``_common_metadata``), read whole in one request.
 
         Example:
-            >>> from ddp_even.planning.storage import resolve_dataset
+            >>> from ddp_even.storage import resolve_dataset
             >>> import tempfile
             >>> path = f"{tempfile.mkdtemp()}/_common_metadata"
             >>> pq.write_metadata(pa.schema([("x", pa.int64())]), path)
@@ -178,7 +178,7 @@ class Storage(ABC):
         """``path`` as people write it: a URL for remote storage, the path for local files.
 
         Example:
-            >>> from ddp_even.planning.storage import resolve_dataset
+            >>> from ddp_even.storage import resolve_dataset
             >>> resolve_dataset("s3://bucket/train", storage_options={"anon": True}).storage.url(
             ...     "bucket/train/a.parquet")
             's3://bucket/train/a.parquet'
@@ -188,7 +188,7 @@ class Storage(ABC):
         """A one-line :class:`DatasetError` for a storage failure, None for other errors.
 
         Example:
-            >>> from ddp_even.planning.storage import resolve_dataset
+            >>> from ddp_even.storage import resolve_dataset
             >>> s3 = resolve_dataset("s3://bucket/train", storage_options={"anon": True}).storage
             >>> print(s3.explain(OSError("AWS Error ACCESS_DENIED during HeadObject"), "bucket/x"))
             s3://bucket/x: access denied (ACCESS_DENIED): check the credentials: ...
@@ -199,7 +199,7 @@ class Storage(ABC):
         """The error for a ``path`` that does not exist.
 
         Example:
-            >>> from ddp_even.planning.storage import resolve_dataset
+            >>> from ddp_even.storage import resolve_dataset
             >>> print(resolve_dataset("/").storage.missing("/no/such/path"))
             /no/such/path does not exist: check the path or URL
         """

@@ -9,7 +9,7 @@ The worker runs petastorm's own ``process`` (reading, the predicate, Unischema d
 transform, the local cache: all unchanged), catches what it publishes, checks its length
 against ``expected`` and publishes the kept range (as ``(position, rows)``, exactly once per
 numbered item, ``rows`` None when nothing is kept: see
-:mod:`ddp_even.planning.ordered_results`). A row group the plan splits between ranks is
+:mod:`ddp_even.petastorm.ordered_results`). A row group the plan splits between ranks is
 therefore read whole by each of them (the cost of a split), and every rank keeps a disjoint
 range of the same row order.
 
@@ -35,15 +35,9 @@ import pyarrow as pa
 from petastorm.arrow_reader_worker import ArrowReaderWorker
 from petastorm.py_dict_reader_worker import PyDictReaderWorker
 
-__all__ = ["PlannedArrowWorker", "PlannedRowWorker", "RowCountMismatchError"]
+from ddp_even.errors import RowCountMismatchError
 
-
-class RowCountMismatchError(RuntimeError):
-    """A row group yielded a different number of rows from the plan's count.
-
-    The dataset changed since it was planned, its footers disagree with its data, or a row
-    predicate or transform is not deterministic (the plan counted its rows once).
-    """
+__all__ = ["PlannedArrowWorker", "PlannedRowWorker"]
 
 
 class _PlannedRows:

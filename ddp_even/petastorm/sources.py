@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -144,7 +145,7 @@ class _PetastormSource(ShardSource[Any]):
                     count_samples=count_samples,
                     row_groups=row_groups,
                     endless=self.endless,
-                    plan_for=self._plan_for,
+                    plan_for=self._footer_plans(),
                 )
             self._stream = ContinuingStream(batches)
         # An endless reader: every epoch continues the one stream.
@@ -157,8 +158,10 @@ class _PetastormSource(ShardSource[Any]):
     def _count_samples(self) -> Callable[[Any], int | None] | None:
         return None  # the default: rows from the batch's shape
 
-    def _plan_for(self, rank: int, world_size: int) -> ShardPlan | None:
-        return None  # only loaders batch rows predictably
+    def _footer_plans(self) -> Callable[[int, int], ShardPlan | None] | None:
+        """``plan(rank, world_size)`` from the Parquet footers, where batches may follow from
+        them (only loaders batch rows predictably; a reader's items are rows or row groups)."""
+        return None
 
 
 class PetastormLoaderSource(_PetastormSource):
@@ -168,8 +171,8 @@ class PetastormLoaderSource(_PetastormSource):
         super().__init__(loader.reader, owned=owned)
         self._loader = loader
 
-    def _plan_for(self, rank: int, world_size: int) -> ShardPlan | None:
-        return round_robin_plan(self._reader, self._loader.batch_size, rank, world_size)
+    def _footer_plans(self) -> Callable[[int, int], ShardPlan | None]:
+        return functools.partial(round_robin_plan, self._reader, self._loader.batch_size)
 
     def _fresh_pass(self) -> Iterator[Any]:
         # DataLoader would emit the previous pass's short last batch again (see module doc).

@@ -4,7 +4,7 @@ Imported only when a planned reader is built (it imports petastorm 0.12.1). Peta
 ``ThreadPool.get_results`` hands results out in the order the workers finish them, so with
 several workers the order of a pass changes from run to run. A planned reader that needs its
 order (:mod:`ddp_even.planning.pass_order`) numbers its work items (``position``); its workers
-(:mod:`ddp_even.planning.planned_workers`) publish exactly one ``(position, rows)`` per item,
+(:mod:`ddp_even.petastorm.planned_workers`) publish exactly one ``(position, rows)`` per item,
 ``rows`` None when the item keeps nothing; :class:`ResultsInOrder` stands in for the pool on
 the reader, buffers what arrives early and hands the rows out by position.
 

@@ -1,0 +1,337 @@
+"""petastorm's Spark front door as a shard source: the converter of ``make_spark_converter(df)``.
+
+``make_spark_converter(df)`` writes a DataFrame as Parquet under a cache directory and returns
+a ``SparkDatasetConverter``; ``converter.make_torch_dataloader(...)`` returns a context manager
+whose ``__enter__`` opens ``make_batch_reader(converter.file_urls, ...)`` and a petastorm
+``DataLoader``, and whose ``__exit__`` stops the reader. What this module relies on (petastorm
+0.12.1, pyspark 4.3, measured):
+
+* ``converter.file_urls`` is in the order of Spark's ``inputFiles`` (a hash set: not sorted,
+  different for every write). petastorm numbers row groups in that list's order and shards
+  by that number, so plans of a converter use the list, not the cache directory (whose files
+  petastorm would read in sorted order).
+* A converter is a plain object (``cache_dir_url``, ``file_urls``, ``dataset_size``): it
+  pickles to spawned ranks, which read it without a Spark session (they import pyspark's
+  Python package, not its JVM).
+* ``make_torch_dataloader`` waits 30 s for missing files, then raises ``RuntimeError``; a
+  deleted converter is told at once here (:class:`ConverterDeletedError`).
+* With fewer row groups than ``shard_count`` petastorm raises ``NoDataAvailableError`` on
+  every rank; here :class:`TooFewRowGroupsError` says what to do.
+* The process that called ``make_spark_converter`` deletes the cache when it exits (atexit).
+
+petastorm and pyspark are imported only when a converter is seen, never by importing this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ddp_even.checks import check_positive_int
+from ddp_even.errors import ConverterDeletedError, TooFewRowGroupsError
+from ddp_even.sources.base import ShardPass, ShardSource
+from ddp_even.sources.iterables import open_context_pass
+
+__all__ = [
+    "ConverterSource",
+    "converter_files",
+    "is_spark_converter",
+    "source_for",
+]
+
+logger = logging.getLogger("ddp_even")
+
+_CONVERTER = "petastorm.spark.spark_dataset_converter.SparkDatasetConverter"
+_TORCH_CONTEXT = "petastorm.spark.spark_dataset_converter.TorchDatasetContextManager"
+
+# make_torch_dataloader's keyword arguments that ConverterSource sets itself, with the reason.
+_SET_HERE = {
+    "cur_shard": "the shard is the training group's rank (set by ddp_even)",
+    "shard_count": "the shard count is the training group's world size (set by ddp_even)",
+    "num_epochs": "each pass reads the shard once (num_epochs=1); an epoch may restart it",
+    "dataset_url_or_urls": "the converter names its own files",
+}
+
+# Options that leave every row of the shard in, once: the batches of a pass are then
+# ceil(rows / batch_size), known from the Parquet footers before reading. Any other option
+# (a predicate, a transform_spec, data_loader_fn, ...) makes the ranks agree at every step.
+_COUNT_PRESERVING = frozenset(
+    {
+        "workers_count",
+        "shuffling_queue_capacity",
+        "reader_pool_type",
+        "results_queue_size",
+        "seed",
+        "shuffle_rows",
+        "shuffle_row_groups",
+        "schema_fields",
+        "cache_type",
+        "cache_location",
+        "cache_size_limit",
+        "cache_row_size_estimate",
+        "cache_extra_settings",
+        "hdfs_driver",
+        "zmq_copy_buffers",
+        "storage_options",
+        "filesystem",
+    }
+)
+
+
+def is_spark_converter(obj: object) -> bool:
+    """Whether ``obj`` is a petastorm ``SparkDatasetConverter`` (told without importing petastorm).
+
+    Example::
+
+        >>> is_spark_converter("file:///data/train")
+        False
+    """
+    return any(f"{cls.__module__}.{cls.__qualname__}" == _CONVERTER for cls in type(obj).__mro__)
+
+
+def converter_files(converter: Any) -> list[str]:
+    """The converter's Parquet files in the order petastorm reads them (``converter.file_urls``).
+
+    Plan with this list, not with ``converter.cache_dir_url``: petastorm numbers a converter's
+    row groups in this (unsorted) order, and a directory would be read in sorted order.
+    ``EvenLoader.from_parquet(converter, ...)`` uses it; so can ``plan_for_dataset`` and the
+    CLI (``ddp-even plan FILE FILE ...`` keeps the order given). Raises
+    :class:`ConverterDeletedError` when the files are gone.
+
+    Example, in the process that made the converter::
+
+        from ddp_even.planning import plan_for_dataset
+
+        row_groups, plan = plan_for_dataset(converter_files(converter), world_size=4,
+                                            batch_size=64)
+    """
+    if not is_spark_converter(converter):
+        raise TypeError(
+            f"expected a petastorm SparkDatasetConverter (from make_spark_converter), got "
+            f"{type(converter).__name__}"
+        )
+    files = [str(url) for url in converter.file_urls]
+    _raise_if_deleted(converter.cache_dir_url, files)
+    return files
+
+
+class ConverterSource(ShardSource[Any]):
+    """This rank's shard of a petastorm Spark converter, read afresh on every pass.
+
+    Each pass enters ``converter.make_torch_dataloader(batch_size=batch_size, num_epochs=1,
+    cur_shard=rank, shard_count=world_size, **loader_kwargs)`` and exits it when the pass ends
+    (also at a ``break`` or an exception), so no reader is left running. ``rank`` and
+    ``world_size`` are those of the loader's training group (``EvenLoader(group=...)``), or of
+    the world when the group is made after the loader; with no process group, the whole
+    dataset. ``loader_kwargs`` are ``make_torch_dataloader``'s (``workers_count``,
+    ``shuffling_queue_capacity``, ``data_loader_fn``) and ``make_batch_reader``'s
+    (``schema_fields``, ``seed``, ``predicate``, ...), except the sharding and ``num_epochs``,
+    which are set here. ``EvenLoader(converter)`` is ``EvenLoader(ConverterSource(converter))``:
+    petastorm's defaults (``batch_size=32``, four reader threads).
+
+    The converter's files are checked when the source is made and before every pass
+    (:class:`ConverterDeletedError`), and their row groups are counted from the Parquet footers:
+    fewer than the ranks raise :class:`TooFewRowGroupsError` on every rank when the loader is
+    built. Without a row predicate, transform or custom ``data_loader_fn``, every rank also
+    knows its batches per pass (``ceil(rows / batch_size)``) and the ranks agree once per epoch
+    instead of at every step.
+
+    Example, on every rank (the converter made once, by the driver, and sent to the ranks)::
+
+        loader = EvenLoader(ConverterSource(converter, batch_size=64, workers_count=2),
+                            mode="cycle")
+        for epoch in range(3):
+            for batch in loader:
+                loss = ddp_model(batch["features"]).sum()
+                ...
+
+    It takes a converter, not its URL::
+
+        >>> ConverterSource("file:///data/train")
+        Traceback (most recent call last):
+        ...
+        TypeError: expected a petastorm SparkDatasetConverter (from make_spark_converter), got str
+    """
+
+    def __init__(self, converter: Any, batch_size: int = 32, **loader_kwargs: Any) -> None:
+        if not is_spark_converter(converter):
+            raise TypeError(
+                f"expected a petastorm SparkDatasetConverter (from make_spark_converter), got "
+                f"{type(converter).__name__}"
+            )
+        check_positive_int("batch_size", batch_size)
+        _check_loader_kwargs(loader_kwargs)
+        self._converter = converter
+        self._batch_size = batch_size
+        self._loader_kwargs = loader_kwargs
+        self._files = converter_files(converter)
+        # Rows per row group in petastorm's order, or None when ddp_even cannot read the
+        # footers (storage it cannot reach): then nothing is checked or counted up front.
+        self._row_group_rows = _row_group_rows(self._files)
+        self._counts_exact = set(loader_kwargs) <= _COUNT_PRESERVING
+        self._shard: tuple[int, int] | None = None
+
+    @property
+    def restartable(self) -> bool:
+        return True
+
+    def check_shard(self, rank: int, world_size: int) -> None:
+        self._check_enough_row_groups(world_size)
+        self._shard = (rank, world_size)
+
+    def known_batches(self) -> int | None:
+        if self._row_group_rows is None or not self._counts_exact:
+            return None
+        rank, world_size = self._rank_and_world_size()
+        # petastorm's round robin: row group i goes to shard i % shard_count.
+        rows = sum(self._row_group_rows[rank::world_size])
+        return math.ceil(rows / self._batch_size)
+
+    def open_pass(self) -> ShardPass[Any]:
+        rank, world_size = self._rank_and_world_size()
+        _raise_if_deleted(self._converter.cache_dir_url, self._files)
+        self._check_enough_row_groups(world_size)
+        context = self._converter.make_torch_dataloader(
+            batch_size=self._batch_size,
+            num_epochs=1,
+            cur_shard=rank,
+            shard_count=world_size,
+            **self._loader_kwargs,
+        )
+        return open_context_pass(context)
+
+    def _rank_and_world_size(self) -> tuple[int, int]:
+        if self._shard is None and dist.is_available() and dist.is_initialized():
+            # The loader was built before the process group: the world's shard.
+            self._check_enough_row_groups(dist.get_world_size())
+            self._shard = (dist.get_rank(), dist.get_world_size())
+        return self._shard or (0, 1)
+
+    def _check_enough_row_groups(self, world_size: int) -> None:
+        if self._row_group_rows is not None and len(self._row_group_rows) < world_size:
+            raise TooFewRowGroupsError(
+                len(self._row_group_rows), world_size, self._converter.cache_dir_url
+            )
+
+
+class _ContextPassSource(ShardSource[Any]):
+    """What a factory's ``converter.make_torch_dataloader(...)`` returned: one pass."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    @property
+    def restartable(self) -> bool:
+        return False
+
+    def open_pass(self) -> ShardPass[Any]:
+        from petastorm.errors import NoDataAvailableError
+
+        # petastorm 0.12.1's attributes; without them, petastorm's own checks apply.
+        files = [str(url) for url in getattr(self._context, "parquet_file_url_list", ())]
+        cache_dir = files[0].rsplit("/", 1)[0] if files else "the converter's cache"
+        _raise_if_deleted(cache_dir, files)
+        try:
+            return open_context_pass(self._context)
+        except NoDataAvailableError as error:
+            reader_kwargs = getattr(self._context, "petastorm_reader_kwargs", {})
+            shard_count = int(reader_kwargs.get("shard_count") or 1)
+            sizes = _row_group_rows(files)
+            raise TooFewRowGroupsError(
+                len(sizes) if sizes is not None else 0, shard_count, cache_dir
+            ) from error
+
+
+def source_for(obj: Any, *, owned: bool) -> ShardSource[Any]:
+    """A converter (petastorm's defaults), or a ``make_torch_dataloader`` context a factory made.
+
+    Example::
+
+        >>> source_for([1, 2], owned=False)
+        Traceback (most recent call last):
+        ...
+        TypeError: unsupported petastorm Spark object list: ...
+    """
+    names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(obj).__mro__}
+    if _CONVERTER in names:
+        return ConverterSource(obj)
+    if _TORCH_CONTEXT in names:
+        if not owned:
+            raise TypeError(
+                "converter.make_torch_dataloader(...) serves one pass; pass the converter "
+                "(EvenLoader(ConverterSource(converter, batch_size=64))) or a factory that makes "
+                "a fresh one per pass (lambda: converter.make_torch_dataloader(batch_size=64, "
+                "num_epochs=1, cur_shard=rank, shard_count=world_size))"
+            )
+        return _ContextPassSource(obj)
+    raise TypeError(
+        f"unsupported petastorm Spark object {type(obj).__name__}: pass a SparkDatasetConverter "
+        "or a factory returning converter.make_torch_dataloader(...)"
+    )
+
+
+def _check_loader_kwargs(loader_kwargs: dict[str, Any]) -> None:
+    import inspect
+
+    from petastorm import make_batch_reader
+    from petastorm.spark.spark_dataset_converter import SparkDatasetConverter
+
+    for name in loader_kwargs:
+        if name in _SET_HERE:
+            raise ValueError(f"do not pass {name}: {_SET_HERE[name]}")
+    accepted = {
+        name
+        for function in (SparkDatasetConverter.make_torch_dataloader, make_batch_reader)
+        for name, parameter in inspect.signature(function).parameters.items()
+        if parameter.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    } - {"self", "batch_size", *_SET_HERE}
+    unknown = sorted(set(loader_kwargs) - accepted)
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} for converter.make_torch_dataloader; "
+            f"accepted: {', '.join(sorted(accepted))}"
+        )
+
+
+def _raise_if_deleted(cache_dir_url: str, files: Sequence[str]) -> None:
+    storage = _storage_for(files)
+    if storage is None:
+        return
+    resolved, paths = storage
+    missing = [
+        url for url, path in zip(files, paths, strict=True) if resolved.kind(path) == "missing"
+    ]
+    if missing:
+        raise ConverterDeletedError(cache_dir_url, missing, len(files))
+
+
+def _storage_for(files: Sequence[str]) -> tuple[Any, tuple[str, ...]] | None:
+    """The storage holding ``files`` and their paths there, or None if ddp_even cannot reach it."""
+    from ddp_even.errors import DatasetError
+    from ddp_even.storage import resolve_dataset
+
+    if not files:
+        return None
+    try:
+        resolved = resolve_dataset(list(files))
+    except (DatasetError, ValueError) as error:
+        # petastorm may still reach it (an HDFS driver, a filesystem of its own).
+        logger.debug("ddp_even: cannot check the converter's files (%s)", error)
+        return None
+    return resolved.storage, resolved.paths
+
+
+def _row_group_rows(files: Sequence[str]) -> list[int] | None:
+    """Rows per row group in petastorm's order, or None if the footers cannot be read here."""
+    from ddp_even.errors import DatasetError
+    from ddp_even.planning.row_groups import read_row_groups
+
+    try:
+        return [int(rows) for rows in read_row_groups(list(files)).num_rows]
+    except (DatasetError, OSError) as error:
+        logger.debug("ddp_even: cannot read the converter's row groups (%s)", error)
+        return None

@@ -1,0 +1,293 @@
+"""Resuming mid-epoch, in one place: the loader's saved state, the checks before resuming from
+it, and where the resumed epoch's first pass starts.
+
+* :func:`saved_state` is what ``EvenLoader.state_dict()`` returns: plain ints and strings.
+* :func:`pending_resume` checks a state against the loader and says where to resume: the same
+  step on as many ranks, or, for a planned loader (``EvenLoader.from_parquet``), the rows not
+  yet read re-planned over another number of ranks (elastic).
+* :func:`resumed_start` builds what the resumed epoch reads: the whole shard read again up to
+  the step, the shard started at the step (a factory taking ``start_batch``, or a planned
+  loader whose pass order ddp_even computes: :mod:`ddp_even.planning.pass_order`), or the
+  re-planned rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ddp_even.modes import Mode
+from ddp_even.planning.sharding import SHARDINGS
+from ddp_even.sources import PlannedSource, ShardSource, as_source
+
+if TYPE_CHECKING:
+    from ddp_even.planning.plans import ShardPlan
+
+logger = logging.getLogger("ddp_even")
+
+#: What the ``format`` key of every loader state says.
+STATE_FORMAT = "ddp_even.EvenLoader"
+# Raised when what the state holds, or what it means, changes.
+_VERSION = 1
+
+
+def saved_state(
+    *,
+    settings: str,
+    world_size: int,
+    rank: int,
+    epoch: int,
+    step: int,
+    resumed_from_world_size: int | None = None,
+) -> dict[str, Any]:
+    """The state :meth:`ddp_even.EvenLoader.state_dict` returns: plain ints and strings.
+
+    ``resumed_from_world_size`` is set while an epoch that resumed on another number of ranks
+    runs: its steps count the re-planned rest of the epoch, not the epoch.
+    """
+    return {
+        "format": STATE_FORMAT,
+        "version": _VERSION,
+        "library_version": _library_version(),
+        "settings": settings,
+        "world_size": world_size,
+        "rank": rank,
+        "epoch": epoch,
+        "step": step,
+        "resumed_from_world_size": resumed_from_world_size,
+    }
+
+
+def resume_point(state: Mapping[str, Any], *, settings: str, world_size: int) -> tuple[int, int]:
+    """``(epoch, step)`` to resume after; ``ValueError`` saying why ``state`` cannot be used."""
+    if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+        raise ValueError("not an EvenLoader state: pass what EvenLoader.state_dict() returned")
+    if state.get("version") != _VERSION:
+        raise ValueError(
+            f"the loader state has format version {state.get('version')!r} (saved by "
+            f"ddp_even {state.get('library_version')}); this ddp_even ({_library_version()}) "
+            f"reads version {_VERSION}: resume with the release that saved it, or start the "
+            "epoch again"
+        )
+    if state.get("settings") != settings:
+        raise ValueError(
+            f"the loader state was saved by a loader with other settings "
+            f"({state.get('settings')}) than this one ({settings}): build the EvenLoader as it "
+            "was built when the state was saved"
+        )
+    if state.get("world_size") != world_size:
+        raise ValueError(
+            f"the loader state was saved on {state.get('world_size')} ranks, and this job has "
+            f"{world_size}: resuming mid-epoch on another number of ranks is not supported; "
+            "start the next epoch with loader.set_epoch(epoch + 1)"
+        )
+    epoch, step = state.get("epoch"), state.get("step")
+    for name, value in (("epoch", epoch), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"the loader state's {name} must be an int >= 0, got {value!r}")
+    assert isinstance(epoch, int) and isinstance(step, int)
+    if step > 0 and state.get("resumed_from_world_size") is not None:
+        raise ValueError(
+            f"the loader state was saved at step {step} of epoch {epoch}, which had itself "
+            f"resumed from {state.get('resumed_from_world_size')} ranks on {world_size}: its "
+            "steps count a re-planned rest of the epoch. Resume from the state saved before "
+            f"that resume, or start the next epoch (loader.set_epoch({epoch + 1}))"
+        )
+    return epoch, step
+
+
+def _library_version() -> str:
+    return importlib.metadata.version("ddp_even")
+
+
+@dataclass(frozen=True)
+class PendingResume:
+    """Where the loader's next epoch resumes (from a loaded state)."""
+
+    epoch: int
+    # The steps of that epoch every rank had handed out when the state was saved.
+    step: int
+    # The plan the state was saved under, when it was saved on another number of ranks: the
+    # epoch then reads the rows no rank had read, re-planned over this job's ranks.
+    saved_plan: ShardPlan | None = None
+
+
+def pending_resume(
+    state: Mapping[str, Any],
+    *,
+    settings_for: Callable[[ShardPlan | None], str],
+    world_size: int,
+    mode: Mode,
+    steps_per_epoch: int | None,
+    planned: PlannedSource | None,
+) -> tuple[int, PendingResume | None]:
+    """``(next epoch, where it resumes)`` from ``state``; ``ValueError`` saying why not.
+
+    ``settings_for(plan)`` describes the loader's settings with ``plan`` (its own by default).
+    A state saved on another number of ranks loads only into a ``planned`` loader, in truncate
+    and join, whose pass order is known (``planned.why_not_in_plan_order`` is None).
+    """
+    saved_world_size = state.get("world_size") if isinstance(state, Mapping) else None
+    if (
+        planned is None
+        or not isinstance(saved_world_size, int)
+        or isinstance(saved_world_size, bool)
+        or saved_world_size < 1
+        or saved_world_size == world_size
+    ):
+        epoch, step = resume_point(state, settings=settings_for(None), world_size=world_size)
+        return epoch, (PendingResume(epoch, step) if step > 0 else None)
+    cannot = None
+    plan = planned.plan
+    if mode.restarts_short_shards:
+        cannot = "cycle mode repeats rows, so 'the rows not yet read' is not one set"
+    elif steps_per_epoch is not None:
+        cannot = "steps_per_epoch caps the epoch by steps, not rows"
+    elif SHARDINGS[plan.sharding].why_not_elastic is not None:
+        cannot = SHARDINGS[plan.sharding].why_not_elastic
+    elif planned.why_not_in_plan_order is not None:
+        cannot = (
+            "which rows were read before the saved step is not known: "
+            f"{planned.why_not_in_plan_order}"
+        )
+    saved_step = state.get("step")
+    if cannot is not None and isinstance(saved_step, int) and saved_step > 0:
+        raise ValueError(
+            f"the loader state was saved on {saved_world_size} ranks in the middle of epoch "
+            f"{state.get('epoch')}, and this job has {plan.world_size}: {cannot}. "
+            f"Resume on {saved_world_size} ranks, or start the next epoch (set_epoch)"
+        )
+    from ddp_even.planning import plan_shards
+
+    saved_plan = plan_shards(
+        planned.row_group_sizes, saved_world_size, plan.batch_size, sharding=plan.sharding
+    )
+    epoch, step = resume_point(
+        state, settings=settings_for(saved_plan), world_size=saved_world_size
+    )
+    # Between epochs (step 0) the next epoch is planned for this job's ranks anyway.
+    return epoch, (PendingResume(epoch, step, saved_plan) if step > 0 else None)
+
+
+@dataclass(frozen=True)
+class ResumedStart:
+    """What an epoch reads, and where it starts, when it resumes."""
+
+    source: ShardSource[Any]
+    # The plan the epoch runs on instead of the loader's (a re-planned rest), if any.
+    plan: ShardPlan | None = None
+    # The plan of the rank's first pass when it differs (its rows not yet read), if any.
+    first_pass: ShardPlan | None = None
+    # The step every rank agrees to resume after, with the rows of the batches before it
+    # that the first pass starts after (None: unknown); None when it resumes elastically.
+    step: int | None = None
+    skipped: Sequence[int | None] = ()
+    # (step, world size) the state was saved at, for an elastic resume.
+    resumed_from: tuple[int, int] | None = None
+
+
+def resumed_start(
+    pending: PendingResume,
+    source: ShardSource[Any],
+    *,
+    plan: ShardPlan | None,
+    planned: PlannedSource | None,
+    mode: Mode,
+    rank: int,
+    world_size: int,
+) -> ResumedStart:
+    """Where the resumed epoch ``pending.epoch`` starts on ``rank`` (its source is told the
+    epoch first)."""
+    epoch, step = pending.epoch, pending.step
+    if pending.saved_plan is not None:
+        assert planned is not None
+        rest = _rest_of_epoch(planned, pending.saved_plan, epoch, step, world_size)
+        rest_source = as_source(functools.partial(planned, shard_plan=rest))
+        rest_source.start_epoch(epoch)
+        return ResumedStart(
+            rest_source, plan=rest, resumed_from=(step, pending.saved_plan.world_size)
+        )
+    tails = _own_tails(planned, plan, mode, epoch, step, rank)
+    if tails is not None:
+        assert planned is not None and plan is not None
+        tails_source = as_source(_first_pass_from(planned, tails))
+        tails_source.start_epoch(epoch)
+        batch_size, rows = plan.batch_size, plan.rows_per_rank[rank]
+        skipped = [min(batch_size, rows - index * batch_size) for index in range(step)]
+        return ResumedStart(tails_source, first_pass=tails, step=step, skipped=skipped)
+    source.start_epoch(epoch)
+    # A repeated pass (cycle) cannot be reached by starting the first one later.
+    if not mode.restarts_short_shards and source.starts_at(step):
+        return ResumedStart(source, step=step, skipped=[None] * step)
+    return ResumedStart(source, step=step)
+
+
+def _own_tails(
+    planned: PlannedSource | None,
+    plan: ShardPlan | None,
+    mode: Mode,
+    epoch: int,
+    step: int,
+    rank: int,
+) -> ShardPlan | None:
+    """When resuming on as many ranks with a planned reader whose order is known, the plan of
+    each rank's rows not yet read, in its reading order: its first pass starts there."""
+    if (
+        planned is None
+        or plan is None
+        or planned.why_not_in_plan_order is not None
+        or step > plan.batches_per_rank[rank]  # in a repeated pass
+    ):
+        return None
+    from ddp_even.planning.remainder import plan_own_tails
+
+    tails = plan_own_tails(plan, planned.row_group_sizes, step, planned.order, epoch)
+    logger.info(
+        "ddp_even: epoch %d resumes after step %d: this rank reads only its %d rows not yet read",
+        epoch,
+        step,
+        tails.rows_per_rank[rank],
+    )
+    return tails
+
+
+def _rest_of_epoch(
+    planned: PlannedSource, saved_plan: ShardPlan, epoch: int, step: int, world_size: int
+) -> ShardPlan:
+    """The plan of the rows not yet read in ``epoch``, saved on another number of ranks."""
+    from ddp_even.planning.remainder import plan_unread_rows, unread_rows
+
+    sizes = planned.row_group_sizes
+    rest = plan_unread_rows(
+        unread_rows(saved_plan, sizes, step, planned.order, epoch),
+        sizes,
+        world_size,
+        saved_plan.batch_size,
+    )
+    logger.info(
+        "ddp_even: epoch %d resumes after step %d of %d ranks on %d: its %d unread rows "
+        "re-planned (%s rows per rank)",
+        epoch,
+        step,
+        saved_plan.world_size,
+        rest.world_size,
+        rest.total_rows,
+        "/".join(map(str, rest.rows_per_rank)),
+    )
+    return rest
+
+
+def _first_pass_from(planned: PlannedSource, first: ShardPlan) -> Callable[[int], Any]:
+    """A factory whose first pass reads ``first``'s shard, the later ones the whole shard."""
+    opened = 0
+
+    def factory(epoch: int = 0) -> Any:
+        nonlocal opened
+        opened += 1
+        return planned(epoch, shard_plan=first if opened == 1 else None)
+
+    return factory
