@@ -62,9 +62,9 @@ class SourceEndedEarlyError(EvenLoaderError):
     epoch needs batches the source no longer has (cycle restarts a short pass instead, and
     ``EpochStats.lost_rows`` counts what it lost, unless the pass was empty), the rank raises
     it and every other rank raises :class:`PeerSourceError` naming it, together: before the
-    first step when the source has nothing at all, else at the next check of the sources
-    (every few steps, without waiting; until then the short rank hands out its last batch
-    again).
+    first step when the source has nothing at all, else where the check of the sources that
+    heard of it is settled, at most 32 steps later (ranks check every 16 steps, without
+    waiting; until then the short rank hands out its last batch again).
 
     Example::
 

@@ -4,6 +4,9 @@
 driver), started by the first test that asks for it and stopped at the end. Tests that use it
 are marked ``spark``. Without a Java runtime they are skipped, except under CI (``CI`` set),
 where a missing Java is a failure: CI must run them.
+
+``s3``: one local S3-compatible server for the whole run (moto's, as a subprocess), with its
+credentials in the standard AWS variables while it runs.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.s3_server import S3Server, start_s3_server
 from tests.helpers.spark import java_available, start_spark
 
 
@@ -27,3 +31,32 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     session = start_spark(tmp_path_factory.mktemp("spark-converter-cache"))
     yield session
     session.stop()
+
+
+_AWS_VARIABLES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_PROFILE",
+)
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[S3Server]:
+    """One local S3 server for the session; its credentials in the standard variables."""
+    server = start_s3_server()
+    saved = {name: os.environ.pop(name, None) for name in _AWS_VARIABLES}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        server.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

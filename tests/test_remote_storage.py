@@ -14,12 +14,10 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import os
 import pickle
 import socket
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +35,7 @@ from ddp_even.planning.plans import ShardPlan
 from ddp_even.planning.row_groups import read_row_groups
 from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import flat_sizes
-from tests.helpers.s3_server import S3Server, free_port, start_s3_server, upload_directory
+from tests.helpers.s3_server import S3Server, free_port, upload_directory
 from tests.helpers.shard_reads import Layouts, collect
 from tests.helpers.spawn import run_ranks
 
@@ -47,33 +45,6 @@ LAYOUTS = ("plain", "partitioned", "with_metadata", "unischema")
 WORLD_SIZE = 4
 BATCH = 8
 BUCKET = "ddp-even"
-_AWS_VARIABLES = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_DEFAULT_REGION",
-    "AWS_REGION",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "AWS_PROFILE",
-)
-
-
-@pytest.fixture(scope="session")
-def s3() -> Iterator[S3Server]:
-    """One local S3 server for the session; its credentials in the standard variables."""
-    server = start_s3_server()
-    saved = {name: os.environ.pop(name, None) for name in _AWS_VARIABLES}
-    os.environ.update(server.env())
-    try:
-        yield server
-    finally:
-        server.stop()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @pytest.fixture(scope="module")

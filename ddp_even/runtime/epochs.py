@@ -6,7 +6,7 @@
 * ``run_known_lengths``: truncate/cycle when every rank knows its batch count, or cycle with
   a fixed ``steps_per_epoch``; one agreement at the start of the epoch, then only a check
   every :data:`CHECK_EVERY` steps that no rank's source failed or ran short, started after a
-  step's batch is taken and waited at the next step, so the training step hides it.
+  step's batch is taken and waited when the next one starts, so the steps between hide it.
 * ``run_join``: join; each rank hands out all its batches inside ``torch``'s ``Join``, and the
   loader itself is the first joinable so that ranks that have joined still take part in
   every window's agreement (errors and mismatches reach them too).
@@ -274,7 +274,8 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
     ``own_batches`` is None when only the step count is fixed (cycle with ``steps_per_epoch``).
     The first batch is read before the agreement, so that a source that fails or has nothing
     is reported to every rank before the first step. Later, a rank whose source fails or runs
-    short hands out its last batch again until the next check, where every rank raises.
+    short hands out its last batch again until the check that reports it is settled, where
+    every rank raises.
     """
     window = run.settings.window(0)
     if own_batches is None or own_batches > 0:
@@ -303,10 +304,12 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
 
     try:
         for step in range(run.steps_done + 1, decision.steps + 1):
-            run.settle_check()
             run.steps_done += 1
             batch = run.hand_out(run.feed.take_or_repeat())
             if step % CHECK_EVERY == 0 or step == decision.steps:
+                # The previous check has had CHECK_EVERY steps to complete: its wait is free,
+                # and every rank settles it at this same step.
+                run.settle_check()
                 run.start_check()
             if step == decision.steps:
                 yield from _last_batch(run, batch, had_more_own_data)
@@ -321,9 +324,10 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
 
 
 #: Steps between two checks of the sources in an epoch with known lengths (plus one after the
-#: last step). A check costs its caller an asynchronous all-reduce's start and a wait that has
-#: nothing left to wait for (docs/performance.md); a source that fails or runs short is noticed
-#: by every rank at most this many steps later.
+#: last step). Each check is waited for when the next one starts (or the epoch ends), so its
+#: cost is an asynchronous all-reduce's start and a wait with nothing left to wait for
+#: (docs/performance.md); a source that fails or runs short is heard of by every rank, at the
+#: same step, at most twice this many steps later.
 CHECK_EVERY = 16
 # Marks the checks of the sources, so that they never pair with an ordinary agreement.
 _CHECKING = 0x3C3C_3C3C_3C3C
