@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable
 
 
 def check_positive_int(name: str, value: object) -> None:
@@ -43,3 +47,46 @@ def check_timeout(timeout: object) -> None:
             f"timeout must be a finite positive number of seconds (or None: the training "
             f"group's own timeout), got {timeout!r}"
         )
+
+
+def check_group(group: object) -> None:
+    """Raise ``TypeError`` unless ``group`` is None or a process group."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup, got {group!r}")
+
+
+def checked_joinables(joinables: Iterable[Any]) -> tuple[Joinable, ...]:
+    """``joinables`` as a tuple; ``TypeError`` for anything that is not a torch ``Joinable``."""
+    checked = tuple(joinables)
+    for joinable in checked:
+        if not isinstance(joinable, Joinable):
+            raise TypeError(
+                f"joinables must be torch Joinable objects (a DDP model, a "
+                f"ZeroRedundancyOptimizer), got {type(joinable).__name__}"
+            )
+    return checked
+
+
+def check_plan(plan: object) -> None:
+    """Raise ``TypeError`` unless ``plan`` is None or a shard plan."""
+    if plan is not None and not hasattr(plan, "batches_per_rank"):
+        raise TypeError(f"plan must be a ddp_even.planning.ShardPlan, got {type(plan).__name__}")
+
+
+def checked_loader_arguments(
+    *,
+    steps_per_epoch: object,
+    sync_every: object,
+    timeout: object,
+    group: object,
+    joinables: Iterable[Any],
+    plan: object,
+) -> tuple[Joinable, ...]:
+    """Every ``EvenLoader`` argument that needs no mode to check; the joinables as a tuple."""
+    for name, value in (("steps_per_epoch", steps_per_epoch), ("sync_every", sync_every)):
+        if value is not None:
+            check_positive_int(name, value)
+    check_timeout(timeout)
+    check_group(group)
+    check_plan(plan)
+    return checked_joinables(joinables)

@@ -32,8 +32,9 @@ from rich.text import Text
 
 from ddp_even.errors import DatasetError
 from ddp_even.modes import MODES
+from ddp_even.planning.metadata import read_row_groups
 from ddp_even.planning.plans import ShardPlan, plan_shards
-from ddp_even.planning.row_groups import RowGroups, read_row_groups
+from ddp_even.planning.row_groups import RowGroups
 from ddp_even.planning.sharding import SHARDINGS, sharding_from
 
 __all__ = ["main"]

@@ -1,10 +1,8 @@
 """``EvenLoader``: the loader the user already has, with the same number of steps on every rank.
 
-One ``for`` over the loader is one epoch: ``_run_epoch`` prepares the source (resuming, if a
-state was loaded: :mod:`ddp_even.runtime.resume`), settles the plan (a given one, one worked
-out from the Parquet footers, or none), chooses the epoch's shape (known lengths, windows of
-agreement, or join: :mod:`ddp_even.runtime.epochs`) and runs it.
-"""
+One ``for`` is one epoch: ``_run_epoch`` prepares the source (:mod:`ddp_even.runtime.resume`),
+settles the plan (given, from the footers, or none) and runs the epoch in its shape
+(:mod:`ddp_even.runtime.epochs`)."""
 
 from __future__ import annotations
 
@@ -18,17 +16,18 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
 from ddp_even.agreement.transport import Agreer, agreer_for
-from ddp_even.checks import check_positive_int, check_timeout
-from ddp_even.errors import EvenLoaderError
+from ddp_even.checks import check_timeout, checked_loader_arguments
 from ddp_even.modes import mode_named
 from ddp_even.runtime.environment import (
     rank_and_world_size,
+    rank_in_plan,
     refuse_join_inside_lightning,
     warn_if_launched_without_a_group,
 )
-from ddp_even.runtime.epochs import EpochRun, Settings, run_join, run_known_lengths, run_windows
+from ddp_even.runtime.epochs import EpochRun, Settings, run_epoch
 from ddp_even.runtime.feed import ShardFeed
-from ddp_even.runtime.footer_plan import agreed_footer_plan
+from ddp_even.runtime.footer_plan import FooterPlan
+from ddp_even.runtime.iteration import Epoch, EpochNumbering
 from ddp_even.runtime.resume import (
     PendingResume,
     ResumedStart,
@@ -125,41 +124,17 @@ class EvenLoader(Generic[BatchT]):
         plan: ShardPlan | None = None,
     ) -> None:
         self._mode = mode_named(mode)
-        for name, value in (("steps_per_epoch", steps_per_epoch), ("sync_every", sync_every)):
-            if value is not None:
-                check_positive_int(name, value)
-        check_timeout(timeout)
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"group must be a torch.distributed ProcessGroup, got {group!r}")
-        joinables = tuple(joinables)
-        for joinable in joinables:
-            if not isinstance(joinable, Joinable):
-                raise TypeError(
-                    f"joinables must be torch Joinable objects (a DDP model, a "
-                    f"ZeroRedundancyOptimizer), got {type(joinable).__name__}"
-                )
+        joinables = checked_loader_arguments(
+            steps_per_epoch=steps_per_epoch,
+            sync_every=sync_every,
+            timeout=timeout,
+            group=group,
+            joinables=joinables,
+            plan=plan,
+        )
         self._mode.check(steps_per_epoch=steps_per_epoch, has_joinables=bool(joinables))
-        if plan is not None and not hasattr(plan, "batches_per_rank"):
-            raise TypeError(
-                f"plan must be a ddp_even.planning.ShardPlan, got {type(plan).__name__}"
-            )
         self._source = as_source(source)
-        if self._source.endless and steps_per_epoch is None:
-            raise ValueError(
-                "the petastorm reader has num_epochs=None, so it never ends and neither would "
-                "an epoch: pass steps_per_epoch=N (each epoch takes N steps and the next one "
-                "continues the reader), or build the reader with num_epochs=1"
-            )
-        if (
-            self._mode.restarts_short_shards
-            and not self._source.restartable
-            and not self._source.endless
-        ):
-            raise TypeError(
-                "cycle mode starts short shards again, which a one-shot iterator cannot do; "
-                "pass a factory instead, e.g. lambda: DataLoader(make_reader(url, num_epochs=1, "
-                "cur_shard=rank, shard_count=world_size), batch_size=64)"
-            )
+        self._source.check_fits(self._mode.restarts_short_shards, steps_per_epoch)
         if dist.is_available() and dist.is_initialized():
             self._source.check_shard(*rank_and_world_size(group))
         self._steps_per_epoch = steps_per_epoch
@@ -171,12 +146,11 @@ class EvenLoader(Generic[BatchT]):
         self._passes = source if isinstance(source, PlannedSource) else None
         self._plan = plan if plan is not None or self._passes is None else self._passes.plan
         # A petastorm loader's plan worked out from its footers (no plan given); tried once.
-        self._footer_plan: ShardPlan | None = None
-        self._footer_plan_tried = False
+        self._footers = FooterPlan()
         # Made at the first epoch, a point every rank reaches (or met while planning).
         self._agreer: Agreer | None = None if self._passes is None else self._passes.agreer
         self._next_epoch = 0
-        self._running: weakref.ref[_Epoch[BatchT]] | None = None
+        self._running: weakref.ref[Epoch[BatchT]] | None = None
         self._current_run: EpochRun[BatchT] | None = None
         # Where the next epoch resumes, from load_state_dict.
         self._pending: PendingResume | None = None
@@ -184,7 +158,7 @@ class EvenLoader(Generic[BatchT]):
         self.repeating = False
         # What trainers look for to number epochs (Lightning calls sampler.set_epoch); there
         # is no batch sampler to configure.
-        self.sampler = _EpochNumbering(self)
+        self.sampler = EpochNumbering(self)
         self.batch_sampler = None
 
     @property
@@ -216,34 +190,19 @@ class EvenLoader(Generic[BatchT]):
     ) -> EvenLoader[Any]:
         """One line for the common case: this rank's petastorm loader, planned from footers.
 
-        Plans the shards from the Parquet footers (no data read), builds a fresh petastorm
-        reader (``make_batch_reader``, or ``make_reader`` with ``reader="row"``) and
-        ``BatchedDataLoader`` (or ``DataLoader``) for each pass over this rank's shard, and
-        knows every rank's batch count up front: no per-step collective, ``len()`` answers
-        before the first step, and :class:`EpochStats` says exactly what each rank dropped.
-        ``sharding`` says who reads what: ``"round_robin"`` (petastorm's own, the default),
-        ``"row_groups"`` (whole row groups, balanced), ``"rows"`` (equal shards by
-        construction: ``floor(N / W)`` or ``ceil(N / W)`` rows per rank, so truncate drops and
-        cycle repeats at most one batch per rank; a few row groups are read by two ranks) or
-        ``"replicate"`` (every rank reads every row group, in its own seeded order);
-        ``balanced=True`` is the deprecated spelling of ``"row_groups"``. A petastorm row
-        ``predicate`` (``in_lambda``...) is counted before the first epoch, by reading only its
-        columns, the scan spread over the ranks and cached, and the plan shares out the rows it
-        keeps (see :mod:`ddp_even.planning.predicate_counts`). Rank and world size come from
-        the process group. ``dataset`` may be remote
-        (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...): ``storage_options`` (a dict, as
-        petastorm takes it) or ``filesystem`` (a ``pyarrow.fs`` or fsspec filesystem) reach it,
-        besides the standard environment (``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``...).
-        ``dataset`` may also be a petastorm Spark converter (``make_spark_converter(df)``).
+        Plans every rank's shard of ``dataset`` (a path, a URL that ``storage_options`` or
+        ``filesystem`` reach, a list of files, or a petastorm Spark converter) from its Parquet
+        footers, cut as ``sharding`` says (``"round_robin"``, ``"row_groups"``, ``"rows"``,
+        ``"replicate"``; ``balanced=True`` is the old spelling of ``"row_groups"``), a row
+        ``predicate``'s rows counted first; builds a fresh petastorm reader and loader for each
+        pass. ``len()`` answers before the first step and :class:`EpochStats` says exactly what
+        each rank dropped. docs/using.md has the details.
 
         Example, on every rank::
 
             loader = EvenLoader.from_parquet("file:///data/train", batch_size=64,
-                                             mode="truncate", sharding="rows",
-                                             reader_kwargs={"workers_count": 4})
+                                             mode="truncate", sharding="rows")
             print(len(loader))          # steps per epoch, the same on every rank
-            for batch in loader:
-                ...
         """
         if loader not in ("batched_dataloader", "dataloader"):
             raise ValueError(
@@ -325,41 +284,19 @@ class EvenLoader(Generic[BatchT]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`): the next ``for`` resumes its epoch.
 
-        The remaining batches of the interrupted epoch are those an uninterrupted run would
-        have handed out when every pass over a rank's shard yields the same batches in the same
-        order: lists and map-style ``DataLoader`` objects without shuffling (or with a seeded
-        sampler), petastorm readers without shuffling (``shuffle_row_groups=False``, one worker
-        or the dummy pool; a seed alone does not fix the order of petastorm's thread pool), and
-        factories that build such a source. Each rank gets back to its position by reading
-        again the batches it had handed out (their cost: one read of what was consumed, no
-        training). The epoch's statistics count the whole epoch, and say where it resumed.
-
-        A loader from :meth:`from_parquet` reads nothing again when its passes read in an
-        order ddp_even computes (``PlannedPasses.why_not_in_plan_order`` is None): row groups
-        unshuffled (``shuffle_row_groups=False``) or shuffled with a ``seed``, rows unshuffled
-        or shuffled with a ``seed`` (``shuffle_rows``), a thread pool of any size or the dummy
-        pool (a process pool only with ``workers_count=1``), no
-        ``shuffle_row_drop_partitions > 1`` and no ``shuffling_queue_capacity``: each rank's
-        first pass starts at its next row (a row group, and a row offset inside it).
-        ``sharding="replicate"`` always has a seed.
-
-        **Elastic**: such a loader also resumes a state saved on another number of ranks, in
-        truncate and join mode, except with ``sharding="replicate"``: the rows no rank had
-        read before the saved step are re-planned over this job's ranks (⌊M/W⌋ or ⌈M/W⌉ each,
-        as ``sharding="rows"`` does) and read without reading again what was consumed (in the
-        re-plan's order, with the epoch's row shuffle). That epoch's statistics then count its
-        rest only and say so (``resumed_from_world_size``). Load on each rank any of the old
-        ranks' states (they hold the same step).
-
-        Raises ``ValueError`` when ``state`` is not a loader state of this version, was saved
-        by a loader with other settings, or on another number of ranks by a loader that
-        cannot re-plan.
+        The rest of the interrupted epoch is what an uninterrupted run would have handed out
+        when every pass over a rank's shard yields the same batches in the same order (lists,
+        unshuffled loaders, seeded ``from_parquet`` loaders, factories building such sources);
+        its statistics count the whole epoch and say where it resumed. Each rank reads again
+        what it had consumed, unless its source can start at the step (a factory taking
+        ``start_batch``, or a ``from_parquet`` loader whose order ddp_even computes, which
+        also resumes a state saved on another number of ranks). docs/resume.md has the whole
+        story (and :meth:`state_dict` an example). Raises ``ValueError`` saying why when
+        ``state`` does not fit this loader.
         """
         self._next_epoch, self._pending = pending_resume(
             state,
-            settings_for=lambda plan: (
-                self._settings(self._sync_every, plan or self._plan).description
-            ),
+            settings_for=self._settings_described,
             world_size=rank_and_world_size(self._group)[1],
             mode=self._mode,
             steps_per_epoch=self._steps_per_epoch,
@@ -398,7 +335,7 @@ class EvenLoader(Generic[BatchT]):
     def __len__(self) -> int:
         plan = self._known_plan
         if plan is not None:
-            rank = self._rank_for_plan(plan)
+            rank = rank_in_plan(plan, self._group)
             return self._mode.steps_per_rank(plan.batches_per_rank, self._steps_per_epoch)[rank]
         steps = None if self._current_run is None else self._current_run.agreed_steps
         if steps is None:
@@ -416,7 +353,7 @@ class EvenLoader(Generic[BatchT]):
             # before the next, at this call: the same point on every rank. Advancing it again
             # (nested or concurrent iteration) raises instead of silently ending.
             running.supersede()
-        epoch = _Epoch(self._run_epoch())
+        epoch = Epoch(self._run_epoch())
         # Only a weak reference: the epoch's frame refers to the loader, so a strong one would
         # make a cycle that only the garbage collector breaks, closing an epoch left early
         # (its collectives included) at a different moment on every rank. Held weakly, the
@@ -431,7 +368,10 @@ class EvenLoader(Generic[BatchT]):
         epoch = self._next_epoch
         self._next_epoch += 1
         agreer = self._agreer_for_this_process()
-        start = self._prepare_source(epoch, agreer)
+        pending, self._pending = self._pending, None
+        start = resumed_start(
+            pending, epoch, self._source, self._plan, self._passes, self._mode, agreer
+        )
         feed: ShardFeed[BatchT] = ShardFeed(
             start.source, self._mode.restarts_short_shards, self._steps_per_epoch is not None
         )
@@ -442,26 +382,10 @@ class EvenLoader(Generic[BatchT]):
         if start.step is not None:
             run.resume_after(start.step, start.skipped)
         try:
-            yield from self._shape_of(run)
+            yield from run_epoch(run, self._joinables)
         finally:
             self.repeating = False
             feed.close()
-
-    def _prepare_source(self, epoch: int, agreer: Agreer) -> ResumedStart:
-        """What ``epoch`` reads: the source, or where a loaded state resumes it."""
-        pending, self._pending = self._pending, None
-        if pending is None or pending.epoch != epoch:
-            self._source.start_epoch(epoch)
-            return ResumedStart(self._source)
-        return resumed_start(
-            pending,
-            self._source,
-            plan=self._plan,
-            planned=self._passes,
-            mode=self._mode,
-            rank=agreer.rank,
-            world_size=agreer.world_size,
-        )
 
     def _settle_plan(
         self, epoch: int, agreer: Agreer, start: ResumedStart, feed: ShardFeed[BatchT]
@@ -472,10 +396,10 @@ class EvenLoader(Generic[BatchT]):
         fixed_steps = mode.restarts_short_shards and self._steps_per_epoch is not None
         agrees_as_it_goes = self._sync_every is not None or mode.shadows_finished_ranks
         if self._plan is None and known_batches is None and not (agrees_as_it_goes or fixed_steps):
-            self._plan_from_footers(feed, agreer, epoch)
+            self._footers.settle(feed, agreer, self._settings(None, None), epoch)
         plan = start.plan or self._known_plan
         if plan is not None:
-            self._rank_for_plan(plan)
+            rank_in_plan(plan, self._group)
             known_batches = counts.planned_batches = plan.batches_per_rank[rank]
             counts.planned_rows = plan.rows_per_rank[rank]
         if agrees_as_it_goes:
@@ -500,13 +424,6 @@ class EvenLoader(Generic[BatchT]):
             run.resumed_at, run.resumed_from_world_size = start.resumed_from
         return run
 
-    def _shape_of(self, run: EpochRun[BatchT]) -> Iterator[BatchT]:
-        if run.settings.sync_every is None:
-            return run_known_lengths(run, run.known_batches)
-        if self._mode.shadows_finished_ranks and run.agreer.world_size > 1:
-            return run_join(run, self._joinables)
-        return run_windows(run)
-
     def _mark_repeating(self, repeating: bool) -> None:
         self.repeating = repeating
 
@@ -519,24 +436,7 @@ class EvenLoader(Generic[BatchT]):
 
     @property
     def _known_plan(self) -> ShardPlan | None:
-        return self._plan if self._plan is not None else self._footer_plan
-
-    def _rank_for_plan(self, plan: ShardPlan) -> int:
-        rank, world_size = rank_and_world_size(self._group)
-        if plan.world_size != world_size:
-            raise ValueError(
-                f"the shard plan is for {plan.world_size} ranks but the process group has "
-                f"{world_size}; plan with world_size={world_size}"
-            )
-        return rank
-
-    def _plan_from_footers(self, feed: ShardFeed[BatchT], agreer: Agreer, epoch: int) -> None:
-        """Work out the plan of a petastorm loader sharded with ``cur_shard``/``shard_count``
-        (the usual factory) from its Parquet footers, once, with every rank: then it runs like
-        a planned one (:mod:`ddp_even.runtime.footer_plan`)."""
-        if not self._footer_plan_tried:
-            self._footer_plan_tried = True
-            self._footer_plan = agreed_footer_plan(feed, agreer, self._settings(None, None), epoch)
+        return self._plan if self._plan is not None else self._footers.plan
 
     def _agreer_for_this_process(self) -> Agreer:
         if self._agreer is None:
@@ -548,42 +448,3 @@ class EvenLoader(Generic[BatchT]):
     def _running_epoch_is(self, run: EpochRun[BatchT]) -> bool:
         running = None if self._running is None else self._running()
         return running is not None and self._current_run is run
-
-
-class _EpochNumbering:
-    """``loader.sampler``: forwards ``set_epoch`` the way trainers call it on samplers."""
-
-    def __init__(self, loader: EvenLoader[Any]) -> None:
-        self._loader = weakref.ref(loader)
-
-    def set_epoch(self, epoch: int) -> None:
-        loader = self._loader()
-        if loader is not None:
-            loader.set_epoch(epoch)
-
-
-class _Epoch(Generic[BatchT]):
-    """One ``for`` over the loader: its batches, and a clear error if it was superseded."""
-
-    def __init__(self, batches: Generator[BatchT, None, None]) -> None:
-        self._batches = batches
-        self._superseded = False
-
-    def __iter__(self) -> Iterator[BatchT]:
-        return self
-
-    def __next__(self) -> BatchT:
-        if self._superseded:
-            raise EvenLoaderError(
-                "this epoch of the EvenLoader was ended by a newer iter(loader): one loader "
-                "cannot be iterated twice at once (zip(loader, loader), or a loop over it "
-                "inside a loop over it); use two loaders, or finish one epoch first"
-            )
-        return next(self._batches)
-
-    def supersede(self) -> None:
-        self._superseded = True
-        self._batches.close()
-
-    def close(self) -> None:
-        self._batches.close()

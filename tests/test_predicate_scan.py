@@ -23,8 +23,9 @@ import pytest
 from ddp_even import PeerSourceError
 from ddp_even.petastorm.readers import make_shard_factory
 from ddp_even.planning import predicate_counts
+from ddp_even.planning.metadata import read_row_groups
 from ddp_even.planning.predicate_counts import count_in_columns, matching_rows
-from ddp_even.planning.row_groups import RowGroups, read_row_groups
+from ddp_even.planning.row_groups import RowGroups
 from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.spawn import run_ranks

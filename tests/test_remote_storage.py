@@ -31,8 +31,8 @@ from ddp_even.errors import DatasetError
 from ddp_even.petastorm.legacy_filesystem import legacy_filesystem
 from ddp_even.petastorm.readers import make_shard_factory
 from ddp_even.planning import plan_for_dataset
+from ddp_even.planning.metadata import read_row_groups
 from ddp_even.planning.plans import ShardPlan
-from ddp_even.planning.row_groups import read_row_groups
 from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import flat_sizes
 from tests.helpers.s3_server import S3Server, free_port, upload_directory

@@ -328,7 +328,7 @@ def _storage_for(files: Sequence[str]) -> tuple[Any, tuple[str, ...]] | None:
 def _row_group_rows(files: Sequence[str]) -> list[int] | None:
     """Rows per row group in petastorm's order, or None if the footers cannot be read here."""
     from ddp_even.errors import DatasetError
-    from ddp_even.planning.row_groups import read_row_groups
+    from ddp_even.planning.metadata import read_row_groups
 
     try:
         return [int(rows) for rows in read_row_groups(list(files)).num_rows]

@@ -9,8 +9,10 @@ The names users need::
 """
 
 from ddp_even.errors import DatasetError
-from ddp_even.planning.plans import ModeStats, ShardPlan, plan_for_dataset, plan_shards
-from ddp_even.planning.row_groups import RowGroups, read_row_groups
+from ddp_even.planning.metadata import read_row_groups
+from ddp_even.planning.mode_stats import ModeStats
+from ddp_even.planning.plans import ShardPlan, plan_for_dataset, plan_shards
+from ddp_even.planning.row_groups import RowGroups
 
 __all__ = [
     "DatasetError",

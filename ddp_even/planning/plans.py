@@ -22,74 +22,19 @@ import numpy.typing as npt
 from ddp_even.agreement.wire import MAX_COUNT
 from ddp_even.checks import check_positive_int
 from ddp_even.modes import MODES, mode_named
-from ddp_even.planning.row_groups import Progress, RowGroups, read_row_groups
+from ddp_even.planning.metadata import read_row_groups
+from ddp_even.planning.mode_stats import ModeStats
+from ddp_even.planning.row_groups import Progress, RowGroups
 from ddp_even.planning.sharding import SHARDINGS, RowRange, Sharding, shard_rows, sharding_from
 from ddp_even.storage import DatasetLocation, StorageOptions
 
 __all__ = [
-    "ModeStats",
     "ShardPlan",
     "plan_for_dataset",
     "plan_shards",
 ]
 
 logger = logging.getLogger("ddp_even")
-
-
-@dataclass(frozen=True)
-class ModeStats:
-    """One mode's epoch for every rank: steps, and what each rank drops, repeats or waits.
-
-    Per-rank fields are tuples indexed by rank. ``waste_percent`` is, per mode: rows dropped
-    (truncate) or rows repeated (cycle) as a share of all rows, and for join the share of
-    rank-steps spent waiting.
-
-    Example:
-        >>> stats = plan_shards([30, 10], world_size=2, batch_size=10).stats("truncate")
-        >>> stats.steps, stats.dropped_batches, stats.dropped_rows
-        (1, (2, 0), (20, 0))
-    """
-
-    #: The mode's name (a key of :data:`ddp_even.modes.MODES`).
-    mode: str
-    #: Steps every rank takes in one epoch.
-    steps: int
-    #: Batches (and their rows) a rank never yields in the epoch (truncate).
-    dropped_batches: tuple[int, ...]
-    dropped_rows: tuple[int, ...]
-    #: Batches (and their rows) a rank yields a second time or more (cycle).
-    repeated_batches: tuple[int, ...]
-    repeated_rows: tuple[int, ...]
-    #: Steps a rank spends joined, with no batch of its own (join).
-    idle_steps: tuple[int, ...]
-    #: Share wasted, in percent (see the class docstring).
-    waste_percent: float
-    #: False when the mode cannot run this epoch; ``note`` says why.
-    runnable: bool
-    #: One sentence on what happens, for people.
-    note: str
-
-    @property
-    def total_dropped_rows(self) -> int:
-        """Rows no rank yields this epoch.
-
-        Example:
-            >>> plan = plan_shards([30, 10], world_size=2, batch_size=10)
-            >>> plan.stats("truncate").total_dropped_rows
-            20
-        """
-        return sum(self.dropped_rows)
-
-    @property
-    def total_repeated_rows(self) -> int:
-        """Rows yielded more than once this epoch.
-
-        Example:
-            >>> plan = plan_shards([30, 10], world_size=2, batch_size=10)
-            >>> plan.stats("cycle").total_repeated_rows
-            20
-        """
-        return sum(self.repeated_rows)
 
 
 @dataclass(frozen=True)
@@ -329,7 +274,7 @@ class ShardPlan:
             "row_groups_per_rank": [list(shard) for shard in self.shards],
             "rows_per_rank": list(self.rows_per_rank),
             "batches_per_rank": list(self.batches_per_rank),
-            "modes": {mode: _stats_dict(self.stats(mode)) for mode in MODES},
+            "modes": {mode: self.stats(mode).to_dict() for mode in MODES},
         }
 
 
@@ -429,20 +374,6 @@ def plan_for_dataset(
     )
     sharding = sharding_from(sharding, balanced)
     return row_groups, plan_shards(row_groups, world_size, batch_size, sharding=sharding)
-
-
-def _stats_dict(stats: ModeStats) -> dict[str, Any]:
-    return {
-        "steps": stats.steps,
-        "runnable": stats.runnable,
-        "note": stats.note,
-        "waste_percent": stats.waste_percent,
-        "dropped_batches": list(stats.dropped_batches),
-        "dropped_rows": list(stats.dropped_rows),
-        "repeated_batches": list(stats.repeated_batches),
-        "repeated_rows": list(stats.repeated_rows),
-        "idle_steps": list(stats.idle_steps),
-    }
 
 
 def _sizes(row_groups: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:

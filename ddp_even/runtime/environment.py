@@ -11,10 +11,14 @@ import logging
 import os
 import sys
 import types
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from ddp_even.errors import EvenLoaderError
+
+if TYPE_CHECKING:
+    from ddp_even.planning.plans import ShardPlan
 
 logger = logging.getLogger("ddp_even")
 
@@ -25,6 +29,17 @@ def rank_and_world_size(group: dist.ProcessGroup | None = None) -> tuple[int, in
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
+
+
+def rank_in_plan(plan: ShardPlan, group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group``; ``ValueError`` when ``plan`` is for another world size."""
+    rank, world_size = rank_and_world_size(group)
+    if plan.world_size != world_size:
+        raise ValueError(
+            f"the shard plan is for {plan.world_size} ranks but the process group has "
+            f"{world_size}; plan with world_size={world_size}"
+        )
+    return rank
 
 
 def refuse_join_inside_lightning() -> None:

@@ -7,9 +7,9 @@
   a fixed ``steps_per_epoch``; one agreement at the start of the epoch, then only a check
   every :data:`CHECK_EVERY` steps that no rank's source failed or ran short, started after a
   step's batch is taken and waited when the next one starts, so the steps between hide it.
-* ``run_join``: join; each rank hands out all its batches inside ``torch``'s ``Join``, and the
-  loader itself is the first joinable so that ranks that have joined still take part in
-  every window's agreement (errors and mismatches reach them too).
+* ``run_join`` (``join.py``): join; each rank hands out all its batches inside ``torch``'s
+  ``Join``, and the loader itself is the first joinable so that ranks that have joined still
+  take part in every window's agreement (errors and mismatches reach them too).
 """
 
 from __future__ import annotations
@@ -19,19 +19,18 @@ import functools
 import hashlib
 import logging
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-import torch
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Joinable
 
 from ddp_even.agreement.transport import Agreer, PendingAgreement
 from ddp_even.agreement.wire import Agreement, Report, error_from_reports
 from ddp_even.errors import RankMismatchError
 from ddp_even.modes import Mode, WindowDecision
 from ddp_even.runtime.feed import FedBatch, ShardFeed
+from ddp_even.runtime.join import run_join
 from ddp_even.runtime.stats import EpochStats, RankCounts, gather_epoch_stats
 
 if TYPE_CHECKING:
@@ -234,6 +233,15 @@ class EpochRun(Generic[BatchT]):
         )
 
 
+def run_epoch(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[BatchT]:
+    """The epoch in its shape: known lengths (no window), join (several ranks), or windows."""
+    if run.settings.sync_every is None:
+        return run_known_lengths(run, run.known_batches)
+    if run.settings.mode.shadows_finished_ranks and run.agreer.world_size > 1:
+        return run_join(run, joinables)
+    return run_windows(run)
+
+
 def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
     window = run.settings.window(run.steps_done)
     assert window is not None
@@ -353,96 +361,3 @@ def _last_batch(
             run.finish(had_more_own_data())
         raise
     run.finish(had_more_own_data())
-
-
-class _LoaderJoinable(Joinable):
-    """The loader's place in ``Join``: first, so its per-window agreement is shadowed too."""
-
-    def __init__(
-        self, device: torch.device, process_group: Any, shadow_step: Callable[[], None]
-    ) -> None:
-        super().__init__()
-        self._device = device
-        self._process_group = process_group
-        self._shadow_step = shadow_step
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        return _ShadowHook(self._shadow_step)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._device
-
-    @property
-    def join_process_group(self) -> Any:
-        return self._process_group
-
-
-class _ShadowHook(JoinHook):
-    def __init__(self, shadow_step: Callable[[], None]) -> None:
-        self._shadow_step = shadow_step
-
-    def main_hook(self) -> None:
-        self._shadow_step()
-
-
-class _KeepWarningFilters:
-    """Enters a ``Join``, undoing what its exit does to the process's warning filters.
-
-    ``Join.__exit__`` calls ``warnings.simplefilter("once")`` for the whole process, which would
-    bring back every warning the training script had silenced.
-    """
-
-    def __init__(self, join: Join) -> None:
-        self._join = join
-
-    def __enter__(self) -> None:
-        self._join.__enter__()  # type: ignore[no-untyped-call]
-
-    def __exit__(self, *exc_info: Any) -> Any:
-        with warnings.catch_warnings():
-            return self._join.__exit__(*exc_info)
-
-
-def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[BatchT]:
-    window = run.settings.sync_every
-    assert window is not None
-
-    def shadow_step() -> None:
-        # This rank has joined; it still takes part in the agreements of the ranks that
-        # have not, at the same steps they hold them.
-        if run.steps_done % window == 0:
-            report = run.report(0, 0, run.feed.empty_shard)
-            run.check(report, run.agreer.start(report).wait())
-        run.steps_done += 1
-
-    loader_joinable = _LoaderJoinable(
-        joinables[0].join_device, joinables[0].join_process_group, shadow_step
-    )
-    with _KeepWarningFilters(Join([loader_joinable, *joinables])):
-        try:
-            while True:
-                # Windows start at multiples of `window` (where joined ranks shadow them), also
-                # in an epoch resumed part-way.
-                size = window - run.steps_done % window
-                run.feed.fill(size)
-                if run.feed.buffered == 0 and run.feed.failure is None:
-                    break
-                Join.notify_join_context(loader_joinable)
-                report = run.report(run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard)
-                run.check(report, run.agreer.start(report).wait())
-                agreed = run.feed.buffered
-                for index in range(agreed):
-                    if index > 0:
-                        Join.notify_join_context(loader_joinable)
-                    run.steps_done += 1
-                    yield run.hand_out(run.feed.take())
-                if agreed < size:
-                    break
-        except GeneratorExit:
-            # The consumer stopped (a `break` on every rank at the same step): leave through
-            # Join's normal exit below, which releases the ranks that joined earlier; they
-            # then gather the statistics, so this rank does too.
-            if sys.is_finalizing():
-                raise
-    run.finish(run.feed.had_more_own_data())

@@ -31,6 +31,20 @@ logger = logging.getLogger("ddp_even")
 _FOOTERS = 0x0F0F_0F0F_0F0F
 
 
+class FooterPlan:
+    """A loader's plan worked out from the footers at its first epoch (tried once, with every
+    rank, whatever its source: a rank whose source failed reports it here)."""
+
+    def __init__(self) -> None:
+        self.plan: ShardPlan | None = None
+        self._tried = False
+
+    def settle(self, feed: ShardFeed[Any], agreer: Agreer, settings: Settings, epoch: int) -> None:
+        if not self._tried:
+            self._tried = True
+            self.plan = agreed_footer_plan(feed, agreer, settings, epoch)
+
+
 def agreed_footer_plan(
     feed: ShardFeed[Any], agreer: Agreer, settings: Settings, epoch: int
 ) -> ShardPlan | None:

@@ -25,6 +25,7 @@ from ddp_even.planning.sharding import SHARDINGS
 from ddp_even.sources import PlannedSource, ShardSource, as_source
 
 if TYPE_CHECKING:
+    from ddp_even.agreement.transport import Agreer
     from ddp_even.planning.plans import ShardPlan
 
 logger = logging.getLogger("ddp_even")
@@ -191,18 +192,20 @@ class ResumedStart:
 
 
 def resumed_start(
-    pending: PendingResume,
+    pending: PendingResume | None,
+    epoch: int,
     source: ShardSource[Any],
-    *,
     plan: ShardPlan | None,
     planned: PlannedSource | None,
     mode: Mode,
-    rank: int,
-    world_size: int,
+    agreer: Agreer,
 ) -> ResumedStart:
-    """Where the resumed epoch ``pending.epoch`` starts on ``rank`` (its source is told the
-    epoch first)."""
-    epoch, step = pending.epoch, pending.step
+    """What ``epoch`` reads and where it starts on this rank: its source from the start, or
+    where ``pending`` resumes it (the sources are told the epoch first)."""
+    if pending is None or pending.epoch != epoch:
+        source.start_epoch(epoch)
+        return ResumedStart(source)
+    step, rank, world_size = pending.step, agreer.rank, agreer.world_size
     if pending.saved_plan is not None:
         assert planned is not None
         rest = _rest_of_epoch(planned, pending.saved_plan, epoch, step, world_size)

@@ -109,6 +109,22 @@ class ShardSource(ABC, Generic[BatchT]):
         builds its own sharded readers (a petastorm Spark converter) reads that shard.
         """
 
+    def check_fits(self, restarts: bool, steps_per_epoch: int | None) -> None:
+        """Raise when a loader that ``restarts`` short shards (cycle), with ``steps_per_epoch``,
+        cannot run over this source; say what to pass instead."""
+        if self.endless and steps_per_epoch is None:
+            raise ValueError(
+                "the petastorm reader has num_epochs=None, so it never ends and neither would "
+                "an epoch: pass steps_per_epoch=N (each epoch takes N steps and the next one "
+                "continues the reader), or build the reader with num_epochs=1"
+            )
+        if restarts and not self.restartable and not self.endless:
+            raise TypeError(
+                "cycle mode starts short shards again, which a one-shot iterator cannot do; "
+                "pass a factory instead, e.g. lambda: DataLoader(make_reader(url, num_epochs=1, "
+                "cur_shard=rank, shard_count=world_size), batch_size=64)"
+            )
+
     def start_epoch(self, epoch: int) -> None:
         """Told the epoch number before the epoch's first pass (a factory may want it)."""
 

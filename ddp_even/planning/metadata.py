@@ -1,0 +1,448 @@
+"""A dataset's row groups read from its Parquet metadata, as petastorm 0.12.1 lists them.
+
+Petastorm's list of row groups comes from Parquet metadata only, so it is rebuilt here without
+petastorm and without reading any data:
+
+1. The files. A directory is walked like pyarrow 14's legacy ``ParquetManifest`` (which
+   petastorm 0.12.1 uses): names starting with ``_`` or ``.``, ``*.crc`` and ``_SUCCESS``
+   are skipped, names ending in ``_metadata`` / ``_common_metadata`` are summary files,
+   subdirectories must be hive partitions (``key=value``), and all data files are sorted by
+   full path. A list of files keeps the order given.
+2. The row groups (``petastorm.etl.dataset_metadata.load_row_groups``), from the first source
+   that exists:
+
+   - a ``_metadata`` summary with row groups: for each data file, as many row groups as the
+     summary lists for it (files it does not list are skipped);
+   - a ``_common_metadata`` (or row-group-less ``_metadata``) carrying petastorm's
+     ``num_row_groups_per_file`` key: that many row groups per file, files in sorted order;
+   - otherwise every file's footer.
+
+The dataset can live anywhere :mod:`ddp_even.storage` resolves (local disk, ``s3://``, ``gs://``,
+``hdfs://``, ``abfs://``, fsspec filesystems): the same rules run over remote listings.
+Directories are listed level by level and footers read with bounded concurrency; a data file
+costs at most two requests (its size, then its tail), a ``_metadata`` summary one read in all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ddp_even.errors import DatasetError
+from ddp_even.planning.row_groups import (
+    ROW_GROUPS_PER_FILE_KEY,
+    MetadataSource,
+    Progress,
+    RowGroups,
+)
+from ddp_even.storage import (
+    DatasetLocation,
+    ResolvedDataset,
+    Storage,
+    StorageOptions,
+    resolve_dataset,
+)
+
+__all__ = ["changed_row_groups", "read_row_groups"]
+
+_Item = TypeVar("_Item")
+_Result = TypeVar("_Result")
+
+
+def read_row_groups(
+    dataset: DatasetLocation | ResolvedDataset,
+    *,
+    storage_options: StorageOptions | None = None,
+    filesystem: Any = None,
+    progress: Progress | None = None,
+) -> RowGroups:
+    """List a dataset's row groups in petastorm's global order, from metadata only.
+
+    ``dataset`` is what you would pass to ``make_reader`` / ``make_batch_reader``: a URL
+    (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...) or a local path to a
+    directory or file, or a list of files (the order of a list is kept, as petastorm keeps it).
+    ``storage_options`` / ``filesystem`` say how to reach remote storage (see
+    :func:`~ddp_even.storage.resolve.resolve_dataset`); ``progress(done, total)`` is called as
+    metadata files are read. Raises :class:`DatasetError` for a missing path or bucket, denied
+    access, an unreachable endpoint, a file that is not Parquet, a layout petastorm rejects, or
+    a dataset without row groups.
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> root = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
+        >>> read_row_groups(f"file://{root}").num_rows.tolist()
+        [4, 4, 2]
+    """
+    if isinstance(dataset, ResolvedDataset):
+        if storage_options is not None or filesystem is not None:
+            raise ValueError("a resolved dataset already has its filesystem: pass no options")
+        resolved = dataset
+    else:
+        resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
+    reader = _MetadataReader(resolved.storage, progress)
+    if not resolved.is_list or len(resolved.paths) == 1:
+        # pyarrow treats a one-element list as that single path (file or directory).
+        return reader.read_location(resolved.paths[0])
+    return reader.from_footers(list(resolved.paths), listed=True)
+
+
+def changed_row_groups(
+    resolved: ResolvedDataset, planned: RowGroups, indices: Sequence[int]
+) -> str | None:
+    """Which of row groups ``indices`` no longer have the rows ``planned`` lists, or None.
+
+    Reads again the footers of the files holding them (in parallel, as planning does) and
+    returns a sentence naming the first row group whose file now has a different number of
+    rows in it, or too few row groups; None when all of them match.
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> root = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
+        >>> resolved = resolve_dataset(root)
+        >>> planned = read_row_groups(resolved)
+        >>> print(changed_row_groups(resolved, planned, [0, 2]))
+        None
+        >>> pq.write_table(pa.table({"x": list(range(9))}), f"{root}/a.parquet", row_group_size=4)
+        >>> print(changed_row_groups(resolved, planned, [0, 2]))
+        row group 2 (.../a.parquet #2) has 1 rows now, the plan counted 2
+    """
+    file_numbers = sorted({int(planned.file_of[index]) for index in indices})
+    reader = _MetadataReader(resolved.storage, None)
+    footers = dict(
+        zip(
+            file_numbers,
+            reader.read_footers([planned.files[number] for number in file_numbers], listed=False),
+            strict=True,
+        )
+    )
+    for index in sorted(indices):
+        group = planned[index]
+        footer = footers[int(planned.file_of[index])]
+        where = f"row group {index} ({resolved.storage.url(group.path)} #{group.index_in_file})"
+        if group.index_in_file >= footer.num_row_groups:
+            return f"{where} is gone: its file has {footer.num_row_groups} row groups now"
+        rows = footer.row_group(group.index_in_file).num_rows
+        if rows != group.num_rows:
+            return f"{where} has {rows} rows now, the plan counted {group.num_rows}"
+    if planned.footer_digests is not None:
+        # Same rows per row group, other data: counts of a row predicate may be wrong now.
+        for number, footer in footers.items():
+            if _footer_digest(footer) != planned.footer_digests[number]:
+                path = resolved.storage.url(planned.files[number])
+                return f"{path} was rewritten since it was planned (its footer changed)"
+    return None
+
+
+class _MetadataReader:
+    """Reads one dataset's listings and metadata through its storage, in parallel."""
+
+    def __init__(self, storage: Storage, progress: Progress | None) -> None:
+        self.storage = storage
+        self.progress = progress
+
+    def read_location(self, path: str) -> RowGroups:
+        kind = self.storage.kind(path)
+        if kind == "missing":
+            raise self.storage.missing(path)
+        if kind == "file":
+            return self.from_footers([path], listed=False)
+        layout = _DirectoryLayout.scan(path, self)
+        metadata = self.read_summary(layout.metadata_path) if layout.metadata_path else None
+        common_path = layout.common_metadata_path or layout.metadata_path
+        if metadata is None and common_path is None:
+            return self.from_footers(layout.data_files, listed=False)
+        if metadata is not None and metadata.num_row_groups > 0:
+            assert layout.metadata_path is not None
+            return _from_summary(layout.data_files, metadata, layout.metadata_path)
+        assert common_path is not None
+        common = metadata if common_path == layout.metadata_path else self.read_summary(common_path)
+        return self.from_row_group_counts(layout.data_files, common, common_path, root=path)
+
+    def map(
+        self, function: Callable[[_Item], _Result], items: Sequence[_Item], report: bool
+    ) -> list[_Result]:
+        """``[function(item) for item in items]`` with at most ``storage.concurrency`` at once.
+
+        The first failure cancels what has not started and is raised.
+        """
+        total = len(items)
+        reporting = report and self.progress is not None
+        if total <= 1 and not reporting:
+            # A thread costs more than one file's metadata on a busy machine.
+            return [function(item) for item in items]
+        workers = max(1, min(self.storage.concurrency, total))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ddp-even-meta") as pool:
+            futures = [pool.submit(function, item) for item in items]
+            if reporting:
+                self._report(futures)
+            else:
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                _raise_first_failure(futures, done)
+            return [future.result() for future in futures]
+
+    def _report(self, futures: list[Future[Any]]) -> None:
+        assert self.progress is not None
+        pending = set(futures)
+        total = len(futures)
+        self.progress(0, total)
+        while pending:
+            done, pending = wait(pending, timeout=0.1, return_when=FIRST_EXCEPTION)
+            _raise_first_failure(futures, done)
+            self.progress(total - len(pending), total)
+
+    def read_footer(self, path: str, listed: bool = False) -> pq.FileMetaData:
+        try:
+            return self.storage.read_footer(path)
+        except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+            raise self._unreadable(error, path, listed) from error
+
+    def _unreadable(self, error: BaseException, path: str, listed: bool) -> DatasetError:
+        explained = self.storage.explain(error, path)
+        if explained is not None:
+            return explained
+        if listed and isinstance(error, OSError):
+            # Only now ask what the path is: a listed file costs no extra request otherwise.
+            kind = self.storage.kind(path)
+            if kind == "directory":
+                return DatasetError(
+                    f"{self.storage.url(path)} is not a file: a list must name Parquet files "
+                    "(pass a directory on its own instead)"
+                )
+            if kind == "missing":
+                return self.storage.missing(path)
+        return DatasetError(
+            f"{self.storage.url(path)} is not a readable Parquet file ({error}); remove it from "
+            "the dataset or start its name with '_' or '.' so that petastorm skips it too"
+        )
+
+    def read_summary(self, path: str) -> pq.FileMetaData:
+        try:
+            summary = self.storage.read_summary(path)
+        except (OSError, ValueError) as error:
+            explained = self.storage.explain(error, path)
+            if explained is not None:
+                raise explained from error
+            raise DatasetError(
+                f"{self.storage.url(path)} is not a readable Parquet summary file ({error}); "
+                "petastorm cannot open the dataset either: delete or regenerate it"
+            ) from error
+        if self.progress is not None:
+            self.progress(1, 1)
+        return summary
+
+    def read_footers(self, paths: Sequence[str], listed: bool) -> list[pq.FileMetaData]:
+        return self.map(lambda path: self.read_footer(path, listed), paths, report=True)
+
+    def from_footers(self, paths: list[str], listed: bool) -> RowGroups:
+        footers = self.read_footers(paths, listed)
+        sizes = [_footer_sizes(footer) for footer in footers]
+        return _build(paths, sizes, "footers", self.storage, footers)
+
+    def from_row_group_counts(
+        self, data_files: Sequence[str], common: pq.FileMetaData, common_path: str, root: str
+    ) -> RowGroups:
+        """petastorm's own key: the number of row groups per file; sizes come from the footers."""
+        url = self.storage.url
+        key_values = common.metadata or {}
+        if ROW_GROUPS_PER_FILE_KEY not in key_values:
+            raise DatasetError(
+                f"{url(common_path)} has no row-group counts "
+                f"({ROW_GROUPS_PER_FILE_KEY.decode()}): petastorm fails on this dataset too; "
+                "delete the file or regenerate it with petastorm-generate-metadata.py"
+            )
+        counts: dict[str, int] = json.loads(key_values[ROW_GROUPS_PER_FILE_KEY].decode())
+        files_and_counts = []
+        for path in data_files:
+            relative = posixpath.relpath(path, root)
+            if relative not in counts:
+                raise DatasetError(
+                    f"{url(path)} is missing from the row-group counts in {url(common_path)}: "
+                    "petastorm fails with KeyError; regenerate the metadata "
+                    "(petastorm-generate-metadata.py)"
+                )
+            files_and_counts.append((path, counts[relative]))
+        footers = self.read_footers([path for path, _ in files_and_counts], listed=False)
+        sizes = []
+        for (path, count), footer in zip(files_and_counts, footers, strict=True):
+            if count > footer.num_row_groups:
+                raise DatasetError(
+                    f"{url(common_path)} says {url(path)} has {count} row groups but its footer "
+                    f"has {footer.num_row_groups}: regenerate the metadata"
+                )
+            sizes.append(_footer_sizes(footer)[:count])
+        return _build(
+            [path for path, _ in files_and_counts],
+            sizes,
+            "_common_metadata",
+            self.storage,
+            footers,
+        )
+
+
+def _raise_first_failure(futures: list[Future[Any]], done: set[Future[Any]]) -> None:
+    failed = [future for future in done if future.exception() is not None]
+    if not failed:
+        return
+    for future in futures:
+        future.cancel()
+    # The earliest in input order, so that the same dataset gives the same error every time.
+    first = min(failed, key=futures.index)
+    error = first.exception()
+    assert error is not None
+    raise error
+
+
+@dataclass(frozen=True)
+class _DirectoryLayout:
+    """What pyarrow's legacy ParquetManifest finds under a dataset directory."""
+
+    data_files: list[str]
+    metadata_path: str | None
+    common_metadata_path: str | None
+
+    @classmethod
+    def scan(cls, root: str, reader: _MetadataReader) -> _DirectoryLayout:
+        url = reader.storage.url
+        data_files: list[str] = []
+        metadata_paths: list[str] = []
+        common_paths: list[str] = []
+        level = [root]
+        while level:
+            # Every directory of a level is listed at once: partitions are siblings.
+            listings = reader.map(reader.storage.list_directory, level, report=False)
+            next_level = []
+            for directory, (files, subdirectories) in zip(level, listings, strict=True):
+                level_files = []
+                for name in files:
+                    full = f"{directory}/{name}"
+                    # The order of these checks is pyarrow's: a summary file is recognised even
+                    # where a hidden-file rule would otherwise skip it.
+                    if name.endswith("_common_metadata"):
+                        common_paths.append(full)
+                    elif name.endswith("_metadata"):
+                        metadata_paths.append(full)
+                    elif not _silently_excluded(name):
+                        level_files.append(full)
+                partitions = sorted(name for name in subdirectories if not _private_directory(name))
+                if level_files and partitions:
+                    raise DatasetError(
+                        f"{url(directory)} holds both data files and subdirectories: petastorm "
+                        "cannot read that layout; move the files into a partition directory "
+                        "(key=value)"
+                    )
+                for name in partitions:
+                    if "=" not in name:
+                        raise DatasetError(
+                            f"{url(directory)}/{name} is not a hive partition directory "
+                            "(key=value): petastorm cannot read it; rename it or start its name "
+                            "with '_'"
+                        )
+                    next_level.append(f"{directory}/{name}")
+                data_files.extend(level_files)
+            level = next_level
+        for kind, found in (("_metadata", metadata_paths), ("_common_metadata", common_paths)):
+            if len(found) > 1:
+                raise DatasetError(
+                    f"several {kind} files under {url(root)} "
+                    f"({', '.join(url(path) for path in sorted(found))}): petastorm would use an "
+                    "arbitrary one; keep only the one at the dataset root"
+                )
+        if not data_files:
+            raise DatasetError(f"{url(root)} holds no Parquet data files: check the path")
+        # The manifest sorts by full path once all levels are listed.
+        data_files.sort()
+        return cls(
+            data_files=data_files,
+            metadata_path=metadata_paths[0] if metadata_paths else None,
+            common_metadata_path=common_paths[0] if common_paths else None,
+        )
+
+
+def _silently_excluded(name: str) -> bool:
+    return (
+        name.endswith(".crc")
+        or name.endswith("_$folder$")
+        or name.startswith((".", "_"))
+        or name == "_SUCCESS"
+    )
+
+
+def _private_directory(name: str) -> bool:
+    return name.startswith(("_", ".")) and "=" not in name
+
+
+def _footer_sizes(footer: pq.FileMetaData) -> list[int]:
+    return [footer.row_group(k).num_rows for k in range(footer.num_row_groups)]
+
+
+def _from_summary(
+    data_files: Sequence[str], metadata: pq.FileMetaData, metadata_path: str
+) -> RowGroups:
+    """``_metadata`` lists row groups with their file paths relative to its directory."""
+    sizes_by_file: dict[str, list[int]] = {}
+    for k in range(metadata.num_row_groups):
+        row_group = metadata.row_group(k)
+        file_path = row_group.column(0).file_path
+        sizes_by_file.setdefault(file_path, []).append(row_group.num_rows)
+    base = posixpath.normpath(posixpath.dirname(metadata_path))
+    listed = [
+        (path, sizes_by_file[relative])
+        for path in data_files
+        if (relative := posixpath.relpath(path, base)) in sizes_by_file
+    ]
+    if not listed:
+        raise DatasetError(
+            f"{metadata_path} lists no row group of the data files next to it (its file paths: "
+            f"{sorted(sizes_by_file)[:3]}): petastorm would read nothing; write it with "
+            "file paths set (FileMetaData.set_file_path) or delete it"
+        )
+    return _build([path for path, _ in listed], [sizes for _, sizes in listed], "_metadata")
+
+
+def _footer_digest(footer: pq.FileMetaData) -> bytes:
+    serialized = pa.BufferOutputStream()
+    footer.write_metadata_file(serialized)
+    return hashlib.blake2b(serialized.getvalue().to_pybytes(), digest_size=16).digest()
+
+
+def _build(
+    paths: list[str],
+    sizes: list[list[int]],
+    source: MetadataSource,
+    storage: Storage | None = None,
+    footers: Sequence[pq.FileMetaData] | None = None,
+) -> RowGroups:
+    kept_files = [index for index, file_sizes in enumerate(sizes) if file_sizes]
+    kept = [(paths[index], sizes[index]) for index in kept_files]
+    if not kept:
+        where = paths[0] if storage is None else storage.url(paths[0])
+        raise DatasetError(
+            f"no row groups in {where if len(paths) == 1 else f'{len(paths)} files'}: "
+            "petastorm has nothing to read; check that the dataset was written completely"
+        )
+    counts = np.array([len(file_sizes) for _, file_sizes in kept], dtype=np.int64)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    total = int(counts.sum())
+    return RowGroups(
+        files=tuple(path for path, _ in kept),
+        file_of=np.repeat(np.arange(len(kept), dtype=np.int64), counts),
+        index_in_file=np.arange(total, dtype=np.int64) - starts,
+        num_rows=np.fromiter(
+            (n for _, file_sizes in kept for n in file_sizes), dtype=np.int64, count=total
+        ),
+        source=source,
+        footer_digests=(
+            None if footers is None else tuple(_footer_digest(footers[i]) for i in kept_files)
+        ),
+    )

@@ -1,0 +1,118 @@
+"""The join shape of an epoch: each rank hands out all its batches inside torch's ``Join``.
+
+The loader is the *first* joinable in ``Join([loader, *joinables])``: ranks that have not run
+out notify ``Join`` at every step and hold the window's agreement at its boundaries; ranks that
+have run out shadow both the others' DDP all-reduces (through the user's joinables) and those
+agreements (through the loader's join hook), at the same global steps. So a failing source or a
+mismatch reaches the joined ranks too.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+if TYPE_CHECKING:
+    from ddp_even.runtime.epochs import EpochRun
+
+BatchT = TypeVar("BatchT")
+
+__all__ = ["run_join"]
+
+
+class _LoaderJoinable(Joinable):
+    """The loader's place in ``Join``: first, so its per-window agreement is shadowed too."""
+
+    def __init__(
+        self, device: torch.device, process_group: Any, shadow_step: Callable[[], None]
+    ) -> None:
+        super().__init__()
+        self._device = device
+        self._process_group = process_group
+        self._shadow_step = shadow_step
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _ShadowHook(self._shadow_step)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._process_group
+
+
+class _ShadowHook(JoinHook):
+    def __init__(self, shadow_step: Callable[[], None]) -> None:
+        self._shadow_step = shadow_step
+
+    def main_hook(self) -> None:
+        self._shadow_step()
+
+
+class _KeepWarningFilters:
+    """Enters a ``Join``, undoing what its exit does to the process's warning filters.
+
+    ``Join.__exit__`` calls ``warnings.simplefilter("once")`` for the whole process, which would
+    bring back every warning the training script had silenced.
+    """
+
+    def __init__(self, join: Join) -> None:
+        self._join = join
+
+    def __enter__(self) -> None:
+        self._join.__enter__()  # type: ignore[no-untyped-call]
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        with warnings.catch_warnings():
+            return self._join.__exit__(*exc_info)
+
+
+def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[BatchT]:
+    window = run.settings.sync_every
+    assert window is not None
+
+    def shadow_step() -> None:
+        # This rank has joined; it still takes part in the agreements of the ranks that
+        # have not, at the same steps they hold them.
+        if run.steps_done % window == 0:
+            report = run.report(0, 0, run.feed.empty_shard)
+            run.check(report, run.agreer.start(report).wait())
+        run.steps_done += 1
+
+    loader_joinable = _LoaderJoinable(
+        joinables[0].join_device, joinables[0].join_process_group, shadow_step
+    )
+    with _KeepWarningFilters(Join([loader_joinable, *joinables])):
+        try:
+            while True:
+                # Windows start at multiples of `window` (where joined ranks shadow them), also
+                # in an epoch resumed part-way.
+                size = window - run.steps_done % window
+                run.feed.fill(size)
+                if run.feed.buffered == 0 and run.feed.failure is None:
+                    break
+                Join.notify_join_context(loader_joinable)
+                report = run.report(run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard)
+                run.check(report, run.agreer.start(report).wait())
+                agreed = run.feed.buffered
+                for index in range(agreed):
+                    if index > 0:
+                        Join.notify_join_context(loader_joinable)
+                    run.steps_done += 1
+                    yield run.hand_out(run.feed.take())
+                if agreed < size:
+                    break
+        except GeneratorExit:
+            # The consumer stopped (a `break` on every rank at the same step): leave through
+            # Join's normal exit below, which releases the ranks that joined earlier; they
+            # then gather the statistics, so this rank does too.
+            if sys.is_finalizing():
+                raise
+    run.finish(run.feed.had_more_own_data())
