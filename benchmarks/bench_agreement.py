@@ -59,7 +59,6 @@ Differences of a few microseconds need a quiet machine: the caption gives the lo
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import itertools
 import json
@@ -67,7 +66,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -77,13 +75,13 @@ from typing import Any
 import click
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 from rich.console import Console
 from rich.table import Table
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, run_on_ranks
 from ddp_even import EvenLoader
 from ddp_even.runtime import epochs
 
@@ -122,8 +120,6 @@ COLUMNS = (
     "collectives",
     "in loop",
 )
-# Seconds a gloo collective may wait before raising, instead of hanging the benchmark.
-COLLECTIVE_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -486,32 +482,9 @@ def summarize(table: dict[str, list[Variant]], latency_s: float) -> list[dict[st
     return rows
 
 
-def rank_main(rank: int, world_size: int, config: BenchConfig, workdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=Path(workdir, "rendezvous").as_uri(),
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
-    try:
-        dist.barrier()
-        result = measure_on_rank(rank, world_size, config)
-        if rank == 0:
-            Path(workdir, "result.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
 def measure_world(world_size: int, config: BenchConfig) -> dict[str, Any]:
     """Start ``world_size`` ranks, run every variant on them, return rank 0's numbers."""
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the ranks before they import torch
-    with tempfile.TemporaryDirectory(prefix="bench-agreement-") as workdir:
-        torch_mp.spawn(  # type: ignore[attr-defined,no-untyped-call]
-            rank_main, args=(world_size, config, workdir), nprocs=world_size
-        )
-        result: dict[str, Any] = json.loads(Path(workdir, "result.json").read_text())
+    result: dict[str, Any] = run_on_ranks(measure_on_rank, world_size, config)
     result["targets"] = evaluate_targets(result, config.window)
     return result
 

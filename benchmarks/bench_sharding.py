@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.bench_plan import lognormal_sizes, median_seconds
+from benchmarks.ranks import run_on_ranks
 from ddp_even.planning import plan_shards
 from ddp_even.planning.sharding import Sharding
 
@@ -142,22 +143,15 @@ class CountingAllReduce:
         return self.real(*args, **kwargs)
 
 
-def rank_epoch(rank: int, url: str, sharding: Sharding, predicate: bool, workdir: str) -> None:
-    import datetime
-
+def rank_epoch(
+    rank: int, world_size: int, url: str, sharding: Sharding, predicate: bool
+) -> dict[str, Any]:
+    """One epoch per mode on this rank; its steps, drops, repeats and collectives."""
     import torch.distributed as dist
+    from petastorm.predicates import in_lambda
 
     import ddp_even.agreement.transport
     from ddp_even import EvenLoader
-
-    dist.init_process_group(
-        "gloo",
-        init_method=Path(workdir, "rendezvous").as_uri(),
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    from petastorm.predicates import in_lambda
 
     results = {}
     real_all_reduce = dist.all_reduce
@@ -182,31 +176,18 @@ def rank_epoch(rank: int, url: str, sharding: Sharding, predicate: bool, workdir
             "max_batches_repeated_per_rank": max(stats.repeated_batches),
             "collectives_between_steps": counting.calls,
         }
-    if rank == 0:
-        Path(workdir, "result.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    return results
 
 
 def on_disk(workdir: Path) -> list[dict[str, Any]]:
-    import torch.multiprocessing as torch_mp
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["DDP_EVEN_CACHE_DIR"] = str(workdir / "cache")
+    os.environ["DDP_EVEN_CACHE_DIR"] = str(workdir / "cache")  # inherited by the ranks
     url = write_dataset(workdir / "thirteen", skewed_13(), payload_bytes=16)
     results = []
     for predicate in (False, True):
         for sharding in SHARDINGS:
-            with tempfile.TemporaryDirectory(prefix="bench-sharding-") as rundir:
-                torch_mp.spawn(  # type: ignore[attr-defined,no-untyped-call]
-                    _spawned, args=(url, sharding, predicate, rundir), nprocs=WORLD_SIZE
-                )
-                result = json.loads(Path(rundir, "result.json").read_text())
+            result = run_on_ranks(rank_epoch, WORLD_SIZE, url, sharding, predicate)
             results.append({"predicate": predicate, "sharding": sharding, **result})
     return results
-
-
-def _spawned(rank: int, url: str, sharding: Sharding, predicate: bool, workdir: str) -> None:
-    rank_epoch(rank, url, sharding, predicate, workdir)
 
 
 def scan_cost(workdir: Path, rows: int, repeats: int) -> list[dict[str, Any]]:
