@@ -6,6 +6,7 @@ settles the plan (given, from the footers, or none) and runs the epoch in its sh
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -31,15 +32,17 @@ from ddp_even.runtime.iteration import Epoch, EpochNumbering
 from ddp_even.runtime.resume import (
     PendingResume,
     ResumedStart,
+    loader_state,
     pending_resume,
+    refusal,
     resumed_start,
-    saved_state,
 )
 from ddp_even.runtime.stats import EpochStats, RankCounts
 from ddp_even.sources import PlannedSource, as_source, parquet_dataset
 
 if TYPE_CHECKING:
     from ddp_even.planning.plans import ShardPlan
+    from ddp_even.planning.provenance import Provenance
 
 BatchT = TypeVar("BatchT")
 
@@ -265,20 +268,14 @@ class EvenLoader(Generic[BatchT]):
             >>> list(resumed), resumed.stats.steps, resumed.stats.resumed_at_step
             ([[2], [3]], (3,), 1)
         """
-        run = self._current_run
-        epoch, step, resumed_from = self._next_epoch, 0, None
-        if run is not None and not run.finished and self._running_epoch_is(run):
-            epoch, step = run.epoch, run.counts.steps
-            resumed_from = run.resumed_from_world_size
-        elif self._pending is not None and self._pending.saved_plan is None:
-            epoch, step = self._pending.epoch, self._pending.step
-        return saved_state(
+        alive = self._running is not None and self._running() is not None
+        return loader_state(
+            self._current_run if alive else None,
+            self._next_epoch,
+            self._pending,
             settings=self._settings(self._sync_every, self._plan).description,
             world_size=rank_and_world_size(self._group)[1],
-            rank=rank_and_world_size(None)[0],
-            epoch=epoch,
-            step=step,
-            resumed_from_world_size=resumed_from,
+            provenance=self._provenance,
         )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -301,6 +298,7 @@ class EvenLoader(Generic[BatchT]):
             mode=self._mode,
             steps_per_epoch=self._steps_per_epoch,
             planned=self._passes,
+            provenance=self._provenance,
         )
 
     def set_epoch(self, epoch: int) -> None:
@@ -373,9 +371,13 @@ class EvenLoader(Generic[BatchT]):
             pending, epoch, self._source, self._plan, self._passes, self._mode, agreer
         )
         feed: ShardFeed[BatchT] = ShardFeed(
-            start.source, self._mode.restarts_short_shards, self._steps_per_epoch is not None
+            start.source,
+            self._mode.restarts_short_shards,
+            self._steps_per_epoch is not None,
+            starts_after=len(start.skipped),
         )
         run = self._settle_plan(epoch, agreer, start, feed)
+        feed.failure = feed.failure or refusal(start, self._provenance)
         if self._mode.shadows_finished_ranks and agreer.world_size > 1:
             refuse_join_inside_lightning()
         self._current_run = run
@@ -407,14 +409,14 @@ class EvenLoader(Generic[BatchT]):
             known_batches, fixed_steps = None, False
         whole_epoch = known_batches is not None or fixed_steps
         if known_batches is not None:
-            feed.promise(known_batches, starts_after=len(start.skipped))
+            feed.promise(known_batches)
         run = EpochRun(
             settings=self._settings(None if whole_epoch else (self._sync_every or 1), plan),
             agreer=agreer,
             feed=feed,
             epoch=epoch,
             counts=counts,
-            mark_repeating=self._mark_repeating,
+            mark_repeating=functools.partial(setattr, self, "repeating"),
             record=self.history.append,
             known_batches=known_batches,
         )
@@ -423,9 +425,6 @@ class EvenLoader(Generic[BatchT]):
         if start.resumed_from is not None:
             run.resumed_at, run.resumed_from_world_size = start.resumed_from
         return run
-
-    def _mark_repeating(self, repeating: bool) -> None:
-        self.repeating = repeating
 
     def _settings(self, sync_every: int | None, plan: ShardPlan | None) -> Settings:
         return Settings(self._mode, self._steps_per_epoch, sync_every, plan)
@@ -438,13 +437,14 @@ class EvenLoader(Generic[BatchT]):
     def _known_plan(self) -> ShardPlan | None:
         return self._plan if self._plan is not None else self._footers.plan
 
+    @property
+    def _provenance(self) -> Provenance | None:
+        """What this loader's lengths and reading order follow from, where it knows."""
+        return self._footers.provenance if self._passes is None else self._passes.provenance
+
     def _agreer_for_this_process(self) -> Agreer:
         if self._agreer is None:
             self._agreer = agreer_for(self._group, self._timeout)
             if self._agreer.world_size == 1:
                 warn_if_launched_without_a_group()
         return self._agreer
-
-    def _running_epoch_is(self, run: EpochRun[BatchT]) -> bool:
-        running = None if self._running is None else self._running()
-        return running is not None and self._current_run is run

@@ -301,8 +301,10 @@ def test_take_or_repeat_with_nothing_to_repeat_raises_the_failure() -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("starts_after", [0, 2])
 def test_a_first_pass_shorter_than_promised_is_a_failure(starts_after: int) -> None:
-    feed = _feed(lambda: iter(SHARD[starts_after:3]))
-    feed.promise(len(SHARD), starts_after=starts_after)
+    feed = ShardFeed(
+        as_source(lambda: iter(SHARD[starts_after:3])), False, False, starts_after=starts_after
+    )
+    feed.promise(len(SHARD))
     feed.fill(len(SHARD))
     assert feed.buffered == 3 - starts_after
     assert isinstance(feed.failure, SourceEndedEarlyError)
@@ -404,3 +406,18 @@ def test_close_stops_a_generator_pass() -> None:
     feed.fill(2)
     feed.close()
     assert (pulls.closed, feed.buffered) == (1, 0)
+
+
+@pytest.mark.timeout(30)
+def test_a_pass_resumed_after_all_its_own_batches_restarts_in_cycle() -> None:
+    # A resumed cycle epoch whose rank had handed out its whole shard: its first pass (the rows
+    # not yet read) is empty, yet the shard is not, and the next pass repeats it.
+    passes = iter([iter([]), iter(SHARD), iter(SHARD)])
+    feed = ShardFeed(as_source(lambda: next(passes)), True, False, starts_after=len(SHARD))
+    feed.promise(len(SHARD))
+    feed.fill(2)
+    assert feed.failure is None and not feed.empty_shard
+    assert [(fed.batch, fed.repeated) for fed in _take_all(feed)] == [
+        (SHARD[0], True),
+        (SHARD[1], True),
+    ]

@@ -38,6 +38,7 @@ from ddp_even.planning.predicate_counts import (
     count_in_columns,
     matching_rows,
 )
+from ddp_even.planning.provenance import Provenance
 from ddp_even.planning.sharding import SHARDINGS, Sharding, sharding_from
 from ddp_even.sources import PlannedSource
 from ddp_even.storage import DatasetLocation, StorageOptions, resolve_dataset
@@ -74,6 +75,17 @@ _REFUSED_READER_OPTIONS = {
     "filters": "petastorm 0.12.1 applies filters only to partition directories; the plan does not",
     "pyarrow_serialize": "it is deprecated in petastorm and has no effect",
 }
+
+# Reader options that decide which rows a pass reads and in which order: a saved state of one
+# loader does not fit another whose options differ (its provenance names them).
+_READING_ORDER_OPTIONS = (
+    "schema_fields",
+    "seed",
+    "shuffle_rows",
+    "shuffle_row_groups",
+    "shuffle_row_drop_partitions",
+    "transform_spec",
+)
 
 _ACCEPTED_READER_OPTIONS = (
     "schema_fields",
@@ -269,7 +281,17 @@ def make_shard_factory(
             raise
 
     why_not = _why_not_in_plan_order(options, loader_options, plan)
-    return plan, PlannedPasses(build, plan, sizes, why_not, order, agreer)
+    provenance = Provenance.of(
+        data=planned_footers.identity(),
+        predicate=predicate,
+        reader=reader,
+        **{name: options.get(name) for name in _READING_ORDER_OPTIONS},
+        loader=loader,
+        loader_options=loader_options,
+        batch_size=batch_size,
+        sharding=plan.sharding,
+    )
+    return plan, PlannedPasses(build, plan, sizes, why_not, order, provenance, agreer)
 
 
 class PlannedPasses(PlannedSource):
@@ -289,9 +311,11 @@ class PlannedPasses(PlannedSource):
         row_group_sizes: list[int],
         why_not_in_plan_order: str | None,
         order: PassOrder,
+        provenance: Provenance,
         agreer: Agreer | None = None,
     ) -> None:
         self._build = build
+        self.provenance = provenance
         self.plan = plan
         #: Rows of every row group (after the predicate, if any), in petastorm's order.
         self.row_group_sizes = row_group_sizes

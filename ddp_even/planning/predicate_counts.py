@@ -15,7 +15,8 @@ follows from the counts as from footers.
 
 Counts are cached on disk, keyed by the dataset's files, row-group sizes and footers (a digest
 of each file's footer, so a file rewritten in place misses the cache), the reader kind and
-the predicate (pickled with ``dill``, so lambdas count by their code), in
+the predicate's code (:func:`~ddp_even.planning.provenance.code_identity`: its bytecode,
+constants, closure and the globals it reads, so an edited predicate misses the cache), in
 ``$DDP_EVEN_CACHE_DIR`` (default ``~/.cache/ddp_even``); a second run over the same dataset and
 predicate does not scan. The ranks first agree that every one of them has the entry (ranks on
 other machines may not), else they all scan. A count that no longer matches the data (a
@@ -42,6 +43,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from ddp_even.planning.provenance import code_identity
 from ddp_even.planning.row_groups import RowGroups
 from ddp_even.storage import ResolvedDataset
 
@@ -60,8 +62,8 @@ Share = Callable[[list[int]], list[list[int]]]
 
 # Bytes of a failing rank's error the others are told (its type and message).
 _SAID = 1024
-# Bumped when the meaning of a cache entry changes.
-_CACHE_FORMAT = 2
+# Bumped when the meaning of a cache entry changes (3: predicates by their code).
+_CACHE_FORMAT = 3
 # Files read at once by a scan of stored columns.
 _SCAN_THREADS = 4
 # Uncompressed bytes of predicate columns read and converted together (per file being read).
@@ -332,12 +334,10 @@ def _with_counts(row_groups: RowGroups, counts: npt.NDArray[np.int64]) -> RowGro
 
 
 def _cache_file(row_groups: RowGroups, predicate: Any, key_parts: Sequence[bytes]) -> Path | None:
-    import dill
-
     try:
-        predicate_bytes = dill.dumps(predicate, recurse=True)
-    except Exception as error:  # any pickling failure means: no cache, not no training
-        logger.info("ddp_even: predicate counts are not cached (cannot pickle it: %s)", error)
+        predicate_bytes = code_identity(predicate)
+    except Exception as error:  # any failure to name it means: no cache, not no training
+        logger.info("ddp_even: predicate counts are not cached (cannot identify it: %s)", error)
         return None
     digest = hashlib.sha256()
     for part in (

@@ -104,6 +104,19 @@ class RowGroups:
             num_rows=int(self.num_rows[global_index]),
         )
 
+    def identity(self) -> bytes:
+        """What the list says of the data: files, row groups, rows and footer digests (a plan
+        of another dataset, or of this one rewritten, has another)."""
+        return b"|".join(
+            (
+                "\n".join(self.files).encode(),
+                self.file_of.tobytes(),
+                self.index_in_file.tobytes(),
+                self.num_rows.tobytes(),
+                b"".join(self.footer_digests or ()),
+            )
+        )
+
     @property
     def total_rows(self) -> int:
         """Rows in the whole dataset.

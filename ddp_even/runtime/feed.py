@@ -51,7 +51,13 @@ class ShardFeed(Generic[BatchT]):
     has ``steps_per_epoch``, so a pass that never ends is fine.
     """
 
-    def __init__(self, source: ShardSource[BatchT], restarts: bool, steps_capped: bool) -> None:
+    def __init__(
+        self,
+        source: ShardSource[BatchT],
+        restarts: bool,
+        steps_capped: bool,
+        starts_after: int = 0,
+    ) -> None:
         self._source = source
         self._restarts = restarts
         self._steps_capped = steps_capped
@@ -66,9 +72,11 @@ class ShardFeed(Generic[BatchT]):
         self.own_ended = False
         # The exception the source raised, kept until every rank has heard of it.
         self.failure: BaseException | None = None
-        # (batches the first pass yields, batches of the shard before its start), when a
-        # length or a shard plan says so.
-        self._promised: tuple[int, int] | None = None
+        # Batches of the shard before the first pass's start (a resumed epoch's pass that
+        # starts at the saved step): a first pass with nothing left is then no empty shard.
+        self._starts_after = starts_after
+        # Batches the first pass yields, when a length or a shard plan says so.
+        self._promised: int | None = None
         # The batch last handed out by take_or_repeat.
         self._last: FedBatch[BatchT] | None = None
 
@@ -82,7 +90,12 @@ class ShardFeed(Generic[BatchT]):
 
     @property
     def empty_shard(self) -> bool:
-        return self.own_ended and self.own_read == 0
+        return self.own_ended and self.own_read == 0 and self._starts_after == 0
+
+    @property
+    def _has_own_data(self) -> bool:
+        """Whether the shard holds a batch (a restart then has something to repeat)."""
+        return self.own_read > 0 or self._starts_after > 0
 
     def first_pass_row_groups(self) -> frozenset[int] | None:
         """Open the first pass now (nothing read) and say which row groups it reads."""
@@ -108,11 +121,10 @@ class ShardFeed(Generic[BatchT]):
         ours = _few(sorted(planned))
         return f"it reads row groups {_few(sorted(read))}, its shard of the plan is {ours}"
 
-    def promise(self, own_batches: int, starts_after: int = 0) -> None:
-        """The shard has ``own_batches`` batches (a length or a shard plan says so), and the first
-        pass starts after ``starts_after`` of them: a first pass that ends sooner fails with
-        :class:`~ddp_even.SourceEndedEarlyError`."""
-        self._promised = (own_batches - starts_after, starts_after)
+    def promise(self, own_batches: int) -> None:
+        """The shard has ``own_batches`` batches (a length or a shard plan says so): a first pass
+        that ends sooner fails with :class:`~ddp_even.SourceEndedEarlyError`."""
+        self._promised = own_batches - self._starts_after
 
     def fill(self, target: int) -> None:
         """Read until ``target`` batches are buffered, the shard ends, or the source raises."""
@@ -193,7 +205,7 @@ class ShardFeed(Generic[BatchT]):
             return FedBatch(batch, self.passes_started, self._pass.count_samples)
 
     def _open_pass(self, may_restart: bool) -> None:
-        restart_allowed = may_restart and self._restarts and self.own_read > 0
+        restart_allowed = may_restart and self._restarts and self._has_own_data
         if self.passes_started >= 1 and not restart_allowed:
             raise _ShardEnded
         opened = self._source.open_pass()
@@ -221,10 +233,10 @@ class ShardFeed(Generic[BatchT]):
         )
         if self.passes_started == 1:
             self.own_ended = True
-            promised, before = self._promised or (0, 0)
+            promised, before = self._promised or 0, self._starts_after
             # A pass that restarts (cycle) goes on after a short first pass, which the epoch's
             # statistics count as lost rows; one that cannot leaves the epoch short of steps.
-            if self.own_read < promised and (not self._restarts or self.own_read == 0):
+            if self.own_read < promised and (not self._restarts or not self._has_own_data):
                 raise SourceEndedEarlyError(before + self.own_read, before + promised)
         elif self._batches_in_pass == 0:
             raise EvenLoaderError(

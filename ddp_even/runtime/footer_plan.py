@@ -7,7 +7,9 @@ known lengths (one agreement, no collective between steps) or agrees as it goes 
 decision for every rank: a rank with the plan and a rank without would wait in different
 collectives. So the ranks compare what they worked out, in one agreement before the first
 step: the plan is used when every rank has the same one, and otherwise every rank agrees as it
-goes (a rank whose source failed meanwhile stops every rank, as at any agreement).
+goes (a rank whose source failed meanwhile stops every rank, as at any agreement). The plan
+is worked out again at every epoch's start, so lengths are never reused from a dataset that
+has changed since.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddp_even.agreement.transport import Agreer
 from ddp_even.agreement.wire import Report, error_from_reports
+from ddp_even.planning.provenance import Provenance
 from ddp_even.runtime.feed import ShardFeed
 
 if TYPE_CHECKING:
@@ -32,17 +35,32 @@ _FOOTERS = 0x0F0F_0F0F_0F0F
 
 
 class FooterPlan:
-    """A loader's plan worked out from the footers at its first epoch (tried once, with every
-    rank, whatever its source: a rank whose source failed reports it here)."""
+    """A loader's plan worked out from the footers, again at every epoch's start (a dataset
+    rewritten between epochs is planned anew, never trusted from an earlier epoch), with every
+    rank whatever its source (a rank whose source failed reports it here)."""
 
     def __init__(self) -> None:
         self.plan: ShardPlan | None = None
-        self._tried = False
 
     def settle(self, feed: ShardFeed[Any], agreer: Agreer, settings: Settings, epoch: int) -> None:
-        if not self._tried:
-            self._tried = True
-            self.plan = agreed_footer_plan(feed, agreer, settings, epoch)
+        before, self.plan = self.plan, agreed_footer_plan(feed, agreer, settings, epoch)
+        if before is not None and self.plan is not None and _digest(before) != _digest(self.plan):
+            logger.info(
+                "ddp_even: epoch %d: the Parquet footers changed since the last epoch; batches "
+                "per rank now %s",
+                epoch,
+                "/".join(map(str, self.plan.batches_per_rank)),
+            )
+
+    @property
+    def provenance(self) -> Provenance | None:
+        """What the lengths follow from (a saved state is checked against it), once known."""
+        plan = self.plan
+        if plan is None:
+            return None
+        return Provenance.of(
+            batch_size=plan.batch_size, rows_per_rank=plan.rows_per_rank, sharding=plan.sharding
+        )
 
 
 def agreed_footer_plan(

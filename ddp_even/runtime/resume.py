@@ -21,19 +21,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddp_even.modes import Mode
+from ddp_even.planning.provenance import Provenance
 from ddp_even.planning.sharding import SHARDINGS
+from ddp_even.runtime.environment import rank_and_world_size
 from ddp_even.sources import PlannedSource, ShardSource, as_source
 
 if TYPE_CHECKING:
     from ddp_even.agreement.transport import Agreer
     from ddp_even.planning.plans import ShardPlan
+    from ddp_even.runtime.epochs import EpochRun
 
 logger = logging.getLogger("ddp_even")
 
 #: What the ``format`` key of every loader state says.
 STATE_FORMAT = "ddp_even.EvenLoader"
-# Raised when what the state holds, or what it means, changes.
-_VERSION = 1
+# Raised when what the state holds, or what it means, changes (2: what it was computed from).
+_VERSION = 2
 
 
 def saved_state(
@@ -44,11 +47,14 @@ def saved_state(
     epoch: int,
     step: int,
     resumed_from_world_size: int | None = None,
+    provenance: Provenance | None = None,
 ) -> dict[str, Any]:
     """The state :meth:`ddp_even.EvenLoader.state_dict` returns: plain ints and strings.
 
     ``resumed_from_world_size`` is set while an epoch that resumed on another number of ranks
-    runs: its steps count the re-planned rest of the epoch, not the epoch.
+    runs: its steps count the re-planned rest of the epoch, not the epoch. ``provenance`` is
+    what the loader's lengths and reading order follow from, where it knows (a planned loader,
+    or lengths worked out from the footers): a state loaded elsewhere is checked against it.
     """
     return {
         "format": STATE_FORMAT,
@@ -60,11 +66,49 @@ def saved_state(
         "epoch": epoch,
         "step": step,
         "resumed_from_world_size": resumed_from_world_size,
+        "provenance": None if provenance is None else provenance.as_dict(),
     }
 
 
-def resume_point(state: Mapping[str, Any], *, settings: str, world_size: int) -> tuple[int, int]:
-    """``(epoch, step)`` to resume after; ``ValueError`` saying why ``state`` cannot be used."""
+def loader_state(
+    running: EpochRun[Any] | None,
+    next_epoch: int,
+    pending: PendingResume | None,
+    *,
+    settings: str,
+    world_size: int,
+    provenance: Provenance | None,
+) -> dict[str, Any]:
+    """Where a loader is: inside its ``running`` epoch, at a resume not yet started, or before
+    ``next_epoch`` (:func:`saved_state`, with this process's global rank)."""
+    epoch, step, resumed_from = next_epoch, 0, None
+    if running is not None and not running.finished:
+        epoch, step = running.epoch, running.counts.steps
+        resumed_from = running.resumed_from_world_size
+    elif pending is not None and pending.saved_plan is None:
+        epoch, step = pending.epoch, pending.step
+    return saved_state(
+        settings=settings,
+        world_size=world_size,
+        rank=rank_and_world_size(None)[0],
+        epoch=epoch,
+        step=step,
+        resumed_from_world_size=resumed_from,
+        provenance=provenance,
+    )
+
+
+def resume_point(
+    state: Mapping[str, Any],
+    *,
+    settings: str,
+    world_size: int,
+    provenance: Provenance | None = None,
+) -> tuple[int, int]:
+    """``(epoch, step)`` to resume after; ``ValueError`` saying why ``state`` cannot be used.
+
+    ``provenance``: the loader's, when it knows it; checked against the state's.
+    """
     if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
         raise ValueError("not an EvenLoader state: pass what EvenLoader.state_dict() returned")
     if state.get("version") != _VERSION:
@@ -80,6 +124,7 @@ def resume_point(state: Mapping[str, Any], *, settings: str, world_size: int) ->
             f"({state.get('settings')}) than this one ({settings}): build the EvenLoader as it "
             "was built when the state was saved"
         )
+    check_provenance(state, provenance)
     if state.get("world_size") != world_size:
         raise ValueError(
             f"the loader state was saved on {state.get('world_size')} ranks, and this job has "
@@ -101,6 +146,34 @@ def resume_point(state: Mapping[str, Any], *, settings: str, world_size: int) ->
     return epoch, step
 
 
+def check_provenance(state: Mapping[str, Any], provenance: Provenance | None) -> None:
+    """Raise ``ValueError`` naming what differs when ``state`` follows from another dataset,
+    reading order or batch size than ``provenance`` (nothing to check if either is unknown)."""
+    saved = state.get("provenance")
+    if provenance is None or not isinstance(saved, Mapping):
+        return
+    differs = Provenance.from_dict(saved).first_difference(provenance)
+    if differs is not None:
+        raise ValueError(
+            f"the loader state was saved by a loader whose {differs} differs from this one's: "
+            "the rows it had read, and their order, were other rows. Build the loader as it "
+            "was built when the state was saved (the same data, reader settings, predicate "
+            "and batch size), or start the next epoch with loader.set_epoch(epoch + 1)"
+        )
+
+
+def refusal(start: ResumedStart, provenance: Provenance | None) -> ValueError | None:
+    """Why the state ``start`` resumes from does not fit, checked once the epoch's plan is
+    settled (every rank reports it at the resume agreement), or None."""
+    if start.unchecked is None:
+        return None
+    try:
+        check_provenance(start.unchecked, provenance)
+    except ValueError as error:
+        return error
+    return None
+
+
 def _library_version() -> str:
     return importlib.metadata.version("ddp_even")
 
@@ -115,6 +188,9 @@ class PendingResume:
     # The plan the state was saved under, when it was saved on another number of ranks: the
     # epoch then reads the rows no rank had read, re-planned over this job's ranks.
     saved_plan: ShardPlan | None = None
+    # The state itself, while what it follows from is checked only when the epoch starts (a
+    # loader whose lengths come from the footers knows them then).
+    unchecked: Mapping[str, Any] | None = None
 
 
 def pending_resume(
@@ -125,11 +201,13 @@ def pending_resume(
     mode: Mode,
     steps_per_epoch: int | None,
     planned: PlannedSource | None,
+    provenance: Provenance | None,
 ) -> tuple[int, PendingResume | None]:
     """``(next epoch, where it resumes)`` from ``state``; ``ValueError`` saying why not.
 
-    ``settings_for(plan)`` describes the loader's settings with ``plan`` (its own by default).
-    A state saved on another number of ranks loads only into a ``planned`` loader, in truncate
+    ``settings_for(plan)`` describes the loader's settings with ``plan`` (its own by default);
+    ``provenance`` is the loader's, or None until its first epoch. A state saved on another
+    number of ranks loads only into a ``planned`` loader, in truncate
     and join, whose pass order is known (``planned.why_not_in_plan_order`` is None).
     """
     saved_world_size = state.get("world_size") if isinstance(state, Mapping) else None
@@ -140,8 +218,11 @@ def pending_resume(
         or saved_world_size < 1
         or saved_world_size == world_size
     ):
-        epoch, step = resume_point(state, settings=settings_for(None), world_size=world_size)
-        return epoch, (PendingResume(epoch, step) if step > 0 else None)
+        epoch, step = resume_point(
+            state, settings=settings_for(None), world_size=world_size, provenance=provenance
+        )
+        unchecked = state if provenance is None else None
+        return epoch, (PendingResume(epoch, step, unchecked=unchecked) if step > 0 else None)
     cannot = None
     plan = planned.plan
     if mode.restarts_short_shards:
@@ -168,7 +249,7 @@ def pending_resume(
         planned.row_group_sizes, saved_world_size, plan.batch_size, sharding=plan.sharding
     )
     epoch, step = resume_point(
-        state, settings=settings_for(saved_plan), world_size=saved_world_size
+        state, settings=settings_for(saved_plan), world_size=saved_world_size, provenance=provenance
     )
     # Between epochs (step 0) the next epoch is planned for this job's ranks anyway.
     return epoch, (PendingResume(epoch, step, saved_plan) if step > 0 else None)
@@ -189,6 +270,8 @@ class ResumedStart:
     skipped: Sequence[int | None] = ()
     # (step, world size) the state was saved at, for an elastic resume.
     resumed_from: tuple[int, int] | None = None
+    # The state, when what it follows from is to be checked once the epoch's plan is settled.
+    unchecked: Mapping[str, Any] | None = None
 
 
 def resumed_start(
@@ -214,6 +297,7 @@ def resumed_start(
         return ResumedStart(
             rest_source, plan=rest, resumed_from=(step, pending.saved_plan.world_size)
         )
+    unchecked = pending.unchecked
     tails = _own_tails(planned, plan, mode, epoch, step, rank)
     if tails is not None:
         assert planned is not None and plan is not None
@@ -221,12 +305,14 @@ def resumed_start(
         tails_source.start_epoch(epoch)
         batch_size, rows = plan.batch_size, plan.rows_per_rank[rank]
         skipped = [min(batch_size, rows - index * batch_size) for index in range(step)]
-        return ResumedStart(tails_source, first_pass=tails, step=step, skipped=skipped)
+        return ResumedStart(
+            tails_source, first_pass=tails, step=step, skipped=skipped, unchecked=unchecked
+        )
     source.start_epoch(epoch)
     # A repeated pass (cycle) cannot be reached by starting the first one later.
     if not mode.restarts_short_shards and source.starts_at(step):
-        return ResumedStart(source, step=step, skipped=[None] * step)
-    return ResumedStart(source, step=step)
+        return ResumedStart(source, step=step, skipped=[None] * step, unchecked=unchecked)
+    return ResumedStart(source, step=step, unchecked=unchecked)
 
 
 def _own_tails(

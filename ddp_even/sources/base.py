@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ddp_even.agreement.transport import Agreer
     from ddp_even.planning.pass_order import PassOrder
     from ddp_even.planning.plans import ShardPlan
+    from ddp_even.planning.provenance import Provenance
 
 BatchT = TypeVar("BatchT")
 
@@ -154,6 +155,9 @@ class PlannedSource(ABC):
     #: The agreement the ranks already met in while planning (counting a predicate's rows),
     #: which the loader goes on with; None if they did not meet.
     agreer: Agreer | None
+    #: What the plan and the reading order follow from: the data, the reader settings that
+    #: decide what is read and in which order, the predicate's code, the batch size.
+    provenance: Provenance
 
     @abstractmethod
     def __call__(self, epoch: int = 0, shard_plan: ShardPlan | None = None) -> Any:

@@ -13,7 +13,8 @@ them into a gloo process group (``file://`` rendezvous in a fresh temporary dire
 - Past ``timeout`` seconds every rank still running is SIGKILLed and ``TimeoutError`` names them
   and carries the Python stacks of all their threads (``faulthandler`` on ``SIGUSR1``) and the
   last lines ddp_even logged on every rank (each rank logs ddp_even's DEBUG records to a file).
-  Where ``py-spy`` is on the PATH (or named by ``DDP_EVEN_PY_SPY``), the native stacks too:
+  Where ``py-spy`` is found (``DDP_EVEN_PY_SPY``, the PATH, or beside the interpreter: the dev
+  extra installs it), the native stacks too:
   what a process stuck in C++ (a gloo thread, a destructor) waits for.
 
 Each rank runs in its own process group, so processes a rank started are killed with it, and
@@ -391,7 +392,12 @@ def _raise_first_error(
 def _dump_stacks(procs: list[Any], pending: set[int], workdir: Path) -> None:
     """Ask each hung rank for its threads' stacks (see ``_child``) and give them time to write;
     with py-spy, take the native stacks too."""
-    py_spy = os.environ.get("DDP_EVEN_PY_SPY") or shutil.which("py-spy")
+    beside_python = Path(sys.executable).with_name("py-spy")
+    py_spy = (
+        os.environ.get("DDP_EVEN_PY_SPY")
+        or shutil.which("py-spy")
+        or (str(beside_python) if beside_python.exists() else None)
+    )
     for rank in pending:
         if py_spy:
             with contextlib.suppress(OSError, subprocess.SubprocessError):

@@ -1,0 +1,191 @@
+"""What a count reused across epochs or jobs was computed from, so that it is checked before use.
+
+A count computed once and used later (the rows a predicate keeps, cached on disk; a plan worked
+out from footers; a saved loader state) holds only while the things it was computed from are
+unchanged: the data (its files and footers), the reader settings that decide what is read and
+in which order, the code of a predicate or a transform, the batch size, the sharding, the
+number of ranks. :class:`Provenance` names those things, each by a short digest, so that a
+reused count can be checked where it is used and a mismatch named in one line.
+
+:func:`code_identity` digests code by what it does, not by where it lives: a function's
+bytecode, constants and names, its defaults, the values its closure holds, and the globals it
+reads (functions among them recursively, modules by name). Pickling by reference (what ``dill``
+does for a function defined in an importable module) would miss an edit to that function; line
+numbers, comments and formatting do not change the identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Provenance", "code_identity"]
+
+# How deep references are followed (a function calling a function ...); deeper code counts
+# by its qualified name only.
+_MAX_DEPTH = 8
+
+
+def code_identity(obj: Any) -> bytes:
+    """A digest of what ``obj`` computes: equal in every process for the same code and values.
+
+    Example::
+
+        >>> def keep(x):
+        ...     return x % 3 != 0
+        >>> def keep_edited(x):
+        ...     return x % 4 != 0
+        >>> code_identity(keep) == code_identity(keep_edited)
+        False
+    """
+    return hashlib.sha256(_identity(obj, set(), 0)).digest()
+
+
+def _identity(obj: Any, seen: set[int], depth: int) -> bytes:
+    if obj is None or isinstance(obj, bool | int | float | complex | str | bytes):
+        return type(obj).__name__.encode() + b":" + repr(obj).encode()
+    if id(obj) in seen or depth > _MAX_DEPTH:
+        return b"ref:" + _name_of(obj)
+    seen = seen | {id(obj)}
+    deeper = depth + 1
+    if isinstance(obj, types.ModuleType):
+        return b"module:" + obj.__name__.encode()
+    if isinstance(obj, types.FunctionType):
+        return _function_identity(obj, seen, deeper)
+    if isinstance(obj, types.MethodType):
+        bound = _identity(obj.__self__, seen, deeper)
+        return b"method:" + _identity(obj.__func__, seen, deeper) + bound
+    if isinstance(obj, types.CodeType):
+        return _code_identity(obj, seen, deeper)
+    if isinstance(obj, type | types.BuiltinFunctionType):
+        return b"name:" + _name_of(obj)
+    if isinstance(obj, list | tuple):
+        return (
+            type(obj).__name__.encode()
+            + b"["
+            + b",".join(_identity(item, seen, deeper) for item in obj)
+            + b"]"
+        )
+    if isinstance(obj, set | frozenset):
+        return b"set{" + b",".join(sorted(_identity(item, seen, deeper) for item in obj)) + b"}"
+    if isinstance(obj, Mapping):
+        items = sorted(
+            (_identity(key, seen, deeper), _identity(value, seen, deeper))
+            for key, value in obj.items()
+        )
+        return b"map{" + b",".join(key + b"=" + value for key, value in items) + b"}"
+    if isinstance(obj, np.ndarray):
+        return b"array:" + str(obj.dtype).encode() + repr(obj.shape).encode() + obj.tobytes()
+    return _object_identity(obj, seen, deeper)
+
+
+def _function_identity(function: types.FunctionType, seen: set[int], depth: int) -> bytes:
+    parts = [
+        b"function:" + _name_of(function),
+        _code_identity(function.__code__, seen, depth),
+        _identity(function.__defaults__, seen, depth),
+        _identity(function.__kwdefaults__, seen, depth),
+    ]
+    for cell in function.__closure__ or ():
+        try:
+            parts.append(_identity(cell.cell_contents, seen, depth))
+        except ValueError:  # an empty cell (a name bound later)
+            parts.append(b"empty-cell")
+    for name in sorted(_global_names(function.__code__)):
+        if name in function.__globals__:
+            parts.append(name.encode() + b"=" + _identity(function.__globals__[name], seen, depth))
+    return b"|".join(parts)
+
+
+def _code_identity(code: types.CodeType, seen: set[int], depth: int) -> bytes:
+    constants = b",".join(_identity(constant, seen, depth) for constant in code.co_consts)
+    return b"code:" + code.co_code + b"|" + constants + b"|" + ",".join(code.co_names).encode()
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """Names a code object (and the code nested in it) may read from its globals."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _global_names(constant)
+    return names
+
+
+def _object_identity(obj: Any, seen: set[int], depth: int) -> bytes:
+    """An instance: its class, its state, and the code of its ``__call__`` if it has one."""
+    parts = [b"object:" + _name_of(type(obj))]
+    if dataclasses.is_dataclass(obj):
+        state: Any = {field.name: getattr(obj, field.name) for field in dataclasses.fields(obj)}
+    else:
+        state = getattr(obj, "__dict__", None)
+    if state is not None:
+        parts.append(_identity(state, seen, depth))
+    # The class's own __call__ or the nearest base's (not type's, which every class has).
+    call = next(
+        (vars(base)["__call__"] for base in type(obj).__mro__ if "__call__" in vars(base)), None
+    )
+    if isinstance(call, types.FunctionType):
+        parts.append(_function_identity(call, seen, depth))
+    if state is None and not isinstance(call, types.FunctionType):
+        parts.append(repr(obj).encode())
+    return b"|".join(parts)
+
+
+def _name_of(obj: Any) -> bytes:
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{module}.{name}".encode()
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What something reused was computed from: named parts, each a short digest.
+
+    Example::
+
+        >>> saved = Provenance.of(data=b"footers v1", batch_size=4, seed=7)
+        >>> now = Provenance.of(data=b"footers v1", batch_size=8, seed=7)
+        >>> saved.first_difference(now)
+        'batch_size'
+        >>> saved.first_difference(saved) is None
+        True
+    """
+
+    parts: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, **parts: Any) -> Provenance:
+        """Each part's value digested (code by :func:`code_identity`)."""
+        return cls(tuple((name, _short(value)) for name, value in parts.items()))
+
+    @classmethod
+    def from_dict(cls, parts: Mapping[str, str]) -> Provenance:
+        """A provenance read back from :meth:`as_dict` (a saved state holds it so)."""
+        return cls(tuple((str(name), str(value)) for name, value in parts.items()))
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(self.parts)
+
+    @property
+    def digest(self) -> str:
+        """All parts in one short digest."""
+        return hashlib.sha256(repr(self.parts).encode()).hexdigest()[:16]
+
+    def first_difference(self, other: Provenance) -> str | None:
+        """The name of the first part that differs from ``other`` (or is missing), or None."""
+        theirs = dict(other.parts)
+        for name, value in self.parts:
+            if theirs.get(name) != value:
+                return name
+        extra = [name for name in theirs if name not in dict(self.parts)]
+        return extra[0] if extra else None
+
+
+def _short(value: Any) -> str:
+    return hashlib.sha256(_identity(value, set(), 0)).hexdigest()[:16]

@@ -1,0 +1,135 @@
+"""What a reused count was computed from: code by what it does, settings by name.
+
+A predicate defined in the user's own module (what a process pool needs) was keyed by
+``dill.dumps``, which pickles such a function by reference: an edited predicate kept its old
+cached counts, ``len()`` was wrong and the epoch died mid-way. Code is now identified by its
+bytecode, constants, closure, defaults and the globals it reads, in every process alike.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from ddp_even.petastorm.readers import make_shard_factory
+from ddp_even.planning.provenance import Provenance, code_identity
+from tests.helpers.datasets import write_plain_dataset
+
+PREDICATE_MODULE = """
+from petastorm.predicates import in_lambda
+
+LIMIT = {limit}
+
+
+def keep(ids):
+    # Rows below the limit, as a pandas Series of booleans.
+    return ids < LIMIT
+
+
+PREDICATE = in_lambda(["id"], keep)
+"""
+
+
+def _module(path: Path, source: str) -> ModuleType:
+    """``source`` as a fresh module ``user_predicates`` (as a new job imports the user's edited
+    file: the same module name, the file's current text)."""
+    path.write_text(textwrap.dedent(source))
+    spec = importlib.util.spec_from_file_location("user_predicates", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_edited_module_function_has_another_identity(tmp_path: Path) -> None:
+    before = _module(tmp_path / "a.py", PREDICATE_MODULE.format(limit=10))
+    again = _module(tmp_path / "b.py", PREDICATE_MODULE.format(limit=10))
+    edited = _module(tmp_path / "c.py", PREDICATE_MODULE.format(limit=11))
+    reformatted = _module(
+        tmp_path / "d.py",
+        PREDICATE_MODULE.format(limit=10).replace("# Rows below", "\n\n# Rows under"),
+    )
+    assert code_identity(before.PREDICATE) == code_identity(again.PREDICATE)
+    assert code_identity(before.PREDICATE) != code_identity(edited.PREDICATE), "a global read"
+    assert code_identity(before.PREDICATE) == code_identity(reformatted.PREDICATE), (
+        "comments and line numbers are not code"
+    )
+
+
+def test_closures_defaults_and_bodies_count() -> None:
+    def threshold(limit: int) -> Any:
+        return lambda ids: ids < limit
+
+    def with_default(ids: Any, limit: int = 3) -> Any:
+        return ids < limit
+
+    def with_other_default(ids: Any, limit: int = 4) -> Any:
+        return ids < limit
+
+    def other_body(ids: Any, limit: int = 3) -> Any:
+        return ids <= limit
+
+    assert code_identity(threshold(3)) == code_identity(threshold(3))
+    assert code_identity(threshold(3)) != code_identity(threshold(4))
+    assert code_identity(with_default) != code_identity(with_other_default)
+    assert code_identity(with_default) != code_identity(other_body)
+
+
+def test_the_identity_is_the_same_in_another_process(tmp_path: Path) -> None:
+    (tmp_path / "user_predicates.py").write_text(PREDICATE_MODULE.format(limit=10))
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import user_predicates; "
+        "from ddp_even.planning.provenance import code_identity; "
+        "print(code_identity(user_predicates.PREDICATE).hex())"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout.strip()
+        for _ in range(2)
+    }
+    assert len(digests) == 1 and len(next(iter(digests))) == 64
+
+
+def test_provenance_names_the_first_part_that_differs() -> None:
+    saved = Provenance.of(data=b"footers", seed=7, predicate=lambda ids: ids > 0)
+    assert saved.first_difference(Provenance.from_dict(saved.as_dict())) is None
+    assert saved.first_difference(Provenance.of(data=b"footers", seed=8, predicate=None)) == "seed"
+    assert Provenance.of(data=b"x").first_difference(Provenance.of(data=b"x", seed=1)) == "seed"
+
+
+@pytest.mark.timeout(120)
+def test_an_edited_predicate_misses_the_count_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("DDP_EVEN_CACHE_DIR", str(tmp_path / "cache"))
+    caplog.set_level(logging.INFO, logger="ddp_even")
+    url = write_plain_dataset(tmp_path / "ds", [[10, 20], [15]])
+
+    def rows_kept(limit: int, name: str) -> tuple[int, list[str]]:
+        module = _module(tmp_path / f"{name}.py", PREDICATE_MODULE.format(limit=limit))
+        caplog.clear()
+        plan, _ = make_shard_factory(
+            url, 0, 1, 4, predicate=module.PREDICATE, reader_kwargs={"reader_pool_type": "dummy"}
+        )
+        return plan.total_rows, [record.getMessage() for record in caplog.records]
+
+    rows, said = rows_kept(12, "first")
+    assert rows == 12 and not any("from the cache" in line for line in said)
+    rows, said = rows_kept(12, "same")
+    assert rows == 12 and any("from the cache" in line for line in said)
+    rows, said = rows_kept(20, "edited")
+    assert rows == 20, "the edited predicate keeps 20 rows; stale counts said 12"
+    assert not any("from the cache" in line for line in said)
