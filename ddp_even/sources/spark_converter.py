@@ -18,6 +18,11 @@ whose ``__enter__`` opens ``make_batch_reader(converter.file_urls, ...)`` and a 
 * With fewer row groups than ``shard_count`` petastorm raises ``NoDataAvailableError`` on
   every rank; here :class:`TooFewRowGroupsError` says what to do.
 * The process that called ``make_spark_converter`` deletes the cache when it exits (atexit).
+* Under ``pyspark.ml.torch.distributor.TorchDistributor`` each rank is a ``torchrun`` worker
+  (``RANK``/``WORLD_SIZE`` set; ``local_mode=False`` runs one Spark barrier task per rank):
+  the process group made from that environment gives the shard. Too few task slots for the
+  barrier tasks stall Spark before any rank runs: :func:`check_distributor` tells it on the
+  driver, with deleted converter files.
 
 petastorm and pyspark are imported only when a converter is seen, never by importing this module.
 """
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +47,8 @@ __all__ = [
     "ConverterDeletedError",
     "ConverterSource",
     "TooFewRowGroupsError",
+    "TooFewTaskSlotsError",
+    "check_distributor",
     "converter_files",
     "is_spark_converter",
     "source_for",
@@ -49,6 +58,7 @@ logger = logging.getLogger("ddp_even")
 
 _CONVERTER = "petastorm.spark.spark_dataset_converter.SparkDatasetConverter"
 _TORCH_CONTEXT = "petastorm.spark.spark_dataset_converter.TorchDatasetContextManager"
+_DISTRIBUTOR = "pyspark.ml.torch.distributor.TorchDistributor"
 
 # make_torch_dataloader's keyword arguments that ConverterSource sets itself, with the reason.
 _SET_HERE = {
@@ -85,29 +95,35 @@ _COUNT_PRESERVING = frozenset(
 
 
 class ConverterDeletedError(EvenLoaderError):
-    """The Parquet files of a petastorm Spark converter are gone.
+    """The Parquet files of a petastorm Spark converter are not there.
 
     ``converter.delete()`` removes them, and so does the exit of the process that called
-    ``make_spark_converter`` (petastorm registers that with ``atexit``). Raised on every rank
-    when the loader is built or a pass starts, instead of petastorm's ``RuntimeError`` after
-    waiting 30 s for the files.
+    ``make_spark_converter`` (petastorm registers that with ``atexit``); a Spark executor on
+    another machine also misses them when the cache is on a disk only the driver sees. Raised
+    on every rank when the loader is built or a pass starts, instead of petastorm's
+    ``RuntimeError`` after waiting 30 s for the files, and by :func:`check_distributor` on the
+    driver.
 
     Example::
 
         >>> print(ConverterDeletedError("file:///cache/run-1", ["file:///cache/run-1/part-0"], 4))
-        the Spark converter's Parquet files under file:///cache/run-1 are gone (1 of 4 missing, ...
+        the Spark converter's Parquet files under file:///cache/run-1 are not on ... (1 of 4 ...
     """
 
     def __init__(self, cache_dir_url: str, missing: Sequence[str], total: int) -> None:
         self.cache_dir_url = cache_dir_url
         self.missing = tuple(missing)
         super().__init__(
-            f"the Spark converter's Parquet files under {cache_dir_url} are gone "
-            f"({len(self.missing)} of {total} missing, e.g. {self.missing[0]}): it was deleted "
-            "(converter.delete()) or the process that called make_spark_converter has exited "
-            "(petastorm deletes the files then). Keep that process alive and call "
+            f"the Spark converter's Parquet files under {cache_dir_url} are not on "
+            f"{socket.gethostname()} ({len(self.missing)} of {total} missing, e.g. "
+            f"{self.missing[0]}): it was deleted (converter.delete()), the process that called "
+            "make_spark_converter has exited (petastorm deletes the files then), or this "
+            "machine cannot reach the cache. Keep that process alive and call "
             "converter.delete() after training, or make a new converter: "
-            "make_spark_converter(df)"
+            "make_spark_converter(df). Ranks on Spark executors (TorchDistributor with "
+            "local_mode=False) need a cache every machine reads: set "
+            "SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF to a shared file system, DBFS, "
+            "S3 or HDFS URL"
         )
 
 
@@ -137,6 +153,37 @@ class TooFewRowGroupsError(EvenLoaderError, ValueError):
             f"{world_size} partitions of similar sizes keeps shards even); or plan the shards: "
             "EvenLoader.from_parquet(converter, batch_size=..., balanced=True, mode='join') runs "
             "with ranks that hold no row group"
+        )
+
+
+class TooFewTaskSlotsError(EvenLoaderError):
+    """``TorchDistributor(local_mode=False)`` needs more Spark task slots than the cluster has.
+
+    Each rank (or each group of ``spark.task.resource.gpu.amount`` GPUs) is a Spark barrier
+    task, and a barrier stage starts only when all its tasks can run at once. With fewer slots
+    Spark checks again every 15 s and fails after 40 checks (by default:
+    ``spark.scheduler.barrier.maxConcurrentTasksCheck.interval`` and ``.maxFailures``):
+    measured on ``local[2]`` with ``num_processes=3``, pyspark 4.0.5 gave up after 608 s with
+    ``BarrierJobSlotsNumberCheckFailed`` [SPARK-24819]. Raised by :func:`check_distributor`.
+
+    Example::
+
+        >>> print(TooFewTaskSlotsError(3, 2, "local[2]", 1, 60.0))
+        TorchDistributor(local_mode=False) runs 3 Spark barrier tasks at once, but ...
+    """
+
+    def __init__(
+        self, tasks: int, slots: int, master: str, cpus_per_task: int, waited_s: float
+    ) -> None:
+        self.tasks = tasks
+        self.slots = slots
+        super().__init__(
+            f"TorchDistributor(local_mode=False) runs {tasks} Spark barrier tasks at once, but "
+            f"the Spark cluster ({master}) has {slots} task slot(s) (checked for "
+            f"{waited_s:.0f} s): Spark would retry for about 10 minutes and then "
+            "fail (SPARK-24819). Use num_processes="
+            f"{max(slots, 1)} or fewer, give the cluster more executor cores (each task takes "
+            f"spark.task.cpus={cpus_per_task}), or train on the driver with local_mode=True"
         )
 
 
@@ -175,6 +222,77 @@ def converter_files(converter: Any) -> list[str]:
     files = [str(url) for url in converter.file_urls]
     _raise_if_deleted(converter.cache_dir_url, files)
     return files
+
+
+def check_distributor(distributor: Any, *converters: Any, wait_for_slots_s: float = 60.0) -> None:
+    """Before ``distributor.run(train, converter, ...)``: refuse at once what could not work.
+
+    ``distributor`` is a ``pyspark.ml.torch.distributor.TorchDistributor``; call this on the
+    driver, with the converters the training function will read:
+
+    * each converter's files are there (:class:`ConverterDeletedError`), instead of every
+      rank raising after ``torchrun`` has started;
+    * with ``local_mode=False``, the cluster can run all the distributor's barrier tasks at
+      once. Executors that are still registering get ``wait_for_slots_s`` seconds (a
+      ``local[N]`` master has all its slots from the start: no wait); then
+      :class:`TooFewTaskSlotsError`, instead of Spark's 10 minutes of retries
+      (``BarrierJobSlotsNumberCheckFailed``). Skipped, with a DEBUG log, where the session
+      cannot tell its slots (Spark Connect).
+
+    Example, on the driver::
+
+        distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+        check_distributor(distributor, converter)
+        statistics = distributor.run(train, converter)
+
+    It takes the distributor, not its class::
+
+        >>> check_distributor(object())
+        Traceback (most recent call last):
+        ...
+        TypeError: expected a pyspark.ml.torch.distributor.TorchDistributor, got object
+    """
+    names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(distributor).__mro__}
+    if _DISTRIBUTOR not in names:
+        raise TypeError(f"expected a {_DISTRIBUTOR}, got {type(distributor).__name__}")
+    for converter in converters:
+        converter_files(converter)
+    if distributor.local_mode:
+        return
+    # num_tasks: num_processes, or fewer when each task drives several GPUs.
+    tasks = int(getattr(distributor, "num_tasks", distributor.num_processes))
+    spark = distributor.spark
+    master = str(spark.conf.get("spark.master", "?"))
+    # local[N] runs its tasks in the driver's JVM: its slots are there from the start and
+    # never grow, so there is nothing to wait for.
+    in_driver = master == "local" or master.startswith("local[")
+    started = time.monotonic()
+    deadline = started + (0.0 if in_driver else wait_for_slots_s)
+    while True:
+        slots = _task_slots(spark)
+        if slots is None or slots >= tasks:
+            return
+        if time.monotonic() >= deadline:
+            raise TooFewTaskSlotsError(
+                tasks,
+                slots,
+                master,
+                int(spark.conf.get("spark.task.cpus", "1")),
+                time.monotonic() - started,
+            )
+        time.sleep(1.0)
+
+
+def _task_slots(spark: Any) -> int | None:
+    """How many tasks the cluster runs at once: the count Spark's barrier check compares with."""
+    try:
+        scala_context = spark.sparkContext._jsc.sc()
+        profile = scala_context.resourceProfileManager().defaultResourceProfile()
+        return int(scala_context.maxNumConcurrentTasks(profile))
+    except Exception as error:
+        # Spark Connect has no JVM on the client; py4j raises its own error types.
+        logger.debug("ddp_even: cannot count the Spark cluster's task slots (%s)", error)
+        return None
 
 
 class ConverterSource(ShardSource[Any]):
