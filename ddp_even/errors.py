@@ -9,6 +9,7 @@ it).
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 
 
@@ -227,29 +228,35 @@ class RowCountMismatchError(RuntimeError):
 
 
 class ConverterDeletedError(EvenLoaderError):
-    """The Parquet files of a petastorm Spark converter are gone.
+    """The Parquet files of a petastorm Spark converter are not there.
 
     ``converter.delete()`` removes them, and so does the exit of the process that called
-    ``make_spark_converter`` (petastorm registers that with ``atexit``). Raised on every rank
-    when the loader is built or a pass starts, instead of petastorm's ``RuntimeError`` after
-    waiting 30 s for the files.
+    ``make_spark_converter`` (petastorm registers that with ``atexit``); a Spark executor on
+    another machine also misses them when the cache is on a disk only the driver sees. Raised
+    on every rank when the loader is built or a pass starts, instead of petastorm's
+    ``RuntimeError`` after waiting 30 s for the files, and by
+    :func:`~ddp_even.petastorm.spark_converter.check_distributor` on the driver.
 
     Example::
 
         >>> print(ConverterDeletedError("file:///cache/run-1", ["file:///cache/run-1/part-0"], 4))
-        the Spark converter's Parquet files under file:///cache/run-1 are gone (1 of 4 missing, ...
+        the Spark converter's Parquet files under file:///cache/run-1 are not on ... (1 of 4 ...
     """
 
     def __init__(self, cache_dir_url: str, missing: Sequence[str], total: int) -> None:
         self.cache_dir_url = cache_dir_url
         self.missing = tuple(missing)
         super().__init__(
-            f"the Spark converter's Parquet files under {cache_dir_url} are gone "
-            f"({len(self.missing)} of {total} missing, e.g. {self.missing[0]}): it was deleted "
-            "(converter.delete()) or the process that called make_spark_converter has exited "
-            "(petastorm deletes the files then). Keep that process alive and call "
+            f"the Spark converter's Parquet files under {cache_dir_url} are not on "
+            f"{socket.gethostname()} ({len(self.missing)} of {total} missing, e.g. "
+            f"{self.missing[0]}): it was deleted (converter.delete()), the process that called "
+            "make_spark_converter has exited (petastorm deletes the files then), or this "
+            "machine cannot reach the cache. Keep that process alive and call "
             "converter.delete() after training, or make a new converter: "
-            "make_spark_converter(df)"
+            "make_spark_converter(df). Ranks on Spark executors (TorchDistributor with "
+            "local_mode=False) need a cache every machine reads: set "
+            "SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF to a shared file system, DBFS, "
+            "S3 or HDFS URL"
         )
 
 
@@ -279,4 +286,36 @@ class TooFewRowGroupsError(EvenLoaderError, ValueError):
             f"{world_size} partitions of similar sizes keeps shards even); or plan the shards: "
             "EvenLoader.from_parquet(converter, batch_size=..., balanced=True, mode='join') runs "
             "with ranks that hold no row group"
+        )
+
+
+class TooFewTaskSlotsError(EvenLoaderError):
+    """``TorchDistributor(local_mode=False)`` needs more Spark task slots than the cluster has.
+
+    Each rank (or each group of ``spark.task.resource.gpu.amount`` GPUs) is a Spark barrier
+    task, and a barrier stage starts only when all its tasks can run at once. With fewer slots
+    Spark checks again every 15 s and fails after 40 checks (by default:
+    ``spark.scheduler.barrier.maxConcurrentTasksCheck.interval`` and ``.maxFailures``):
+    measured on ``local[2]`` with ``num_processes=3``, pyspark 4.0.5 gave up after 608 s with
+    ``BarrierJobSlotsNumberCheckFailed`` [SPARK-24819]. Raised by
+    :func:`~ddp_even.petastorm.spark_converter.check_distributor`.
+
+    Example::
+
+        >>> print(TooFewTaskSlotsError(3, 2, "local[2]", 1, 60.0))
+        TorchDistributor(local_mode=False) runs 3 Spark barrier tasks at once, but ...
+    """
+
+    def __init__(
+        self, tasks: int, slots: int, master: str, cpus_per_task: int, waited_s: float
+    ) -> None:
+        self.tasks = tasks
+        self.slots = slots
+        super().__init__(
+            f"TorchDistributor(local_mode=False) runs {tasks} Spark barrier tasks at once, but "
+            f"the Spark cluster ({master}) has {slots} task slot(s) (checked for "
+            f"{waited_s:.0f} s): Spark would retry for about 10 minutes and then "
+            "fail (SPARK-24819). Use num_processes="
+            f"{max(slots, 1)} or fewer, give the cluster more executor cores (each task takes "
+            f"spark.task.cpus={cpus_per_task}), or train on the driver with local_mode=True"
         )

@@ -1,6 +1,6 @@
 """Fixtures shared by the test modules.
 
-``spark``: one real local Spark session for the whole run (``local[1]``, UI off, a small
+``spark``: one real local Spark session for the whole run (``local[2]``, UI off, a small
 driver), started by the first test that asks for it and stopped at the end. Tests that use it
 are marked ``spark``. Without a Java runtime they are skipped, except under CI (``CI`` set),
 where a missing Java is a failure: CI must run them.

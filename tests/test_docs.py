@@ -3,7 +3,8 @@
 * ``python`` blocks run in one process (rank 0 of 1) in a namespace holding what the text calls
   "yours": ``url`` (a skewed demo dataset with float columns ``x`` and ``y``), ``rank``,
   ``world_size``, ``epochs``, ``ddp_model`` and ``optimizer``; remote-storage blocks read a local
-  S3 server (``http://minio:9000`` in the text), Spark blocks a converter of a real DataFrame.
+  S3 server (``http://minio:9000`` in the text), Spark blocks a real DataFrame ``df`` and its
+  ``converter`` (the TorchDistributor block runs its two ranks as Spark barrier tasks).
 * ``python`` blocks of ``docs/trainers.md`` are excerpts of the examples and test jobs the
   trainer tests run (``tests/test_lightning.py``, ``tests/test_lightning_resume.py``,
   ``tests/test_accelerate.py``): each must appear there verbatim.
@@ -227,7 +228,7 @@ def test_spark_blocks_run_on_a_converter(spark: Any, tmp_path: Path) -> None:
     )
     converter = make_spark_converter(frame)
     try:
-        namespace = {**_yours(""), "converter": converter}
+        namespace = {**_yours(""), "converter": converter, "df": frame}
         _run_in_order(_python_of("docs/spark.md"), namespace, {})
     finally:
         converter.delete()

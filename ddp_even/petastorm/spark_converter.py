@@ -18,6 +18,11 @@ whose ``__enter__`` opens ``make_batch_reader(converter.file_urls, ...)`` and a 
 * With fewer row groups than ``shard_count`` petastorm raises ``NoDataAvailableError`` on
   every rank; here :class:`TooFewRowGroupsError` says what to do.
 * The process that called ``make_spark_converter`` deletes the cache when it exits (atexit).
+* Under ``pyspark.ml.torch.distributor.TorchDistributor`` each rank is a ``torchrun`` worker
+  (``RANK``/``WORLD_SIZE`` set; ``local_mode=False`` runs one Spark barrier task per rank):
+  the process group made from that environment gives the shard. Too few task slots for the
+  barrier tasks stall Spark before any rank runs: :func:`check_distributor` tells it on the
+  driver, with deleted converter files.
 
 petastorm and pyspark are imported only when a converter is seen, never by importing this module.
 """
@@ -26,18 +31,20 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from ddp_even.checks import check_positive_int
-from ddp_even.errors import ConverterDeletedError, TooFewRowGroupsError
+from ddp_even.errors import ConverterDeletedError, TooFewRowGroupsError, TooFewTaskSlotsError
 from ddp_even.sources.base import ShardPass, ShardSource
 from ddp_even.sources.iterables import open_context_pass
 
 __all__ = [
     "ConverterSource",
+    "check_distributor",
     "converter_files",
     "is_spark_converter",
     "source_for",
@@ -47,6 +54,7 @@ logger = logging.getLogger("ddp_even")
 
 _CONVERTER = "petastorm.spark.spark_dataset_converter.SparkDatasetConverter"
 _TORCH_CONTEXT = "petastorm.spark.spark_dataset_converter.TorchDatasetContextManager"
+_DISTRIBUTOR = "pyspark.ml.torch.distributor.TorchDistributor"
 
 # make_torch_dataloader's keyword arguments that ConverterSource sets itself, with the reason.
 _SET_HERE = {
@@ -117,6 +125,77 @@ def converter_files(converter: Any) -> list[str]:
     files = [str(url) for url in converter.file_urls]
     _raise_if_deleted(converter.cache_dir_url, files)
     return files
+
+
+def check_distributor(distributor: Any, *converters: Any, wait_for_slots_s: float = 60.0) -> None:
+    """Before ``distributor.run(train, converter, ...)``: refuse at once what could not work.
+
+    ``distributor`` is a ``pyspark.ml.torch.distributor.TorchDistributor``; call this on the
+    driver, with the converters the training function will read:
+
+    * each converter's files are there (:class:`ConverterDeletedError`), instead of every
+      rank raising after ``torchrun`` has started;
+    * with ``local_mode=False``, the cluster can run all the distributor's barrier tasks at
+      once. Executors that are still registering get ``wait_for_slots_s`` seconds (a
+      ``local[N]`` master has all its slots from the start: no wait); then
+      :class:`TooFewTaskSlotsError`, instead of Spark's 10 minutes of retries
+      (``BarrierJobSlotsNumberCheckFailed``). Skipped, with a DEBUG log, where the session
+      cannot tell its slots (Spark Connect).
+
+    Example, on the driver::
+
+        distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+        check_distributor(distributor, converter)
+        statistics = distributor.run(train, converter)
+
+    It takes the distributor, not its class::
+
+        >>> check_distributor(object())
+        Traceback (most recent call last):
+        ...
+        TypeError: expected a pyspark.ml.torch.distributor.TorchDistributor, got object
+    """
+    names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(distributor).__mro__}
+    if _DISTRIBUTOR not in names:
+        raise TypeError(f"expected a {_DISTRIBUTOR}, got {type(distributor).__name__}")
+    for converter in converters:
+        converter_files(converter)
+    if distributor.local_mode:
+        return
+    # num_tasks: num_processes, or fewer when each task drives several GPUs.
+    tasks = int(getattr(distributor, "num_tasks", distributor.num_processes))
+    spark = distributor.spark
+    master = str(spark.conf.get("spark.master", "?"))
+    # local[N] runs its tasks in the driver's JVM: its slots are there from the start and
+    # never grow, so there is nothing to wait for.
+    in_driver = master == "local" or master.startswith("local[")
+    started = time.monotonic()
+    deadline = started + (0.0 if in_driver else wait_for_slots_s)
+    while True:
+        slots = _task_slots(spark)
+        if slots is None or slots >= tasks:
+            return
+        if time.monotonic() >= deadline:
+            raise TooFewTaskSlotsError(
+                tasks,
+                slots,
+                master,
+                int(spark.conf.get("spark.task.cpus", "1")),
+                time.monotonic() - started,
+            )
+        time.sleep(1.0)
+
+
+def _task_slots(spark: Any) -> int | None:
+    """How many tasks the cluster runs at once: the count Spark's barrier check compares with."""
+    try:
+        scala_context = spark.sparkContext._jsc.sc()
+        profile = scala_context.resourceProfileManager().defaultResourceProfile()
+        return int(scala_context.maxNumConcurrentTasks(profile))
+    except Exception as error:
+        # Spark Connect has no JVM on the client; py4j raises its own error types.
+        logger.debug("ddp_even: cannot count the Spark cluster's task slots (%s)", error)
+        return None
 
 
 class ConverterSource(ShardSource[Any]):

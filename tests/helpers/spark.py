@@ -1,8 +1,10 @@
 """One real local Spark for the tests, and skewed data written through petastorm's Spark doors.
 
-- :func:`start_spark`: ``local[1]``, UI and progress bars off, a small driver, two shuffle
-  partitions, the converter's cache directory set. Started once per test run (the ``spark``
-  fixture in ``tests/conftest.py``); spawned ranks never start one, they read what it wrote.
+- :func:`start_spark`: ``local[2]`` (two task slots: ``TorchDistributor(local_mode=False)``
+  runs one barrier task per rank, all at once), UI and progress bars off, a small driver, two
+  shuffle partitions, the converter's cache directory set. Started once per test run (the
+  ``spark`` fixture in ``tests/conftest.py``); spawned ranks never start one, they read what
+  it wrote.
 - :func:`skewed_dataframe`: partition ``k`` holds ``sizes[k]`` rows, with ``id`` consecutive
   across partitions in partition order and ``value = id * 0.5``. Built in the JVM alone (no
   Python workers), so that writing it is quick.
@@ -63,7 +65,8 @@ def start_spark(cache_dir: Path) -> Any:
     from pyspark.sql import SparkSession
 
     spark = (
-        SparkSession.builder.master("local[1]")
+        # Two task slots: the barrier-mode TorchDistributor tests run 2 ranks as 2 tasks at once.
+        SparkSession.builder.master("local[2]")
         .appName("ddp_even-tests")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
@@ -139,7 +142,9 @@ def materialize_unischema(spark: Any, directory: Path, sizes: Sequence[int]) -> 
             )
             for i in range(start, start + size)
         ]
-        frames.append(spark.createDataFrame(rows, spark_schema))
+        # One partition per file whatever the session's parallelism (local[2] would cut
+        # each local DataFrame in two).
+        frames.append(spark.createDataFrame(rows, spark_schema).coalesce(1))
         start += size
     frame = frames[0]
     for other in frames[1:]:
