@@ -16,8 +16,6 @@ import torch
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.spawn import run_ranks
 
-pytestmark = pytest.mark.multirank
-
 # 17 rows: "rows" sharding gives rank 0 rows 0-7 (2 batches of 4) and rank 1 rows 8-16 (3).
 SIZES = [[5, 6], [6]]
 BATCH = 4
@@ -59,6 +57,7 @@ def _cycle_resumed_after_a_ranks_last_own_batch(
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sync_every", [None, 1], ids=["known-lengths", "every-step"])
+@pytest.mark.multirank
 def test_cycle_resumes_right_after_a_ranks_last_own_batch(
     tmp_path: Path, sync_every: int | None
 ) -> None:
@@ -133,6 +132,7 @@ def _state_loaded_elsewhere(
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("change", ["seed", "predicate", "data", "batch_size"])
+@pytest.mark.multirank
 def test_a_state_of_other_data_or_order_is_refused_on_every_rank_naming_what_differs(
     tmp_path: Path, change: str
 ) -> None:
@@ -147,3 +147,159 @@ def test_a_state_of_other_data_or_order_is_refused_on_every_rank_naming_what_dif
         assert result["trained"] == [], "refused before any step"
         assert result["error"] is not None, result
         assert f"whose {change} differs" in result["error"]
+
+
+# --- a reader that keeps part of a hive-partitioned directory (case 4) -----------------------
+
+
+def _partition_kept(rank: int, world_size: int, url: str, how: str) -> dict[str, Any]:
+    from petastorm import make_batch_reader
+    from petastorm.predicates import in_lambda
+    from petastorm.pytorch import BatchedDataLoader
+
+    from ddp_even import EvenLoader
+
+    keep = (
+        {"filters": [("part", "=", 1)]}
+        if how == "filters"
+        else {"predicate": in_lambda(["part"], lambda part: part == 1)}
+    )
+
+    def one_pass() -> Any:
+        reader = make_batch_reader(
+            url, num_epochs=1, cur_shard=rank, shard_count=world_size, workers_count=2, **keep
+        )
+        return BatchedDataLoader(reader, batch_size=2)
+
+    loader: EvenLoader[Any] = EvenLoader(one_pass, "truncate")
+    epochs = [[_ids(batch) for batch in loader] for _ in range(2)]
+    return {"epochs": epochs, "stats": loader.stats.as_dict()}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["filters", "partition-predicate"])
+@pytest.mark.multirank
+def test_a_reader_keeping_one_partition_runs_as_built_on_every_rank(
+    tmp_path: Path, how: str
+) -> None:
+    # Partition 1 holds row groups of 5 and 3 rows (ids 10-17): rank 0 reads 5 rows (3 batches
+    # of 2), rank 1 reads 3 (2 batches); truncate takes 2 steps on both.
+    url = write_plain_dataset(tmp_path / "ds", [[4, 6], [5, 3], [7, 2]], partition_by="part")
+    results = run_ranks(_partition_kept, 2, url, how, timeout=200)
+    for rank, result in enumerate(results):
+        kept = [10, 11, 12, 13, 14] if rank == 0 else [15, 16, 17]
+        for epoch in result["epochs"]:
+            assert len(epoch) == 2, (rank, epoch)
+            assert [row for batch in epoch for row in batch] == (kept[:4] if rank == 0 else kept)
+        assert result["stats"] == results[0]["stats"]
+
+
+# --- the usual loop over a file rewritten between epochs (case 3) ----------------------------
+
+
+def _rewritten_between_epochs(
+    rank: int, world_size: int, url: str, mode: str, rows_after: int
+) -> dict[str, Any]:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch.distributed as dist
+    from petastorm import make_batch_reader
+    from petastorm.pytorch import BatchedDataLoader
+
+    from ddp_even import EvenLoader
+
+    def one_pass() -> Any:
+        reader = make_batch_reader(
+            url, num_epochs=1, cur_shard=rank, shard_count=world_size, workers_count=2
+        )
+        return BatchedDataLoader(reader, batch_size=BATCH)
+
+    loader: EvenLoader[Any] = EvenLoader(one_pass, mode)
+    epochs = [[_ids(batch) for batch in loader]]
+    dist.barrier()
+    if rank == 0:  # the second file's one row group, rewritten with another number of rows
+        ids = np.arange(100, 100 + rows_after, dtype=np.int64)
+        table = pa.table({"id": ids, "value": (ids * 0.5).astype(np.float32), "label": ids % 3})
+        pq.write_table(table, url.removeprefix("file://") + "/part-00001.parquet")
+    dist.barrier()
+    epochs.append([_ids(batch) for batch in loader])
+    return {"epochs": epochs, "stats": [stats.as_dict() for stats in loader.history]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["truncate", "cycle"])
+@pytest.mark.parametrize("rows_after", [1, 14], ids=["shrunk", "grown"])
+@pytest.mark.multirank
+def test_footer_lengths_are_worked_out_again_when_a_file_changes_between_epochs(
+    tmp_path: Path, mode: str, rows_after: int
+) -> None:
+    # Round robin over 2 ranks: rank 0 reads row groups 0 (5 rows) and 2 (the second file's),
+    # rank 1 row group 1 (6 rows: 2 batches of 4).
+    url = write_plain_dataset(tmp_path / "ds", SIZES)
+    results = run_ranks(_rewritten_between_epochs, 2, url, mode, rows_after, timeout=250)
+    after = [-(-(5 + rows_after) // BATCH), 2]
+    steps = min(after) if mode == "truncate" else max(after)
+    stats = results[0]["stats"][1]
+    for rank, result in enumerate(results):
+        assert len(result["epochs"][1]) == steps == stats["steps"][rank], (rank, result)
+        assert result["stats"] == results[0]["stats"]
+        if mode == "cycle":
+            seen = {row for batch in result["epochs"][1] for row in batch}
+            wanted = set(range(5)) | set(range(100, 100 + rows_after)) if rank == 0 else None
+            assert wanted is None or seen == wanted, "every row of the new data, none missed"
+    assert stats["dropped_batches"] == (
+        tuple(own - steps for own in after) if mode == "truncate" else (0, 0)
+    )
+    assert stats["lost_rows"] == (0, 0)
+
+
+# --- a dataset with a _metadata summary, rewritten (case 6) ----------------------------------
+
+
+def _rewrite_with_ids_from(root: Path, start: int) -> None:
+    """The same files and row-group sizes as SIZES, with ids counted from ``start``."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for index, sizes in enumerate(SIZES):
+        path = root / f"part-{index:05d}.parquet"
+        with pq.ParquetWriter(path, pq.read_schema(path)) as writer:
+            for size in sizes:
+                ids = np.arange(start, start + size, dtype=np.int64)
+                columns = {"id": ids, "value": (ids * 0.5).astype(np.float32), "label": ids % 3}
+                writer.write_table(pa.table(columns), row_group_size=size)
+                start += size
+
+
+def test_a_summary_dataset_rewritten_misses_the_count_cache_and_refuses_an_old_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from petastorm.predicates import in_lambda
+
+    from ddp_even.errors import PlanMismatchError
+    from ddp_even.petastorm.readers import make_shard_factory
+    from tests.helpers.shard_reads import write_summary_metadata
+
+    monkeypatch.setenv("DDP_EVEN_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "ds"
+    url = write_plain_dataset(root, SIZES)
+    write_summary_metadata(root, common=True)
+    below_eight = in_lambda(["id"], lambda ids: ids < 8)
+    options = {"reader_pool_type": "dummy"}
+
+    def kept() -> int:
+        plan, _ = make_shard_factory(url, 0, 1, BATCH, predicate=below_eight, reader_kwargs=options)
+        return plan.total_rows
+
+    assert kept() == 8
+    _, old = make_shard_factory(url, 0, 1, BATCH, reader_kwargs=options)
+    time.sleep(0.01)  # a later modification time on any file system
+    _rewrite_with_ids_from(root, 100)  # the same sizes, no id below 8 any more
+    write_summary_metadata(root, common=True)
+    assert kept() == 0, "counted anew: the cached count (8) belonged to the old data"
+    with pytest.raises(PlanMismatchError, match="was rewritten since it was planned"):
+        old(0)

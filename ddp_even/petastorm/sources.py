@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow.filesystem
 from petastorm.pytorch import LoaderBase
 from petastorm.reader import Reader
+from petastorm.workers_pool.thread_pool import ThreadPool
 
 from ddp_even.petastorm.thread_pool import close_end_of_results_race
 from ddp_even.sources.base import ContinuingStream, ShardPass, ShardSource, count_rows
@@ -146,6 +147,7 @@ class _PetastormSource(ShardSource[Any]):
                     row_groups=row_groups,
                     endless=self.endless,
                     plan_for=self._footer_plans(),
+                    unrepeatable=self._unrepeatable(),
                 )
             self._stream = ContinuingStream(batches)
         # An endless reader: every epoch continues the one stream.
@@ -157,6 +159,17 @@ class _PetastormSource(ShardSource[Any]):
 
     def _count_samples(self) -> Callable[[Any], int | None] | None:
         return None  # the default: rows from the batch's shape
+
+    def _unrepeatable(self) -> str | None:
+        """Why two passes of this reader may yield other batches or another order, or None."""
+        worker = _a_worker(self._reader)
+        seed = None if worker is None else worker.args[10]
+        if getattr(self._reader.ventilator, "_randomize_item_order", False) and seed is None:
+            return "it shuffles row groups without a seed"
+        pool = self._reader._workers_pool  # a planned reader's hands out in order: not this
+        if isinstance(pool, ThreadPool) and pool.workers_count > 1:
+            return f"its {pool.workers_count} threads hand row groups out as they finish"
+        return None
 
     def _footer_plans(self) -> Callable[[int, int], ShardPlan | None] | None:
         """``plan(rank, world_size)`` from the Parquet footers, where batches may follow from
@@ -173,6 +186,11 @@ class PetastormLoaderSource(_PetastormSource):
 
     def _footer_plans(self) -> Callable[[int, int], ShardPlan | None]:
         return functools.partial(round_robin_plan, self._reader, self._loader.batch_size)
+
+    def _unrepeatable(self) -> str | None:
+        if getattr(self._loader, "shuffling_queue_capacity", 0):
+            return "its loader's shuffling queue mixes rows at random"
+        return super()._unrepeatable()
 
     def _fresh_pass(self) -> Iterator[Any]:
         # DataLoader would emit the previous pass's short last batch again (see module doc).

@@ -25,6 +25,7 @@ costs at most two requests (its size, then its tail), a ``_metadata`` summary on
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import posixpath
@@ -135,6 +136,16 @@ def changed_row_groups(
         rows = footer.row_group(group.index_in_file).num_rows
         if rows != group.num_rows:
             return f"{where} has {rows} rows now, the plan counted {group.num_rows}"
+    if planned.file_stamps is not None:
+        # Planned from a summary: no footer digest, but each file's size and time.
+        for number, stamp in zip(
+            file_numbers,
+            resolved.storage.stamps([planned.files[number] for number in file_numbers]),
+            strict=True,
+        ):
+            if stamp != planned.file_stamps[number]:
+                path = resolved.storage.url(planned.files[number])
+                return f"{path} was rewritten since it was planned (its size or time changed)"
     if planned.footer_digests is not None:
         # Same rows per row group, other data: counts of a row predicate may be wrong now.
         for number, footer in footers.items():
@@ -164,7 +175,7 @@ class _MetadataReader:
             return self.from_footers(layout.data_files, listed=False)
         if metadata is not None and metadata.num_row_groups > 0:
             assert layout.metadata_path is not None
-            return _from_summary(layout.data_files, metadata, layout.metadata_path)
+            return _from_summary(layout, metadata, layout.metadata_path)
         assert common_path is not None
         common = metadata if common_path == layout.metadata_path else self.read_summary(common_path)
         return self.from_row_group_counts(layout.data_files, common, common_path, root=path)
@@ -310,11 +321,14 @@ class _DirectoryLayout:
     data_files: list[str]
     metadata_path: str | None
     common_metadata_path: str | None
+    # Each data file's stamp (size and modification time), from the listing itself.
+    stamps: dict[str, str]
 
     @classmethod
     def scan(cls, root: str, reader: _MetadataReader) -> _DirectoryLayout:
         url = reader.storage.url
         data_files: list[str] = []
+        stamps: dict[str, str] = {}
         metadata_paths: list[str] = []
         common_paths: list[str] = []
         level = [root]
@@ -324,8 +338,9 @@ class _DirectoryLayout:
             next_level = []
             for directory, (files, subdirectories) in zip(level, listings, strict=True):
                 level_files = []
-                for name in files:
+                for name, stamp in files.items():
                     full = f"{directory}/{name}"
+                    stamps[full] = stamp
                     # The order of these checks is pyarrow's: a summary file is recognised even
                     # where a hidden-file rule would otherwise skip it.
                     if name.endswith("_common_metadata"):
@@ -366,6 +381,7 @@ class _DirectoryLayout:
             data_files=data_files,
             metadata_path=metadata_paths[0] if metadata_paths else None,
             common_metadata_path=common_paths[0] if common_paths else None,
+            stamps=stamps,
         )
 
 
@@ -387,9 +403,11 @@ def _footer_sizes(footer: pq.FileMetaData) -> list[int]:
 
 
 def _from_summary(
-    data_files: Sequence[str], metadata: pq.FileMetaData, metadata_path: str
+    layout: _DirectoryLayout, metadata: pq.FileMetaData, metadata_path: str
 ) -> RowGroups:
-    """``_metadata`` lists row groups with their file paths relative to its directory."""
+    """``_metadata`` lists row groups with their file paths relative to its directory. No
+    footer is read: the summary's digest and each data file's stamp name the data instead."""
+    data_files = layout.data_files
     sizes_by_file: dict[str, list[int]] = {}
     for k in range(metadata.num_row_groups):
         row_group = metadata.row_group(k)
@@ -407,7 +425,12 @@ def _from_summary(
             f"{sorted(sizes_by_file)[:3]}): petastorm would read nothing; write it with "
             "file paths set (FileMetaData.set_file_path) or delete it"
         )
-    return _build([path for path, _ in listed], [sizes for _, sizes in listed], "_metadata")
+    row_groups = _build([path for path, _ in listed], [sizes for _, sizes in listed], "_metadata")
+    return dataclasses.replace(
+        row_groups,
+        summary_digest=_footer_digest(metadata),
+        file_stamps=tuple(layout.stamps[path] for path in row_groups.files),
+    )
 
 
 def _footer_digest(footer: pq.FileMetaData) -> bytes:

@@ -62,8 +62,8 @@ Share = Callable[[list[int]], list[list[int]]]
 
 # Bytes of a failing rank's error the others are told (its type and message).
 _SAID = 1024
-# Bumped when the meaning of a cache entry changes (3: predicates by their code).
-_CACHE_FORMAT = 3
+# Bumped when the meaning of a cache entry changes (4: predicates by their code; summaries).
+_CACHE_FORMAT = 4
 # Files read at once by a scan of stored columns.
 _SCAN_THREADS = 4
 # Uncompressed bytes of predicate columns read and converted together (per file being read).
@@ -343,12 +343,9 @@ def _cache_file(row_groups: RowGroups, predicate: Any, key_parts: Sequence[bytes
     for part in (
         str(_CACHE_FORMAT).encode(),
         *key_parts,
-        "\n".join(row_groups.files).encode(),
-        row_groups.file_of.tobytes(),
-        row_groups.index_in_file.tobytes(),
-        row_groups.num_rows.tobytes(),
-        # A file rewritten in place with the same row groups gets another footer.
-        b"".join(row_groups.footer_digests or ()),
+        # Files, row groups and sizes; footers (a file rewritten in place gets another), or a
+        # summary's digest and each file's size and time.
+        row_groups.identity(),
         predicate_bytes,
     ):
         digest.update(len(part).to_bytes(8, "little"))

@@ -85,6 +85,10 @@ class RowGroups:
     #: Per file: a digest of its footer, when the list was read from the footers (None when
     #: it came from a ``_metadata`` summary). A file rewritten in place gets another footer.
     footer_digests: tuple[bytes, ...] | None = None
+    #: With a ``_metadata`` summary: its digest, and per file its size and modification time
+    #: (from the listing), which name the data where no footer was read.
+    summary_digest: bytes | None = None
+    file_stamps: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         columns = (self.file_of, self.index_in_file, self.num_rows)
@@ -114,6 +118,8 @@ class RowGroups:
                 self.index_in_file.tobytes(),
                 self.num_rows.tobytes(),
                 b"".join(self.footer_digests or ()),
+                self.summary_digest or b"",
+                "\n".join(self.file_stamps or ()).encode(),
             )
         )
 

@@ -165,6 +165,17 @@ class EpochRun(Generic[BatchT]):
             )
         for rows in skipped:
             self.counts.count_batch(1, rows)
+        unrepeatable = self.feed.first_pass_unrepeatable() if len(skipped) < step else None
+        if unrepeatable is not None and self.agreer.rank == 0:
+            logger.warning(
+                "ddp_even: epoch %d resumes by reading again what was handed out before step %d, "
+                "but %s: the rest of the epoch is not the interrupted run's. For an exact "
+                "resume, read with a seed: EvenLoader.from_parquet(..., reader_kwargs={'seed': "
+                "7}), or shuffle_row_groups=False and workers_count=1 (docs/resume.md)",
+                self.epoch,
+                step,
+                unrepeatable,
+            )
         while self.counts.steps < step:
             self.feed.fill(1)
             if not self.feed.buffered:

@@ -106,6 +106,11 @@ class ShardFeed(Generic[BatchT]):
                 self.failure = error
         return None if self._pass is None else self._pass.row_groups
 
+    def first_pass_unrepeatable(self) -> str | None:
+        """Why the first pass may not yield the batches an earlier pass did, where it can tell."""
+        self.first_pass_row_groups()
+        return None if self._pass is None else self._pass.unrepeatable
+
     def first_pass_plan(self, rank: int, world_size: int) -> ShardPlan | None:
         """Every rank's shard plan, when the first pass's source can work it out (opens it)."""
         self.first_pass_row_groups()

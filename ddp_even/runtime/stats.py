@@ -268,7 +268,9 @@ def _log(
     planned_rows: tuple[int | None, ...],
 ) -> None:
     logger.info("%s", stats.summary())
-    if stats.empty_ranks:
+    # The rest of an epoch re-planned on another number of ranks: a rank with none of it left
+    # is expected (the epoch was resumed at or near its end), not an empty shard.
+    if stats.empty_ranks and stats.resumed_from_world_size is None:
         logger.warning(
             "epoch %d: rank(s) %s had no batch at all (an empty shard: a predicate, drop_last "
             "or fewer row groups than ranks)%s",

@@ -38,6 +38,7 @@ class ShardPass(Generic[BatchT]):
         give_back: Callable[[list[BatchT]], None] | None = None,
         endless: bool = False,
         plan_for: Callable[[int, int], ShardPlan | None] | None = None,
+        unrepeatable: str | None = None,
     ) -> None:
         self._batches = batches
         self._on_close = on_close
@@ -52,6 +53,9 @@ class ShardPass(Generic[BatchT]):
         # the data's metadata, where the source can tell that its rows follow from it (it
         # returns None where it cannot); None for sources that never can.
         self.plan_for = plan_for
+        # Why another pass may yield other batches, or other batches in another order (an
+        # unseeded shuffle, a pool handing out what finishes first), where the source can tell.
+        self.unrepeatable = unrepeatable
 
     def __iter__(self) -> Iterator[BatchT]:
         return self

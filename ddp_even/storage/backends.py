@@ -135,16 +135,32 @@ class Storage(ABC):
         """
 
     @abstractmethod
-    def list_directory(self, path: str) -> tuple[list[str], list[str]]:
-        """Names of the files and of the subdirectories directly in ``path``.
+    def list_directory(self, path: str) -> tuple[dict[str, str], list[str]]:
+        """The files directly in ``path``, each with its stamp (see :meth:`stamps`), and the
+        names of its subdirectories; in one listing.
 
         Example:
             >>> from ddp_even.storage import resolve_dataset
             >>> import pathlib, tempfile
             >>> root = pathlib.Path(tempfile.mkdtemp())
             >>> (root / "a.parquet").touch(); (root / "part=1").mkdir()
-            >>> resolve_dataset(str(root)).storage.list_directory(str(root))
+            >>> files, subdirectories = resolve_dataset(str(root)).storage.list_directory(str(root))
+            >>> list(files), subdirectories
             (['a.parquet'], ['part=1'])
+        """
+
+    @abstractmethod
+    def stamps(self, paths: Sequence[str]) -> list[str]:
+        """Each file's size and modification time, as text: a file rewritten has another.
+
+        Example:
+            >>> from ddp_even.storage import resolve_dataset
+            >>> import tempfile
+            >>> path = f"{tempfile.mkdtemp()}/a.parquet"
+            >>> with open(path, "wb") as file:
+            ...     _ = file.write(b"12345")
+            >>> resolve_dataset(path).storage.stamps([path])[0].startswith("5:")
+            True
         """
 
     @abstractmethod
@@ -221,14 +237,20 @@ class LocalStorage(Storage):
             return "directory"
         return "file" if os.path.exists(path) else "missing"
 
-    def list_directory(self, path: str) -> tuple[list[str], list[str]]:
-        files: list[str] = []
+    def list_directory(self, path: str) -> tuple[dict[str, str], list[str]]:
+        files: dict[str, str] = {}
         subdirectories: list[str] = []
         with os.scandir(path) as entries:
             for entry in entries:
                 # os.walk (what the legacy filesystem uses) counts a symlink to a directory as one.
-                (subdirectories if entry.is_dir() else files).append(entry.name)
+                if entry.is_dir():
+                    subdirectories.append(entry.name)
+                else:
+                    files[entry.name] = _stamp(entry.stat().st_size, entry.stat().st_mtime_ns)
         return files, subdirectories
+
+    def stamps(self, paths: Sequence[str]) -> list[str]:
+        return [_stamp(info.st_size, info.st_mtime_ns) for info in map(os.stat, paths)]
 
     def read_footer(self, path: str) -> pq.FileMetaData:
         return pq.read_metadata(path)
@@ -272,14 +294,25 @@ class ArrowStorage(Storage):
             return "directory"
         return "missing" if info.type == pafs.FileType.NotFound else "file"
 
-    def list_directory(self, path: str) -> tuple[list[str], list[str]]:
+    def list_directory(self, path: str) -> tuple[dict[str, str], list[str]]:
         try:
             infos = self._filesystem.get_file_info(pafs.FileSelector(path))
         except OSError as error:
             raise self._failure(error, path) from error
-        files = [info.base_name for info in infos if info.type != pafs.FileType.Directory]
+        files = {
+            info.base_name: _stamp(info.size, info.mtime_ns)
+            for info in infos
+            if info.type != pafs.FileType.Directory
+        }
         directories = [info.base_name for info in infos if info.type == pafs.FileType.Directory]
         return files, directories
+
+    def stamps(self, paths: Sequence[str]) -> list[str]:
+        try:
+            infos = self._filesystem.get_file_info(list(paths))
+        except OSError as error:
+            raise self._failure(error, paths[0]) from error
+        return [_stamp(info.size, info.mtime_ns) for info in infos]
 
     def read_footer(self, path: str) -> pq.FileMetaData:
         # pyarrow reads the last 64 KiB in one request and a second only for a larger footer;
@@ -335,6 +368,10 @@ class ArrowStorage(Storage):
         return DatasetError(
             f"{self.url(path)} cannot be listed ({reason}): check the URL and the storage options"
         )
+
+
+def _stamp(size: int | None, mtime_ns: int | None) -> str:
+    return f"{size}:{mtime_ns}"
 
 
 def _mentions(text: str, words: Sequence[str]) -> bool:
