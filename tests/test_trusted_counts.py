@@ -7,11 +7,14 @@ recomputation, or the same clear error on every rank before the first step.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.spawn import run_ranks
@@ -303,3 +306,74 @@ def test_a_summary_dataset_rewritten_misses_the_count_cache_and_refuses_an_old_p
     assert kept() == 0, "counted anew: the cached count (8) belonged to the old data"
     with pytest.raises(PlanMismatchError, match="was rewritten since it was planned"):
         old(0)
+
+
+# --- property: a resumed epoch is the uninterrupted one, or the state is refused ------------
+
+
+CHANGES = ("none", "seed", "shuffle_rows", "predicate", "batch_size", "data")
+
+
+@pytest.mark.multirank  # slow: three real petastorm loaders per example
+@pytest.mark.timeout(600)
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    mode=st.sampled_from(["truncate", "cycle"]),
+    sharding=st.sampled_from(["round_robin", "row_groups", "rows", "replicate"]),
+    change=st.sampled_from(CHANGES),
+    fraction=st.floats(min_value=0.0, max_value=1.0),
+)
+def test_a_resumed_epoch_is_the_uninterrupted_one_or_the_state_is_refused(
+    tmp_path_factory: pytest.TempPathFactory,
+    mode: str,
+    sharding: str,
+    change: str,
+    fraction: float,
+) -> None:
+    from petastorm.predicates import in_lambda
+
+    from ddp_even import EvenLoader
+
+    root = tmp_path_factory.mktemp("property")
+    url = write_plain_dataset(root / "ds", [[5, 6, 2], [6, 3]])
+    other = write_plain_dataset(root / "other", [[5, 6, 2], [6, 3]])
+    _rewrite_with_ids_from(Path(other.removeprefix("file://")), 100)
+
+    def loader(changed: bool) -> EvenLoader[Any]:
+        kwargs: dict[str, Any] = {"seed": 5, "workers_count": 2, "shuffle_rows": True}
+        predicate = in_lambda(["id"], lambda ids: ids >= 0)
+        batch_size, dataset = 3, url
+        if changed and change == "seed":
+            kwargs["seed"] = 6
+        if changed and change == "shuffle_rows":
+            kwargs["shuffle_rows"] = False
+        if changed and change == "predicate":
+            predicate = in_lambda(["id"], lambda ids: ids > -1)
+        if changed and change == "batch_size":
+            batch_size = 4
+        if changed and change == "data":
+            dataset = other
+        return EvenLoader.from_parquet(
+            dataset, batch_size, mode, sharding=sharding, predicate=predicate, reader_kwargs=kwargs
+        )
+
+    whole = [_ids(batch) for batch in loader(False)]
+    stop = round(fraction * len(whole))
+    stopped = loader(False)
+    state = stopped.state_dict()
+    for step, _ in enumerate(stopped, start=1):
+        if step == stop:
+            state = stopped.state_dict()
+            break
+    resumed = loader(True)
+    if change == "none":
+        resumed.load_state_dict(state)
+        assert [_ids(batch) for batch in resumed] == whole[stop:]
+    elif stop > 0:
+        with pytest.raises(ValueError, match=r"differs from this one's|other settings"):
+            resumed.load_state_dict(state)
+    else:  # between epochs nothing was read: the next epoch may start with other settings
+        with contextlib.suppress(ValueError):
+            resumed.load_state_dict(state)

@@ -124,7 +124,6 @@ def resume_point(
             f"({state.get('settings')}) than this one ({settings}): build the EvenLoader as it "
             "was built when the state was saved"
         )
-    check_provenance(state, provenance)
     if state.get("world_size") != world_size:
         raise ValueError(
             f"the loader state was saved on {state.get('world_size')} ranks, and this job has "
@@ -143,6 +142,8 @@ def resume_point(
             "steps count a re-planned rest of the epoch. Resume from the state saved before "
             f"that resume, or start the next epoch (loader.set_epoch({epoch + 1}))"
         )
+    if step > 0:  # between epochs nothing of an epoch was read: any loader may start the next
+        check_provenance(state, provenance)
     return epoch, step
 
 
