@@ -119,39 +119,39 @@ def changed_row_groups(
         row group 2 (.../a.parquet #2) has 1 rows now, the plan counted 2
     """
     file_numbers = sorted({int(planned.file_of[index]) for index in indices})
-    reader = _MetadataReader(resolved.storage, None)
-    footers = dict(
-        zip(
-            file_numbers,
-            reader.read_footers([planned.files[number] for number in file_numbers], listed=False),
-            strict=True,
-        )
-    )
+    storage = resolved.storage
+    if planned.file_stamps is not None:
+        # Listed files have a stamp: only those whose size or time changed are read again.
+        now = storage.stamps([planned.files[number] for number in file_numbers])
+        file_numbers = [
+            number
+            for number, stamp in zip(file_numbers, now, strict=True)
+            if stamp != planned.file_stamps[number]
+        ]
+        if not file_numbers:
+            return None
+    reader = _MetadataReader(storage, None)
+    paths = [planned.files[number] for number in file_numbers]
+    footers = dict(zip(file_numbers, reader.read_footers(paths, listed=False), strict=True))
     for index in sorted(indices):
+        footer = footers.get(int(planned.file_of[index]))
+        if footer is None:
+            continue
         group = planned[index]
-        footer = footers[int(planned.file_of[index])]
-        where = f"row group {index} ({resolved.storage.url(group.path)} #{group.index_in_file})"
+        where = f"row group {index} ({storage.url(group.path)} #{group.index_in_file})"
         if group.index_in_file >= footer.num_row_groups:
             return f"{where} is gone: its file has {footer.num_row_groups} row groups now"
         rows = footer.row_group(group.index_in_file).num_rows
         if rows != group.num_rows:
             return f"{where} has {rows} rows now, the plan counted {group.num_rows}"
-    if planned.file_stamps is not None:
-        # Planned from a summary: no footer digest, but each file's size and time.
-        for number, stamp in zip(
-            file_numbers,
-            resolved.storage.stamps([planned.files[number] for number in file_numbers]),
-            strict=True,
-        ):
-            if stamp != planned.file_stamps[number]:
-                path = resolved.storage.url(planned.files[number])
-                return f"{path} was rewritten since it was planned (its size or time changed)"
-    if planned.footer_digests is not None:
-        # Same rows per row group, other data: counts of a row predicate may be wrong now.
-        for number, footer in footers.items():
-            if _footer_digest(footer) != planned.footer_digests[number]:
-                path = resolved.storage.url(planned.files[number])
-                return f"{path} was rewritten since it was planned (its footer changed)"
+    for number, footer in footers.items():
+        path = storage.url(planned.files[number])
+        if planned.footer_digests is None:
+            # Planned from a summary: no footer to compare, and the file was written again.
+            return f"{path} was rewritten since it was planned (its size or time changed)"
+        if _footer_digest(footer) != planned.footer_digests[number]:
+            # Same rows per row group, other data: counts of a row predicate may be wrong now.
+            return f"{path} was rewritten since it was planned (its footer changed)"
     return None
 
 
@@ -172,7 +172,10 @@ class _MetadataReader:
         metadata = self.read_summary(layout.metadata_path) if layout.metadata_path else None
         common_path = layout.common_metadata_path or layout.metadata_path
         if metadata is None and common_path is None:
-            return self.from_footers(layout.data_files, listed=False)
+            stamped = self.from_footers(layout.data_files, listed=False)
+            return dataclasses.replace(
+                stamped, file_stamps=tuple(layout.stamps[path] for path in stamped.files)
+            )
         if metadata is not None and metadata.num_row_groups > 0:
             assert layout.metadata_path is not None
             return _from_summary(layout, metadata, layout.metadata_path)

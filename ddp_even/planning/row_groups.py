@@ -85,9 +85,11 @@ class RowGroups:
     #: Per file: a digest of its footer, when the list was read from the footers (None when
     #: it came from a ``_metadata`` summary). A file rewritten in place gets another footer.
     footer_digests: tuple[bytes, ...] | None = None
-    #: With a ``_metadata`` summary: its digest, and per file its size and modification time
-    #: (from the listing), which name the data where no footer was read.
+    #: With a ``_metadata`` summary: its digest (no footer is read then).
     summary_digest: bytes | None = None
+    #: Per file of a listed directory: its size and modification time, from the listing. A
+    #: pass reads again only the footers of files whose stamp changed; with a summary they
+    #: name the files' content.
     file_stamps: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -119,7 +121,8 @@ class RowGroups:
                 self.num_rows.tobytes(),
                 b"".join(self.footer_digests or ()),
                 self.summary_digest or b"",
-                "\n".join(self.file_stamps or ()).encode(),
+                # Without footers (a summary), the files' sizes and times name their content.
+                b"" if self.footer_digests else "\n".join(self.file_stamps or ()).encode(),
             )
         )
 
