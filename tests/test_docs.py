@@ -48,6 +48,7 @@ NOT_RUN_HERE = {
     "bash scripts/test.sh": "this suite is what it runs (CI runs it from a clean clone)",
     "torchrun --nnodes 2": "needs two machines; examples/train.py runs under torchrun here",
     "benchmarks.": "minutes each; tests/test_bench_*.py run their measurements",
+    "scripts/soak.py": "hours; scripts/test.sh runs it for 3 minutes before this suite",
     "examples/train_lightning.py": "tests/test_lightning.py runs it (Lightning starts its ranks)",
     "examples/train_accelerate.py": "tests/test_accelerate.py runs it under torchrun",
     "accelerate launch": "tests/test_accelerate.py runs the example under torchrun",
