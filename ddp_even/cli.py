@@ -189,3 +189,7 @@ def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
             level = nested
         level[leaf] = value
     return options
+
+
+if __name__ == "__main__":  # python -m ddp_even.cli, as before python -m ddp_even
+    main()
