@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -234,6 +232,8 @@ def _gcs_has_credentials(kwargs: Mapping[str, Any]) -> bool:
 def _metadata_server_answers() -> bool:
     """Whether a GCE metadata server answers, as google-auth probes it (by address: resolving
     metadata.google.internal off Google Cloud can take seconds)."""
+    import urllib.request  # here: only this probe needs it, and every plan imports this module
+
     host = os.environ.get("GCE_METADATA_ROOT") or os.environ.get("GCE_METADATA_HOST")
     request = urllib.request.Request(
         f"http://{host or '169.254.169.254'}/computeMetadata/v1/",
@@ -242,7 +242,7 @@ def _metadata_server_answers() -> bool:
     try:
         with urllib.request.urlopen(request, timeout=_METADATA_PROBE_S) as answer:
             return bool(answer.headers.get("Metadata-Flavor") == "Google")
-    except (OSError, urllib.error.URLError, ValueError):
+    except (OSError, ValueError):  # urllib's URLError is an OSError
         return False
 
 
