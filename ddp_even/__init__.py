@@ -3,7 +3,16 @@
 Two names to remember: :class:`EvenLoader` wraps the loader a rank already has;
 :class:`EpochStats` says what every rank did in an epoch. The exceptions are raised on every
 rank at the same step, instead of a hang.
+
+``EvenLoader`` and ``EpochStats`` are imported on first use (PEP 562): the loader needs torch,
+and ``import ddp_even`` is also the start of the ``ddp-even`` command line, which plans without
+torch and starts in a fraction of a second.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from ddp_even.errors import (
     EmptyShardError,
@@ -14,8 +23,10 @@ from ddp_even.errors import (
     RankMismatchError,
     SourceEndedEarlyError,
 )
-from ddp_even.loader import EvenLoader
-from ddp_even.runtime.stats import EpochStats
+
+if TYPE_CHECKING:
+    from ddp_even.loader import EvenLoader
+    from ddp_even.runtime.stats import EpochStats
 
 __all__ = [
     "EmptyShardError",
@@ -29,3 +40,18 @@ __all__ = [
     "SourceEndedEarlyError",
 ]
 __version__ = "0.2.0"
+
+# The public names imported on first use, and the module each comes from.
+_LAZY = {"EvenLoader": "ddp_even.loader", "EpochStats": "ddp_even.runtime.stats"}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ddp_even' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,14 +1,20 @@
-"""Argument checks shared by the loader and the planner, with messages that say what to do."""
+"""Argument checks shared by the loader and the planner, with messages that say what to do.
+
+The planner (and with it the ``ddp-even`` command line) runs without torch, so the two checks
+that need torch's types import it when called: only the loader calls them, after importing
+torch itself.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch.distributed as dist
-from torch.distributed.algorithms.join import Joinable
+
+if TYPE_CHECKING:
+    from torch.distributed.algorithms.join import Joinable
 
 
 def check_positive_int(name: str, value: object) -> None:
@@ -51,15 +57,19 @@ def check_timeout(timeout: object) -> None:
 
 def check_group(group: object) -> None:
     """Raise ``TypeError`` unless ``group`` is None or a process group."""
+    import torch.distributed as dist
+
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup, got {group!r}")
 
 
 def checked_joinables(joinables: Iterable[Any]) -> tuple[Joinable, ...]:
     """``joinables`` as a tuple; ``TypeError`` for anything that is not a torch ``Joinable``."""
+    from torch.distributed.algorithms import join
+
     checked = tuple(joinables)
     for joinable in checked:
-        if not isinstance(joinable, Joinable):
+        if not isinstance(joinable, join.Joinable):
             raise TypeError(
                 f"joinables must be torch Joinable objects (a DDP model, a "
                 f"ZeroRedundancyOptimizer), got {type(joinable).__name__}"

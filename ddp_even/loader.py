@@ -41,6 +41,7 @@ from ddp_even.runtime.stats import EpochStats, RankCounts
 from ddp_even.sources import PlannedSource, as_source, parquet_dataset
 
 if TYPE_CHECKING:
+    from ddp_even.names import ModeName, Sharding
     from ddp_even.planning.plans import ShardPlan
     from ddp_even.planning.provenance import Provenance
 
@@ -117,7 +118,7 @@ class EvenLoader(Generic[BatchT]):
     def __init__(
         self,
         source: Any,
-        mode: str = "truncate",
+        mode: ModeName = "truncate",
         *,
         steps_per_epoch: int | None = None,
         sync_every: int | None = None,
@@ -159,8 +160,7 @@ class EvenLoader(Generic[BatchT]):
         self._pending: PendingResume | None = None
         self.history: list[EpochStats] = []
         self.repeating = False
-        # What trainers look for to number epochs (Lightning calls sampler.set_epoch); there
-        # is no batch sampler to configure.
+        # Trainers number epochs through sampler.set_epoch (Lightning); no batch sampler here.
         self.sampler = EpochNumbering(self)
         self.batch_sampler = None
 
@@ -174,9 +174,9 @@ class EvenLoader(Generic[BatchT]):
         cls,
         dataset: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         batch_size: int,
-        mode: str = "truncate",
+        mode: ModeName = "truncate",
         *,
-        sharding: Literal["round_robin", "row_groups", "rows", "replicate"] = "round_robin",
+        sharding: Sharding = "round_robin",
         predicate: Any = None,
         balanced: bool | None = None,
         loader: Literal["batched_dataloader", "dataloader"] = "batched_dataloader",

@@ -53,6 +53,7 @@ from petastorm import make_batch_reader
 from petastorm.pytorch import BatchedDataLoader
 from rich.console import Console
 from rich.table import Table
+from skewed_parquet import DEMO_FILE, FEATURES, LABEL, dataset_url, keep_demo_dataset
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_even import EpochStats, EvenLoader
@@ -75,10 +76,7 @@ warnings.filterwarnings(
 # gives rank 0 row groups 0, 4, 8 (260 rows), rank 1 row groups 1, 5, 9 (22 rows), rank 2
 # row groups 2, 6 (90 rows) and rank 3 row groups 3, 7 (28 rows).
 DEMO_ROW_GROUP_SIZES = (120, 8, 60, 16, 90, 4, 30, 12, 50, 10)
-DEMO_FILE = "part-00000.parquet"
 DEMO_RANKS = 4
-FEATURES = ("x0", "x1", "x2", "x3")
-LABEL = "label"
 # label = x @ TRUE_WEIGHTS + TRUE_BIAS + noise: a model that learned it reaches a loss near
 # NOISE**2 = 0.01.
 TRUE_WEIGHTS = (2.0, -1.0, 0.5, 3.0)
@@ -167,11 +165,6 @@ def write_demo_dataset(directory: Path) -> None:
             writer.write_table(table.slice(start, size), row_group_size=size)
             start += size
     partial.rename(directory / DEMO_FILE)
-
-
-def dataset_url(data: str) -> str:
-    """A petastorm URL: ``hdfs://``, ``s3://``, ``file://`` ... as given, a local path as file://."""
-    return data if "://" in data else Path(data).resolve().as_uri()
 
 
 # --- Training (runs on every rank) ------------------------------------------------------------
@@ -513,14 +506,8 @@ def run_demo(config: Config, data: str | None, world_size: int) -> None:
         data_dir = Path(temporary)
     else:
         data_dir = Path(data)
-        if data_dir.exists() and any(data_dir.iterdir()) and not (data_dir / DEMO_FILE).exists():
-            raise click.UsageError(
-                f"{data_dir} is not empty and holds no demo dataset; "
-                "give --demo an empty or new directory"
-            )
     try:
-        if not (data_dir / DEMO_FILE).exists():
-            write_demo_dataset(data_dir)
+        keep_demo_dataset(data_dir, DEMO_ROW_GROUP_SIZES, write_demo_dataset)
         config = dataclasses.replace(config, data_url=data_dir.resolve().as_uri())
         print_demo_intro(console, data_dir, world_size, config.batch_size)
         console.print(f"[dim]Starting {world_size} processes (importing torch and petastorm)...[/]")
@@ -548,8 +535,9 @@ def run_demo(config: Config, data: str | None, world_size: int) -> None:
 @click.option(
     "--data",
     help="Dataset: a path or a petastorm URL (file://, hdfs://, s3://...) that every rank can "
-    "read. With --demo: where to write the demo dataset and keep it (default: a temporary "
-    "directory, deleted afterwards).",
+    "read. With --demo: where to write the demo dataset and keep it, or find it from an earlier "
+    "run (default: a temporary directory, deleted afterwards); a directory holding anything "
+    "else is refused.",
 )
 @click.option(
     "--mode",
@@ -623,7 +611,7 @@ def main(
     if backend == "nccl" and device != "cuda":
         raise click.UsageError("--backend nccl needs --device cuda")
     config = Config(
-        data_url=dataset_url(data) if data is not None else "",
+        data_url="",  # the demo's, or --data's once checked below
         modes=tuple(MODES) if mode == "all" else (mode,),
         epochs=epochs,
         batch_size=batch_size,
@@ -646,7 +634,7 @@ def main(
             f"torchrun --nproc-per-node 2 examples/train.py --data {data}; "
             "or pass --demo to start CPU ranks here"
         )
-    train_on_this_rank(config)
+    train_on_this_rank(dataclasses.replace(config, data_url=dataset_url(data)))
 
 
 if __name__ == "__main__":

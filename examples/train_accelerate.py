@@ -21,10 +21,10 @@ Modes (``--mode``, repeat to train once in each):
 
 Run it under torchrun or accelerate launch (2 CPU processes here)::
 
-    python examples/train_accelerate.py --demo --data demo-data      # write a skewed dataset
-    torchrun --nproc-per-node 2 examples/train_accelerate.py --data demo-data --mode cycle
+    python examples/train_accelerate.py --demo --data demo-data-2ranks   # a skewed dataset
+    torchrun --nproc-per-node 2 examples/train_accelerate.py --data demo-data-2ranks --mode cycle
     accelerate launch --multi_gpu --num_processes 2 examples/train_accelerate.py \\
-        --data demo-data --mode truncate --mode join
+        --data demo-data-2ranks --mode truncate --mode join
 
 (``--multi_gpu`` is accelerate's name for its torchrun launcher; on a machine without GPUs the
 processes are CPU ranks, made so by ``Accelerator(cpu=True)`` below.)
@@ -48,7 +48,7 @@ import torch
 from accelerate import Accelerator
 from petastorm import make_batch_reader
 from petastorm.pytorch import BatchedDataLoader
-from skewed_parquet import FEATURES, LABEL, write_skewed_dataset
+from skewed_parquet import FEATURES, LABEL, dataset_url, keep_demo_dataset
 from torch.distributed.algorithms.join import Join
 
 from ddp_even import EvenLoader
@@ -182,7 +182,11 @@ def train_epoch(
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--demo", is_flag=True, help="Write a skewed demo dataset to --data and stop.")
+@click.option(
+    "--demo",
+    is_flag=True,
+    help="Write a skewed demo dataset to --data (a new or empty directory) and stop.",
+)
 @click.option("--data", required=True, help="Dataset path or petastorm URL (x0..x3, label).")
 @click.option(
     "--mode",
@@ -224,10 +228,10 @@ def main(
 ) -> None:
     """Train a linear regression with accelerate over uneven Petastorm shards."""
     if demo:
-        write_skewed_dataset(Path(data), DEMO_ROW_GROUP_SIZES)
-        print(f"wrote {sum(DEMO_ROW_GROUP_SIZES)} rows in {len(DEMO_ROW_GROUP_SIZES)} row groups")
+        keep_demo_dataset(Path(data), DEMO_ROW_GROUP_SIZES)
+        print(f"{data}: {sum(DEMO_ROW_GROUP_SIZES)} rows in {len(DEMO_ROW_GROUP_SIZES)} row groups")
         return
-    data_url = data if "://" in data else Path(data).resolve().as_uri()
+    data_url = dataset_url(data)
     torch.set_num_threads(1)  # several ranks share this machine's cores
     # cpu=True: on a machine without GPUs, Accelerator() under torchrun or `accelerate launch`
     # finds no device to distribute over and falls back to a single process (num_processes 1,

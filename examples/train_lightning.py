@@ -45,7 +45,7 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from petastorm import make_batch_reader
 from petastorm.pytorch import BatchedDataLoader
-from skewed_parquet import FEATURES, LABEL, write_skewed_dataset
+from skewed_parquet import FEATURES, LABEL, dataset_url, keep_demo_dataset
 from torch.distributed.algorithms.join import Joinable
 from torch.nn.parallel import DistributedDataParallel
 
@@ -267,12 +267,11 @@ def main(
         else:
             if data is None:
                 data = temporary = tempfile.mkdtemp(prefix="ddp-even-lightning-")
-            if not Path(data, "part-00000.parquet").exists():
-                write_skewed_dataset(Path(data), DEMO_ROW_GROUP_SIZES)
+            keep_demo_dataset(Path(data), DEMO_ROW_GROUP_SIZES)
             os.environ[DEMO_DATA_ENV] = data
     if data is None:
         raise click.UsageError("--data is required (or pass --demo)")
-    data_url = data if "://" in data else Path(data).resolve().as_uri()
+    data_url = dataset_url(data)
     torch.set_num_threads(1)  # several ranks share this machine's cores
     failed = False
     for mode in modes:

@@ -7,15 +7,15 @@ A PySpark (or Databricks) job starts from a DataFrame. This script does what suc
 2. it starts ``--ranks`` CPU ranks (gloo) and sends each the converter: a small picklable
    object, so the ranks start no Spark; they read its Parquet files;
 3. every rank trains with ``EvenLoader(ConverterSource(converter, batch_size=...), mode)``
-   (or ``EvenLoader.from_parquet(converter, ...)`` with ``--balanced``), so every rank takes
-   the same number of steps; rank 0 prints each epoch's statistics;
+   (or ``EvenLoader.from_parquet(converter, sharding=...)`` with ``--sharding``), so every rank
+   takes the same number of steps; rank 0 prints each epoch's statistics;
 4. the driver deletes the converter's files (``converter.delete()``) after training.
 
 Without ddp_even, petastorm's ``converter.make_torch_dataloader(cur_shard=rank,
 shard_count=world_size)`` gives the ranks different numbers of batches and DDP hangs.
 
     .venv/bin/python examples/train_spark.py --mode cycle --ranks 4 --epochs 3
-    .venv/bin/python examples/train_spark.py --mode truncate --balanced
+    .venv/bin/python examples/train_spark.py --mode truncate --sharding rows
 
 Needs Java (Spark's local mode) and the ``petastorm`` extra; about a minute on 2 cores.
 """
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import click
 import torch
@@ -37,6 +37,8 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_even import EvenLoader
+from ddp_even.modes import MODES
+from ddp_even.names import Sharding
 from ddp_even.petastorm.spark_converter import ConverterSource
 
 # petastorm 0.12.1 drives pyarrow 14 through its deprecated API and warns at every reader;
@@ -76,13 +78,13 @@ def train(rank: int, world_size: int, port: int, converter: Any, options: dict[s
     model = DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     joinables = [model] if options["mode"] == "join" else []
-    if options["balanced"]:
-        # Whole row groups assigned so that rows per rank are as even as they allow.
+    if options["sharding"] is not None:
+        # Shards planned from the converter's footers ("rows": equal shards by construction).
         loader = EvenLoader.from_parquet(
             converter,
             batch_size=options["batch_size"],
             mode=options["mode"],
-            sharding="row_groups",
+            sharding=options["sharding"],
             reader_kwargs={"workers_count": 2},
             joinables=joinables,
         )
@@ -105,13 +107,18 @@ def train(rank: int, world_size: int, port: int, converter: Any, options: dict[s
     dist.destroy_process_group()
 
 
-@click.command()
-@click.option("--mode", type=click.Choice(["truncate", "cycle", "join"]), default="cycle")
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--mode", type=click.Choice(list(MODES)), default="cycle", show_default=True)
 @click.option("--ranks", type=click.IntRange(1, 12), default=4, show_default=True)
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--balanced", is_flag=True, help="Plan balanced shards instead of round robin.")
-def main(mode: str, ranks: int, epochs: int, batch_size: int, balanced: bool) -> None:
+@click.option(
+    "--sharding",
+    type=click.Choice(get_args(Sharding)),
+    help="Plan the shards from the converter's footers (EvenLoader.from_parquet) cut this way, "
+    "instead of petastorm's own loader (ConverterSource, round robin).",
+)
+def main(mode: str, ranks: int, epochs: int, batch_size: int, sharding: str | None) -> None:
     """Convert a skewed Spark DataFrame once and train on it with RANKS ranks."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from petastorm.spark import SparkDatasetConverter, make_spark_converter
@@ -132,7 +139,7 @@ def main(mode: str, ranks: int, epochs: int, batch_size: int, balanced: bool) ->
     with socket.socket() as probe:  # a free port for the ranks' rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    options = {"mode": mode, "epochs": epochs, "batch_size": batch_size, "balanced": balanced}
+    options = {"mode": mode, "epochs": epochs, "batch_size": batch_size, "sharding": sharding}
     try:
         # The ranks get the converter pickled; they read its files and start no Spark.
         mp.spawn(train, args=(ranks, port, converter, options), nprocs=ranks)

@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# The README's first command: set up .venv (first run only) and run the demo,
-#   python examples/train.py --demo
-# which writes a small skewed Parquet dataset to a temporary directory and trains on 4 CPU
-# ranks in each EvenLoader mode. Extra arguments go to train.py (e.g. --epochs 5).
-# Safe to run again: pip only checks the installed set when nothing changed.
+# The README's first command: installs ddp_even into .venv (scripts/install.sh: skipped when
+# nothing changed), then runs the demo,
+#   python examples/train.py --demo --data demo-data
+# which writes a small skewed Parquet dataset to demo-data/ (kept for what follows; ignored by
+# git; reused when it is already there) and trains on 4 CPU ranks in each EvenLoader mode, and
+# ends with three commands to try next. Extra arguments go to train.py (e.g. --epochs 5).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-if [[ ! -x .venv/bin/python ]]; then
-    echo "Creating .venv with $(python3 --version)"
-    python3 -m venv .venv
-fi
+bash scripts/install.sh petastorm
+.venv/bin/python examples/train.py --demo --data demo-data "$@"
 
-# constraints.txt pins torch to the CPU wheel and the petastorm/pyarrow/numpy set that works
-# (an open torch requirement would pull a CUDA build of several GB).
-echo "Installing ddp_even with the petastorm extra into .venv (quick when already done)"
-.venv/bin/pip install --quiet -c constraints.txt -e ".[petastorm]"
+cat <<'NEXT'
 
-exec .venv/bin/python examples/train.py --demo "$@"
+Next, on the demo dataset in demo-data/:
+  .venv/bin/ddp-even plan demo-data --world-size 4 --batch-size 16 --sharding rows
+  .venv/bin/torchrun --nproc-per-node 2 examples/train.py --data demo-data --mode cycle --epochs 2
+  bash scripts/test.sh --fast    # adds the test tools to .venv and runs the fast tests
+NEXT

@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# Installs ddp_even with its test tools into .venv (created if missing), then runs the
-# linters, the type checker, a short soak and the whole test suite. README's second set-up
-# command; CI runs it.
+# Installs ddp_even with its test tools into .venv (scripts/install.sh: skipped when nothing
+# changed), then tests. README's set-up commands; CI runs it without arguments.
+#   bash scripts/test.sh                  ruff, mypy, a short soak, then every test
+#   bash scripts/test.sh --fast [ARGS]    only the fast tests: no multi-rank jobs, no Spark
+#   bash scripts/test.sh ARGS             ruff, mypy, then pytest ARGS (a selection of tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
-fi
-# constraints.txt pins the one dependency set that works, each pin with its reason.
-.venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[petastorm,dev]"
+bash scripts/install.sh petastorm,dev
 
+if [[ ${1:-} == --fast ]]; then
+    shift
+    exec .venv/bin/python -m pytest -m "not multirank and not spark" "$@"
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-# The whole run starts with a short soak (docs/design.md, "Zero hangs under load"): the
+# The whole run starts with a short soak (docs/performance.md, "Soak"): the
 # every-mode petastorm cases on 2 to 4 ranks beside a CPU hog and a disk hog, random pauses, a
 # hard timeout per run. Arguments (a selection of tests) skip it.
 if [[ $# -eq 0 ]]; then

@@ -1,15 +1,33 @@
-"""``ddp-even plan``: tables for people, JSON for scripts, one-line errors that say what to do."""
+"""``ddp-even plan``: tables for people, JSON for scripts, one-line errors that say what to do.
+
+Most tests call the command in this process; those about start-up, piped output and remote
+failures run ``python -m ddp_even`` as a person would, in a fresh process with its output piped.
+"""
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from rich.console import Console
 
+import ddp_even
+from ddp_even import plan_output
 from ddp_even.cli import main
+from ddp_even.planning import plan_for_dataset
+from ddp_even.storage.filesystems import _metadata_server_answers
 from tests.helpers.datasets import write_plain_dataset
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Round robin over 2 ranks: rank 0 gets 40+30+1+4 = 75 rows, rank 1 gets 3+5+6+2 = 16.
 SIZES = [[40, 3], [30, 5], [1, 6, 4, 2]]
@@ -29,7 +47,7 @@ def test_tables(dataset: str) -> None:
     result = run(dataset, "--world-size", "2", "--batch-size", "8")
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "8 row groups in 3 file(s) (from footers), 91 rows" in out
+    assert "91 rows in 8 row groups, 3 files (from footers)" in out
     assert "Ranks" in out and "Per epoch" in out
     assert "75" in out and "16" in out  # rows per rank
     for mode in ("truncate", "cycle", "join"):
@@ -44,7 +62,7 @@ def test_balanced_shows_the_comparison(dataset: str) -> None:
     result = run(dataset, "-w", "2", "-b", "8", "--sharding", "row_groups")
     assert result.exit_code == 0, result.output
     assert "Round robin vs balanced row groups" in result.output
-    assert "batch size 8; balanced row groups" in " ".join(result.output.split())
+    assert "batch size 8, balanced row groups" in " ".join(result.output.split())
 
 
 @pytest.mark.timeout(30)
@@ -170,3 +188,151 @@ def test_bad_world_size_is_a_usage_error(dataset: str) -> None:
     result = run(dataset, "-w", "0", "-b", "4")
     assert result.exit_code == 2
     assert "--world-size" in result.output
+
+
+# --- in a fresh process, as a person runs it -----------------------------------------------
+
+# What a terminal or a person's environment may set that would change what is measured here.
+_UNSET = ("COLUMNS", "LINES", "FORCE_COLOR", "NO_COLOR", "TERM_PROGRAM")
+
+
+def ddp_even_command(
+    *args: str,
+    env: dict[str, str] | None = None,
+    unset: tuple[str, ...] = (),
+    importtime: bool = False,
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``python -m ddp_even ARGS`` with its output piped; the result and the seconds it took."""
+    dropped = {*_UNSET, *unset}
+    environment = {key: value for key, value in os.environ.items() if key not in dropped}
+    environment["PYTHONPATH"] = str(ROOT)  # this checkout's ddp_even, as the tests import it
+    environment.update(env or {})
+    command = [sys.executable, *(["-X", "importtime"] if importtime else []), "-m", "ddp_even"]
+    started = time.perf_counter()
+    done = subprocess.run(
+        [*command, *args],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return done, time.perf_counter() - started
+
+
+def imported(*args: str) -> set[str]:
+    """The top-level packages ``python -m ddp_even ARGS`` imports (``-X importtime``)."""
+    done, _ = ddp_even_command(*args, importtime=True)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in lines}
+
+
+def median_seconds(*args: str, runs: int = 5) -> float:
+    times = []
+    for _ in range(runs):
+        done, seconds = ddp_even_command(*args)
+        assert done.returncode == 0, done.stderr
+        times.append(seconds)
+    return statistics.median(times)
+
+
+@pytest.mark.timeout(120)
+def test_help_version_and_python_dash_m() -> None:
+    for args in (["-h"], ["--help"], ["plan", "-h"], ["plan", "--help"]):
+        done, _ = ddp_even_command(*args)
+        assert done.returncode == 0, (args, done.stderr)
+        assert done.stdout.startswith("Usage: python -m ddp_even"), done.stdout
+    assert "--world-size" in ddp_even_command("plan", "-h")[0].stdout
+    assert "--format [table|markdown|json]" in ddp_even_command("plan", "-h")[0].stdout
+    version, _ = ddp_even_command("--version")
+    assert (
+        version.returncode == 0 and version.stdout == f"ddp-even, version {ddp_even.__version__}\n"
+    )
+    usage, _ = ddp_even_command("plan", "somewhere")
+    assert usage.returncode == 2 and "Missing option '--world-size'" in usage.stderr
+
+
+@pytest.mark.timeout(300)
+def test_start_up_imports_no_torch_and_is_quick(dataset: str) -> None:
+    plan = ("plan", dataset, "-w", "2", "-b", "8")
+    # Help and usage errors need click alone; a plan needs the planner, never torch.
+    assert not imported("plan", "--help") & {"torch", "numpy", "pyarrow", "rich"}
+    planned = imported(*plan)
+    assert "pyarrow" in planned and "torch" not in planned
+    # The targets are 0.5 s and 1.5 s; the margins allow for a machine busy with other jobs.
+    assert median_seconds("plan", "--help") < 1.5
+    assert median_seconds(*plan) < 4.5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sharding", ["round_robin", "row_groups", "rows", "replicate"])
+def test_piped_tables_fit_80_columns(dataset: str, sharding: str) -> None:
+    done, _ = ddp_even_command("plan", dataset, "-w", "3", "-b", "8", "--sharding", sharding)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, done.stdout
+    assert "…" not in done.stdout, "nothing is cut"
+    for mode in ("truncate", "cycle", "join"):
+        assert re.search(rf"^│ {mode} +│", done.stdout, re.M), f"{mode} is whole in its row"
+    assert "red:" not in done.stdout, "no colours, so no legend"
+
+
+@pytest.mark.timeout(30)
+def test_the_legend_comes_with_colours(dataset: str) -> None:
+    row_groups, plan = plan_for_dataset(dataset, world_size=2, batch_size=8)
+    found = plan_output.sections(plan, plan, row_groups, most_listed=32)
+    header = plan_output.header_lines(dataset, row_groups, plan)
+    for colours, legend in (("standard", True), (None, False)):
+        out = io.StringIO()
+        console = Console(file=out, width=80, force_terminal=True, color_system=colours)
+        plan_output.print_tables(console, header, found)
+        assert ("(red: fewest rows, yellow: most)" in out.getvalue()) is legend
+
+
+@pytest.mark.timeout(30)
+def test_notes_follow_the_sharding(dataset: str) -> None:
+    def notes(sharding: str) -> str:
+        result = run(dataset, "-w", "2", "-b", "8", "--sharding", sharding)
+        assert result.exit_code == 0, result.output
+        return " ".join(result.output.split())
+
+    bound = "With whole row groups the fullest rank holds at least"
+    assert f"Spread 59 rows between the fullest and the emptiest rank. {bound} 46 rows" in notes(
+        "round_robin"
+    )
+    assert bound in notes("row_groups")
+    assert bound not in notes("rows") and "Every rank reads 45 or 46 rows" in notes("rows")
+    replicated = notes("replicate")
+    assert bound not in replicated and "Every rank reads all 91 rows" in replicated
+
+
+@pytest.mark.timeout(30)
+def test_markdown(dataset: str) -> None:
+    result = run(dataset, "-w", "2", "-b", "8", "--format", "markdown")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"## {dataset}"
+    assert "### Ranks" in lines and "### Per epoch" in lines
+    assert "| 0 | 4 | 75 | 10 |" in result.output  # rank 0: 4 row groups, 75 rows, 10 batches
+    assert "| truncate | 2 | 8 / 59 | 0 / 0 | 0 | 64.83 |" in lines
+    assert any(line.startswith("- **cycle**: ") for line in lines)
+    clash = run(dataset, "-w", "2", "-b", "8", "--format", "markdown", "--json")
+    assert clash.exit_code == 2 and "--json contradicts --format markdown" in clash.output
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(_metadata_server_answers(), reason="on Google Cloud: there are credentials")
+def test_gcs_without_credentials_fails_fast_in_one_whole_line(tmp_path: Path) -> None:
+    # No emulator, no key file, no gcloud configuration: what a new user without GCS has.
+    env = {"HOME": str(tmp_path), "CLOUDSDK_CONFIG": str(tmp_path / "gcloud")}
+    unset = ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST", "GCE_METADATA_ROOT")
+    done, seconds = ddp_even_command(
+        "plan", "gs://bucket/train", "-w", "2", "-b", "4", env=env, unset=unset
+    )
+    assert done.returncode == 1
+    assert seconds < 10
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("Error: gs://bucket/train: no Google Cloud credentials found")
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in done.stderr and "token='anon'" in done.stderr
+    assert done.stderr.rstrip().endswith("for an emulator set STORAGE_EMULATOR_HOST")

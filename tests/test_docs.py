@@ -44,7 +44,7 @@ TRAINER_SOURCES = [
 ]
 # Commands of the docs not run here, by how they start, with why (and what runs instead).
 NOT_RUN_HERE = {
-    "bash scripts/demo.sh": "pip first; its demo (examples/train.py --demo) runs here",
+    "bash scripts/demo.sh": "pip first; tests/test_first_hour.py runs it in a copy of the tree",
     "bash scripts/test.sh": "this suite is what it runs (CI runs it from a clean clone)",
     "torchrun --nnodes 2": "needs two machines; examples/train.py runs under torchrun here",
     "benchmarks.": "minutes each; tests/test_bench_*.py run their measurements",
@@ -52,6 +52,7 @@ NOT_RUN_HERE = {
     "examples/train_lightning.py": "tests/test_lightning.py runs it (Lightning starts its ranks)",
     "examples/train_accelerate.py": "tests/test_accelerate.py runs it under torchrun",
     "accelerate launch": "tests/test_accelerate.py runs the example under torchrun",
+    "examples/train_spark.py": "Java and a minute; tests/test_spark.py runs its converter cases",
 }
 # The python blocks' dataset: 10 row groups of skewed sizes, as examples/train.py's demo.
 ROW_GROUPS = [120, 8, 60, 16, 90, 4, 30, 12, 50, 10]
@@ -131,7 +132,9 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What the shell blocks call ``demo-data``: the dataset ``scripts/demo.sh`` writes."""
-    # By path: an installed package (a dependency's) is called ``examples`` too.
+    # By path: an installed package (a dependency's) is called ``examples`` too. Its helpers
+    # (examples/skewed_parquet.py) are found as the example finds them run as a script.
+    sys.path.insert(0, str(ROOT / "examples"))
     spec = importlib.util.spec_from_file_location("demo_example", ROOT / "examples" / "train.py")
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)

@@ -189,7 +189,7 @@ def test_a_thread_pool_readers_internals_are_where_ddp_even_looks(url: str) -> N
             "thread_pool._VERIFY_END_OF_VENTILATION_PERIOD",
         )
         _contract(bool(reader.dataset.paths), "Reader.dataset.paths")
-        _contract(reader.dataset.fs is not None, "Reader.dataset.fs")
+        _contract(reader.dataset._fs is not None, "Reader.dataset._fs")
 
 
 @pytest.mark.timeout(60)

@@ -379,7 +379,7 @@ def test_an_empty_rank_is_a_warning_every_epoch(mode: str) -> None:
     results = run_ranks(_empty_rank_worker, 2, mode, timeout=60)
     for result in results:
         assert result["empty"] == [(1,), (1,)]
-        assert all("EMPTY ranks 1" in summary for summary in result["summaries"])
+        assert all("EMPTY: rank 1" in summary for summary in result["summaries"])
     named = [message for message in results[0]["warnings"] if "rank(s) 1 had no batch" in message]
     assert len(named) == 2, results[0]["warnings"]  # one per epoch, on rank 0
 

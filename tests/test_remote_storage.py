@@ -25,7 +25,7 @@ import pytest
 from click.testing import CliRunner, Result
 from rich.console import Console
 
-import ddp_even.cli
+from ddp_even import plan_output
 from ddp_even.cli import main
 from ddp_even.errors import DatasetError
 from ddp_even.petastorm.legacy_filesystem import legacy_filesystem
@@ -162,7 +162,7 @@ def test_cli_storage_option(s3: S3Server, urls: dict[str, str], key: str) -> Non
         f"{key}={s3.endpoint}", "--storage-option", "connect_timeout=5",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert f"{len(flat_sizes(SIZES))} row groups in {len(SIZES)} file(s)" in result.output
+    assert f"{len(flat_sizes(SIZES))} row groups, {len(SIZES)} files" in result.output
     assert "Round robin vs balanced row groups" in result.output
 
 
@@ -186,19 +186,19 @@ def test_cli_bad_storage_option_is_a_usage_error(urls: dict[str, str]) -> None:
 @pytest.mark.timeout(30)
 def test_progress_bar_appears_once_reading_is_slow(monkeypatch: pytest.MonkeyPatch) -> None:
     screen = io.StringIO()
-    monkeypatch.setattr(ddp_even.cli, "_PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(plan_output, "_PROGRESS_AFTER_S", 0.0)
     console = Console(file=screen, force_terminal=True, width=100)
-    with ddp_even.cli._MetadataProgress(console) as progress:
+    with plan_output.MetadataProgress(console) as progress:
         progress(3, 10)
         progress(10, 10)
     assert "reading Parquet metadata" in screen.getvalue()
     log_file = io.StringIO()
-    with ddp_even.cli._MetadataProgress(Console(file=log_file)) as progress:
+    with plan_output.MetadataProgress(Console(file=log_file)) as progress:
         progress(3, 10)
     assert log_file.getvalue() == "", "no bar is drawn into a file or pipe"
     quiet = io.StringIO()
-    monkeypatch.setattr(ddp_even.cli, "_PROGRESS_AFTER_S", 60.0)
-    with ddp_even.cli._MetadataProgress(Console(file=quiet, force_terminal=True)) as progress:
+    monkeypatch.setattr(plan_output, "_PROGRESS_AFTER_S", 60.0)
+    with plan_output.MetadataProgress(Console(file=quiet, force_terminal=True)) as progress:
         progress(3, 10)
     assert quiet.getvalue() == ""
 

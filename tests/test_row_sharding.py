@@ -191,7 +191,7 @@ def test_predicate_counts_are_cached_per_predicate(
     assert len(list(private_cache.glob("predicate-counts-*.npy"))) == 1
     caplog.clear()
     second, _ = make_shard_factory(datasets["plain"], 1, 2, BATCH, predicate=_in_lambda())
-    assert any("from the cache" in m for m in caplog.messages)
+    assert not any("counted the rows" in m for m in caplog.messages), "rank 1 read the cache"
     assert second.total_rows == first.total_rows == len(kept_ids())
     from petastorm.predicates import in_lambda
 
@@ -315,7 +315,8 @@ def test_four_ranks_train_on_equal_shards(
         assert run["stats"]["dropped_batches"][rank] <= 1
         assert run["stats"]["sharding"] == sharding, "the statistics name the sharding"
         if predicate:
-            assert len(run["scans"]) == 1 and len(run["cached"]) == 1, run
+            # Each rank counts its share; the cache hit is logged once, by rank 0.
+            assert len(run["scans"]) == 1 and len(run["cached"]) == (1 if rank == 0 else 0), run
             assert (
                 f"({len(range(rank, plan.num_row_groups, WORLD_SIZE))} on this rank)"
                 in run["scans"][0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from typing import get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from ddp_even.agreement.wire import Agreement
 from ddp_even.modes import MODES, Mode, WindowDecision, mode_named
+from ddp_even.names import ModeName
 
 TRUNCATE, CYCLE, JOIN = MODES["truncate"], MODES["cycle"], MODES["join"]
 
@@ -26,6 +28,11 @@ lengths_st = st.lists(st.integers(0, 40), min_size=1, max_size=6)
 positive_lengths_st = st.lists(st.integers(1, 40), min_size=1, max_size=6)
 windows_st = st.integers(1, 9)
 steps_per_epoch_st = st.none() | st.integers(0, 60)
+
+
+def test_mode_name_names_every_mode_in_order() -> None:
+    # EvenLoader(mode=...)'s Literal type, which IDEs complete, is the registry's list.
+    assert get_args(ModeName) == tuple(MODES)
 
 
 def _agreement(min_available: int, max_own_available: int) -> Agreement:

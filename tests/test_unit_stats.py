@@ -230,7 +230,7 @@ def test_summary_of_a_planned_cycle_epoch() -> None:
     assert stats.sharding == "row_groups"
     assert stats.summary() == (
         "epoch 3 cycle 3 ranks: 5 steps; own 5/3/4; repeated 0/2/1; oversampling 25.0%; "
-        "truncated ranks 0; dropped batches 3/0/0 (rows 24/0/0); rows lost by the source 0/0/6; "
+        "truncated: rank 0; dropped batches 3/0/0 (rows 24/0/0); rows lost by the source 0/0/6; "
         "sharding row_groups"
     )
 
@@ -246,7 +246,7 @@ def test_summary_of_a_join_epoch_with_an_empty_rank() -> None:
     assert stats.empty_ranks == (1,)
     assert stats.summary() == (
         "epoch 0 join 3 ranks: steps 6/0/2; own 6/0/2; repeated 0/0/0; oversampling 0.0%; "
-        "EMPTY ranks 1"
+        "EMPTY: rank 1"
     )
 
 
@@ -258,7 +258,7 @@ def test_a_truncated_rank_without_own_batches_is_not_empty() -> None:
     assert stats.empty_ranks == (1,)
     assert stats.summary() == (
         "epoch 1 truncate 2 ranks: 0 steps; own 0/0; repeated 0/0; oversampling 0.0%; "
-        "truncated ranks 0; EMPTY ranks 1"
+        "truncated: rank 0; EMPTY: rank 1"
     )
 
 

@@ -38,6 +38,7 @@ and fails first, naming the attribute, if a release changes it:
   of each part (``readers.py``, ``_part_rows``);
 * ``LoaderBase._batch_acc``: ``DataLoader``'s rows left over from the last pass, emptied before
   each pass (``sources.py``);
-* ``Reader.dataset.paths`` and ``Reader.dataset.fs`` (pyarrow 14's legacy ``ParquetDataset``):
-  the files a reader reads and whether they are local (``sources.py``).
+* ``Reader.dataset.paths`` and ``Reader.dataset._fs`` (pyarrow 14's legacy ``ParquetDataset``;
+  its public ``fs`` warns that it is deprecated): the files a reader reads and whether they are
+  local (``sources.py``).
 """

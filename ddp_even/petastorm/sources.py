@@ -223,32 +223,43 @@ def round_robin_plan(
     ``transform_spec`` (it may drop rows), no NGram, one epoch, the round robin's row groups
     exactly (no ``rowgroup_selector``), on the local disk. Where the reader hides any of that
     (a process pool hides its transform), the lengths are not trusted.
+
+    Every rank's reader is built alike, so rank 0 alone says what was found, unless a rank's
+    finding is its own (another shard, metadata it could not read).
     """
     why_not = _why_rows_unknown(reader)
+    said_by_this_rank = rank == 0
     if why_not is None:
         from ddp_even.planning import DatasetError, plan_shards, read_row_groups
 
         try:
             plan = plan_shards(read_row_groups(reader.dataset.paths), world_size, batch_size)
         except DatasetError as error:
-            why_not = f"its metadata could not be read again ({error})"
+            why_not = f"rank {rank} could not read its metadata again ({error})"
+            said_by_this_rank = True
         else:
             if row_groups_read_by(reader) == frozenset(plan.shards[rank]):
-                logger.info(
-                    "ddp_even: batches per rank follow from the Parquet footers (%s): one "
-                    "agreement per epoch, no collective between steps",
-                    ", ".join(map(str, plan.batches_per_rank)),
-                )
+                if said_by_this_rank:
+                    logger.info(
+                        "ddp_even: batches per rank follow from the Parquet footers (%s): one "
+                        "agreement per epoch, no collective between steps",
+                        ", ".join(map(str, plan.batches_per_rank)),
+                    )
                 return plan
             why_not = f"it does not read rank {rank}'s round-robin shard of {world_size}"
-    logger.info("ddp_even: the petastorm reader's batch counts are not known up front: %s", why_not)
+            said_by_this_rank = True
+    if said_by_this_rank:
+        logger.info(
+            "ddp_even: the petastorm reader's batch counts are not known up front: %s", why_not
+        )
     return None
 
 
 def _why_rows_unknown(reader: Reader) -> str | None:
     try:
         items = _ventilated_items(reader)
-        local = isinstance(reader.dataset.fs, pyarrow.filesystem.LocalFileSystem)
+        # _fs: the public .fs of pyarrow 14's legacy ParquetDataset warns (FutureWarning).
+        local = isinstance(reader.dataset._fs, pyarrow.filesystem.LocalFileSystem)
         worker = _a_worker(reader)
     except AttributeError as error:  # another petastorm version: no guess
         return f"its internals are not petastorm 0.12's ({error})"

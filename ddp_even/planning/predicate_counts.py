@@ -257,7 +257,8 @@ def matching_rows(
     cached = _read_cache(cache_file, len(row_groups))
     if all(has[0] for has in share([int(cached is not None)])):
         assert cached is not None
-        logger.info("ddp_even: predicate counts from the cache %s", cache_file)
+        if rank == 0:  # every rank read the same cache
+            logger.info("ddp_even: predicate counts from the cache %s", cache_file)
         return _with_counts(row_groups, cached)
     began = time.perf_counter()
     mine = range(rank, len(row_groups), world_size)
@@ -267,6 +268,7 @@ def matching_rows(
     for other in range(world_size):
         indices = np.arange(other, len(row_groups), world_size)
         everything[indices] = gathered[other][1 : len(indices) + 1]
+    # Logged by every rank: each counted its own share, in its own time.
     logger.info(
         "ddp_even: counted the rows the predicate keeps in %d row groups (%d on this rank) in "
         "%.2f s: %d of %d rows",

@@ -65,6 +65,7 @@ class RowGroups:
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> from ddp_even.planning import read_row_groups
         >>> root = tempfile.mkdtemp()
         >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
         >>> groups = read_row_groups(root)
@@ -132,6 +133,7 @@ class RowGroups:
 
         Example:
             >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+            >>> from ddp_even.planning import read_row_groups
             >>> root = tempfile.mkdtemp()
             >>> pq.write_table(pa.table({"x": list(range(7))}), f"{root}/a.parquet")
             >>> read_row_groups(root).total_rows

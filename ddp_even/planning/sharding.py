@@ -24,11 +24,12 @@ import itertools
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Literal, get_args
+from typing import ClassVar, get_args
 
 import numpy as np
 import numpy.typing as npt
 
+from ddp_even.names import Sharding
 from ddp_even.planning.balance import balanced_assignment, round_robin_assignment
 
 __all__ = [
@@ -41,9 +42,6 @@ __all__ = [
     "shard_rows",
     "sharding_from",
 ]
-
-#: The names of the shardings (see the module docstring), as arguments take them.
-Sharding = Literal["round_robin", "row_groups", "rows", "replicate"]
 
 #: Part of a split row group a rank reads: ``(global row-group index, start, stop)``, rows
 #: counted from the row group's first row, ``stop`` excluded.

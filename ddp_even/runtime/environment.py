@@ -64,7 +64,8 @@ def refuse_join_inside_lightning() -> None:
 def warn_if_launched_without_a_group() -> None:
     """A launcher said several processes, but no process group joins them: say how to fix it."""
     launched = os.environ.get("WORLD_SIZE", "1")
-    if launched.isdigit() and int(launched) > 1:
+    # Said by the process the launcher numbered 0: every process would say the same.
+    if launched.isdigit() and int(launched) > 1 and os.environ.get("RANK", "0") == "0":
         logger.warning(
             "WORLD_SIZE=%s but no torch.distributed process group is initialized: every "
             "process runs its own step count and nothing is kept even. Call "

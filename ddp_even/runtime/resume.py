@@ -293,6 +293,8 @@ def resumed_start(
     if pending.saved_plan is not None:
         assert planned is not None
         rest = _rest_of_epoch(planned, pending.saved_plan, epoch, step, world_size)
+        if rank == 0:  # the same re-plan on every rank
+            _log_rest(rest, pending.saved_plan, epoch, step)
         rest_source = as_source(functools.partial(planned, shard_plan=rest))
         rest_source.start_epoch(epoch)
         return ResumedStart(
@@ -358,6 +360,10 @@ def _rest_of_epoch(
         world_size,
         saved_plan.batch_size,
     )
+    return rest
+
+
+def _log_rest(rest: ShardPlan, saved_plan: ShardPlan, epoch: int, step: int) -> None:
     logger.info(
         "ddp_even: epoch %d resumes after step %d of %d ranks on %d: its %d unread rows "
         "re-planned (%s rows per rank)",
@@ -368,7 +374,6 @@ def _rest_of_epoch(
         rest.total_rows,
         "/".join(map(str, rest.rows_per_rank)),
     )
-    return rest
 
 
 def _first_pass_from(planned: PlannedSource, first: ShardPlan) -> Callable[[int], Any]:

@@ -155,7 +155,8 @@ class EpochStats:
             f"oversampling {self.oversampling:.1%}"
         )
         if any(self.truncated):
-            line += f"; truncated ranks {_ranks_text(self.truncated)}"
+            cut = [rank for rank, flag in enumerate(self.truncated) if flag]
+            line += f"; truncated: {_ranks_phrase(cut)}"
         if self.dropped_batches is not None and any(self.dropped_batches):
             line += f"; dropped batches {_slashed(self.dropped_batches)}"
             if self.dropped_rows is not None:
@@ -165,7 +166,7 @@ class EpochStats:
         if self.sharding is not None:
             line += f"; sharding {self.sharding}"
         if self.empty_ranks:
-            line += f"; EMPTY ranks {','.join(map(str, self.empty_ranks))}"
+            line += f"; EMPTY: {_ranks_phrase(self.empty_ranks)}"
         if self.resumed_at_step is not None:
             line += f"; resumed after step {self.resumed_at_step}"
         if self.resumed_from_world_size is not None:
@@ -180,8 +181,9 @@ def _slashed(values: tuple[int, ...]) -> str:
     return "/".join(str(value) for value in values)
 
 
-def _ranks_text(flags: tuple[bool, ...]) -> str:
-    return ",".join(str(rank) for rank, flag in enumerate(flags) if flag)
+def _ranks_phrase(ranks: Sequence[int]) -> str:
+    """``rank 0`` or ``ranks 0, 2``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _steps_text(steps: tuple[int, ...]) -> str:

@@ -66,6 +66,14 @@ _UNREACHABLE_WORDS = (
     "UNAVAILABLE",
 )
 _NO_BUCKET_WORDS = ("NO_SUCH_BUCKET", "NoSuchBucket", "bucket does not exist")
+_NO_CREDENTIALS_WORDS = (
+    "Could not create a OAuth2 access token",
+    "Could not automatically determine credentials",
+    "Unable to locate credentials",
+    "NoCredentialsError",
+)
+# Reasons quoted in a message stop at the end of the sentence that passes this length.
+_REASON_LENGTH = 160
 
 
 @dataclass(frozen=True)
@@ -333,6 +341,11 @@ class ArrowStorage(Storage):
         text = " ".join(str(error).split())
         reason = _short_reason(error, text)
         url = self.url(path)
+        if _mentions(text, _NO_CREDENTIALS_WORDS):
+            return DatasetError(
+                f"{url}: no credentials to authenticate with ({reason}): check "
+                f"{self._hints.credentials}"
+            )
         if isinstance(error, PermissionError) or _mentions(text, _ACCESS_DENIED_WORDS):
             return DatasetError(f"{url}: access denied ({reason}): check {self._hints.credentials}")
         if isinstance(error, ConnectionError | TimeoutError) or _mentions(text, _UNREACHABLE_WORDS):
@@ -379,8 +392,27 @@ def _mentions(text: str, words: Sequence[str]) -> bool:
 
 
 def _short_reason(error: BaseException, text: str) -> str:
+    """The gist of a storage error, in whole sentences."""
     aws = re.search(r"AWS Error (\w+)", text)
     if aws:
         curl = re.search(r"curlCode: \d+, [^.;]*", text)
         return f"{aws.group(1)}, {curl.group(0)}" if curl else aws.group(1)
-    return f"{type(error).__name__}: {text[:160]}" if text else type(error).__name__
+    google = re.fullmatch(r"google::cloud::Status\((.*)\)", text)
+    if google:  # its code and message, without the wrapper
+        return _first_sentences(google.group(1))
+    return f"{type(error).__name__}: {_first_sentences(text)}" if text else type(error).__name__
+
+
+def _first_sentences(text: str) -> str:
+    """``text`` up to the end of the sentence that reaches ``_REASON_LENGTH`` characters.
+
+    Example:
+        >>> _first_sentences("Short. " * 40).count("Short.")
+        23
+    """
+    end = 0
+    for sentence in re.finditer(r".+?(?:\.(?=\s)|$)", text):
+        end = sentence.end()
+        if end >= _REASON_LENGTH:
+            break
+    return text[:end].strip()

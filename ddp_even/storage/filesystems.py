@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -102,6 +103,9 @@ _FLOAT_PARAMETERS = frozenset({"connect_timeout", "request_timeout", "retry_time
 # google-cloud-cpp retries transient errors for 15 minutes by default: an unreachable endpoint
 # would look like a hang. Seconds; storage_options retry_time_limit overrides it.
 _GCS_RETRY_TIME_LIMIT_S = 30.0
+# How long the GCE metadata server may take to answer the probe for default credentials
+# (google-auth waits about as long); off Google Cloud nothing answers.
+_METADATA_PROBE_S = 1.0
 _BOOL_PARAMETERS = frozenset(
     {"anonymous", "background_writes", "allow_bucket_creation", "allow_bucket_deletion"}
 )
@@ -188,6 +192,15 @@ def gcs_filesystem(options: dict[str, Any], url: str) -> tuple[pafs.FileSystem, 
     if endpoint is not None and "endpoint_override" not in kwargs:
         kwargs.update(_endpoint_parts(str(endpoint)))
     kwargs.setdefault("retry_time_limit", _GCS_RETRY_TIME_LIMIT_S)
+    if not _gcs_has_credentials(kwargs):
+        # Without this check every request would retry for retry_time_limit before saying
+        # "Could not create a OAuth2 access token", and planning makes several.
+        raise DatasetError(
+            f"{url}: no Google Cloud credentials found: set GOOGLE_APPLICATION_CREDENTIALS to a "
+            "service-account key file or run 'gcloud auth application-default login'; for a "
+            "public bucket pass storage_options token='anon' (--storage-option token=anon), "
+            "for an emulator set STORAGE_EMULATOR_HOST"
+        )
     hints = FailureHints(
         credentials=(
             "GOOGLE_APPLICATION_CREDENTIALS (a service-account key file) or the default "
@@ -201,6 +214,36 @@ def gcs_filesystem(options: dict[str, Any], url: str) -> tuple[pafs.FileSystem, 
         endpoint_setting="STORAGE_EMULATOR_HOST or storage_options endpoint_url",
     )
     return _build(pafs.GcsFileSystem, kwargs, url), hints
+
+
+def _gcs_has_credentials(kwargs: Mapping[str, Any]) -> bool:
+    """Whether google-cloud-cpp has credentials to use: given, in the environment, gcloud's
+    application default credentials, or a GCE metadata server (on Google Cloud)."""
+    if kwargs.get("anonymous") or kwargs.get("access_token"):
+        return True
+    if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS") or os.environ.get("STORAGE_EMULATOR_HOST"):
+        return True
+    gcloud = os.environ.get("CLOUDSDK_CONFIG") or Path.home() / ".config" / "gcloud"
+    if (Path(gcloud) / "application_default_credentials.json").is_file():
+        return True
+    return _metadata_server_answers()
+
+
+def _metadata_server_answers() -> bool:
+    """Whether a GCE metadata server answers, as google-auth probes it (by address: resolving
+    metadata.google.internal off Google Cloud can take seconds)."""
+    import urllib.request  # here: only this probe needs it, and every plan imports this module
+
+    host = os.environ.get("GCE_METADATA_ROOT") or os.environ.get("GCE_METADATA_HOST")
+    request = urllib.request.Request(
+        f"http://{host or '169.254.169.254'}/computeMetadata/v1/",
+        headers={"Metadata-Flavor": "Google"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=_METADATA_PROBE_S) as answer:
+            return bool(answer.headers.get("Metadata-Flavor") == "Google")
+    except (OSError, ValueError):  # urllib's URLError is an OSError
+        return False
 
 
 def hdfs_filesystem(
