@@ -21,7 +21,6 @@ read through one filesystem, resolved by :mod:`ddp_even.storage.resolve` from th
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +29,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from ddp_even.errors import PlanMismatchError
 from ddp_even.modes import MODES
 from ddp_even.petastorm.planned_reader import build_reader, count_matching
+from ddp_even.petastorm.reader_options import (
+    READING_ORDER_OPTIONS,
+    check_loader_options,
+    check_reader_options,
+    taken_once,
+    why_not_in_plan_order,
+)
 from ddp_even.planning.metadata import changed_row_groups, read_row_groups
 from ddp_even.planning.pass_order import PassOrder, epoch_seed, pass_rows
 from ddp_even.planning.plans import ShardPlan, plan_shards
@@ -39,7 +45,7 @@ from ddp_even.planning.predicate_counts import (
     matching_rows,
 )
 from ddp_even.planning.provenance import Provenance
-from ddp_even.planning.sharding import SHARDINGS, Sharding, sharding_from
+from ddp_even.planning.sharding import Sharding, sharding_from
 from ddp_even.sources import PlannedSource
 from ddp_even.storage import DatasetLocation, StorageOptions, resolve_dataset
 
@@ -64,52 +70,6 @@ ReaderKind = Literal["batch", "row"]
 
 _LOADER_KINDS: tuple[LoaderKind, ...] = ("batched_dataloader", "dataloader", "reader")
 _READER_KINDS: tuple[ReaderKind, ...] = ("batch", "row")
-
-# Options this module sets itself, or that would make the plan wrong; each with the reason.
-_REFUSED_READER_OPTIONS = {
-    "cur_shard": "sharding follows the plan; pass rank and world_size instead",
-    "shard_count": "sharding follows the plan; pass rank and world_size instead",
-    "shard_seed": "sharding follows the plan; use seed to shuffle the reading order",
-    "num_epochs": "each factory() call reads one pass; call it again for the next pass",
-    "rowgroup_selector": "it changes which row groups exist; the plan cannot follow it",
-    "filters": "petastorm 0.12.1 applies filters only to partition directories; the plan does not",
-    "pyarrow_serialize": "it is deprecated in petastorm and has no effect",
-}
-
-# Reader options that decide which rows a pass reads and in which order: a saved state of one
-# loader does not fit another whose options differ (its provenance names them).
-_READING_ORDER_OPTIONS = (
-    "schema_fields",
-    "seed",
-    "shuffle_rows",
-    "shuffle_row_groups",
-    "shuffle_row_drop_partitions",
-    "transform_spec",
-)
-
-_ACCEPTED_READER_OPTIONS = (
-    "schema_fields",
-    "reader_pool_type",
-    "workers_count",
-    "results_queue_size",
-    "seed",
-    "shuffle_rows",
-    "shuffle_row_groups",
-    "shuffle_row_drop_partitions",
-    "cache_type",
-    "cache_location",
-    "cache_size_limit",
-    "cache_row_size_estimate",
-    "cache_extra_settings",
-    "hdfs_driver",
-    "transform_spec",
-    "zmq_copy_buffers",
-    # Taken out before the reader is built: they choose the filesystem for planning too,
-    # and the predicate is counted before planning.
-    "storage_options",
-    "filesystem",
-    "predicate",
-)
 
 
 def make_shard_factory(
@@ -184,16 +144,16 @@ def make_shard_factory(
     if reader not in _READER_KINDS:
         raise ValueError(f"reader must be one of {', '.join(_READER_KINDS)}; got {reader!r}")
     sharding = sharding_from(sharding, balanced)
-    options = _check_reader_options(dict(reader_kwargs or {}), sharding)
-    storage_options = _taken_once("storage_options", storage_options, options)
-    filesystem = _taken_once("filesystem", filesystem, options)
-    predicate = _taken_once("predicate", predicate, options)
+    options = check_reader_options(dict(reader_kwargs or {}), sharding)
+    storage_options = taken_once("storage_options", storage_options, options)
+    filesystem = taken_once("filesystem", filesystem, options)
+    predicate = taken_once("predicate", predicate, options)
     if predicate is not None and options.get("shuffle_row_drop_partitions", 1) != 1:
         raise ValueError(
             "shuffle_row_drop_partitions is not supported with a predicate: the plan counts the "
             "rows it keeps per row group, not per part"
         )
-    loader_options = _check_loader_options(loader, dict(loader_kwargs or {}))
+    loader_options = check_loader_options(loader, dict(loader_kwargs or {}))
     resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
     url = petastorm_url(dataset)
     row_groups = read_row_groups(resolved)
@@ -280,12 +240,12 @@ def make_shard_factory(
             petastorm_reader.join()
             raise
 
-    why_not = _why_not_in_plan_order(options, loader_options, plan)
+    why_not = why_not_in_plan_order(options, loader_options, plan)
     provenance = Provenance.of(
         data=planned_footers.identity(),
         predicate=predicate,
         reader=reader,
-        **{name: options.get(name) for name in _READING_ORDER_OPTIONS},
+        **{name: options.get(name) for name in READING_ORDER_OPTIONS},
         loader=loader,
         loader_options=loader_options,
         batch_size=batch_size,
@@ -330,47 +290,6 @@ class PlannedPasses(PlannedSource):
         return self._build(epoch, shard_plan)
 
 
-def _why_not_in_plan_order(
-    reader_options: dict[str, Any], loader_options: dict[str, Any], plan: ShardPlan
-) -> str | None:
-    """Why a pass may hand out rows in another order than :class:`PassOrder` computes, or None.
-
-    Without a reason, rank ``r`` has read the first ``step * batch_size`` rows of
-    ``order.rows(plan, sizes, r, epoch)`` after ``step`` steps (a row offset inside a row group
-    included), which resuming without reading them again, and elastic resume, rely on.
-    """
-    seeded = (
-        reader_options.get("seed") is not None
-        or SHARDINGS[plan.sharding].every_rank_reads_everything
-    )
-    if reader_options.get("shuffle_row_drop_partitions", 1) > 1:
-        return (
-            "row groups are read as separate parts (shuffle_row_drop_partitions > 1), and a "
-            "row offset does not say which parts were read"
-        )
-    if reader_options.get("shuffle_row_groups", True) and not seeded:
-        return (
-            "row groups are shuffled without a seed (pass seed=... in reader_kwargs, or "
-            "shuffle_row_groups=False)"
-        )
-    if reader_options.get("shuffle_rows", False) and not seeded:
-        return (
-            "rows are shuffled without a seed (pass seed=... in reader_kwargs, or "
-            "shuffle_rows=False)"
-        )
-    if (
-        reader_options.get("reader_pool_type", "thread") == "process"
-        and reader_options.get("workers_count", 10) != 1
-    ):
-        return (
-            "a process pool with several workers delivers row groups in the order they finish "
-            "(pass reader_pool_type='thread' or 'dummy', or workers_count=1, in reader_kwargs)"
-        )
-    if loader_options.get("shuffling_queue_capacity", 0):
-        return "the loader's shuffling queue mixes rows (shuffling_queue_capacity)"
-    return None
-
-
 def _alone(values: list[int]) -> list[list[int]]:
     return [values]
 
@@ -396,64 +315,6 @@ def _one_url(location: str | os.PathLike[str]) -> str:
     if "://" in text or text.startswith("file:"):
         return text
     return "file://" + os.path.abspath(text)
-
-
-def _taken_once(name: str, argument: Any, reader_options: dict[str, Any]) -> Any:
-    """An argument that may also come in ``reader_kwargs`` (petastorm's place for it)."""
-    in_reader_options = reader_options.pop(name, None)
-    if argument is not None and in_reader_options is not None:
-        raise ValueError(f"{name} is given twice: pass it once, as an argument or in reader_kwargs")
-    return argument if argument is not None else in_reader_options
-
-
-def _check_reader_options(options: dict[str, Any], sharding: Sharding) -> dict[str, Any]:
-    if SHARDINGS[sharding].splits_row_groups and options.get("shuffle_row_drop_partitions", 1) != 1:
-        raise ValueError(
-            "shuffle_row_drop_partitions is not supported with sharding='rows', which already "
-            "splits row groups into ranges; use shuffle_rows=True to shuffle inside row groups"
-        )
-    for name in options:
-        if name in _REFUSED_READER_OPTIONS:
-            raise ValueError(
-                f"reader option {name!r} is not supported: {_REFUSED_READER_OPTIONS[name]}"
-            )
-        if name not in _ACCEPTED_READER_OPTIONS:
-            raise ValueError(
-                f"unknown reader option {name!r}; accepted: {', '.join(_ACCEPTED_READER_OPTIONS)}"
-            )
-    if options.get("schema_fields") is not None:
-        from petastorm.ngram import NGram
-
-        if isinstance(options["schema_fields"], NGram):
-            raise ValueError(
-                "schema_fields=NGram(...) is not supported: an NGram yields windows, not rows, "
-                "so batches per rank cannot be planned"
-            )
-    return options
-
-
-def _check_loader_options(loader: LoaderKind, options: dict[str, Any]) -> dict[str, Any]:
-    if loader == "reader":
-        if options:
-            raise ValueError(
-                "loader_kwargs need a loader: use loader='dataloader' or 'batched_dataloader'"
-            )
-        return options
-    from petastorm import pytorch
-
-    loader_class = (
-        pytorch.BatchedDataLoader if loader == "batched_dataloader" else pytorch.DataLoader
-    )
-    accepted = [name for name in inspect.signature(loader_class).parameters if name != "reader"]
-    for name in options:
-        if name == "batch_size":
-            raise ValueError("pass batch_size to make_shard_factory, not in loader_kwargs")
-        if name not in accepted:
-            raise ValueError(
-                f"unknown option {name!r} for {loader_class.__name__}; accepted: "
-                f"{', '.join(n for n in accepted if n != 'batch_size')}"
-            )
-    return options
 
 
 def _build_loader(

@@ -31,7 +31,6 @@ import json
 import posixpath
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -39,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ddp_even.errors import DatasetError
+from ddp_even.planning.layout import DirectoryLayout
 from ddp_even.planning.row_groups import (
     ROW_GROUPS_PER_FILE_KEY,
     MetadataSource,
@@ -90,7 +90,7 @@ def read_row_groups(
         resolved = dataset
     else:
         resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
-    reader = _MetadataReader(resolved.storage, progress)
+    reader = MetadataReader(resolved.storage, progress)
     if not resolved.is_list or len(resolved.paths) == 1:
         # pyarrow treats a one-element list as that single path (file or directory).
         return reader.read_location(resolved.paths[0])
@@ -130,7 +130,7 @@ def changed_row_groups(
         ]
         if not file_numbers:
             return None
-    reader = _MetadataReader(storage, None)
+    reader = MetadataReader(storage, None)
     paths = [planned.files[number] for number in file_numbers]
     footers = dict(zip(file_numbers, reader.read_footers(paths, listed=False), strict=True))
     for index in sorted(indices):
@@ -155,7 +155,7 @@ def changed_row_groups(
     return None
 
 
-class _MetadataReader:
+class MetadataReader:
     """Reads one dataset's listings and metadata through its storage, in parallel."""
 
     def __init__(self, storage: Storage, progress: Progress | None) -> None:
@@ -168,7 +168,7 @@ class _MetadataReader:
             raise self.storage.missing(path)
         if kind == "file":
             return self.from_footers([path], listed=False)
-        layout = _DirectoryLayout.scan(path, self)
+        layout = DirectoryLayout.scan(path, self)
         metadata = self.read_summary(layout.metadata_path) if layout.metadata_path else None
         common_path = layout.common_metadata_path or layout.metadata_path
         if metadata is None and common_path is None:
@@ -317,96 +317,12 @@ def _raise_first_failure(futures: list[Future[Any]], done: set[Future[Any]]) -> 
     raise error
 
 
-@dataclass(frozen=True)
-class _DirectoryLayout:
-    """What pyarrow's legacy ParquetManifest finds under a dataset directory."""
-
-    data_files: list[str]
-    metadata_path: str | None
-    common_metadata_path: str | None
-    # Each data file's stamp (size and modification time), from the listing itself.
-    stamps: dict[str, str]
-
-    @classmethod
-    def scan(cls, root: str, reader: _MetadataReader) -> _DirectoryLayout:
-        url = reader.storage.url
-        data_files: list[str] = []
-        stamps: dict[str, str] = {}
-        metadata_paths: list[str] = []
-        common_paths: list[str] = []
-        level = [root]
-        while level:
-            # Every directory of a level is listed at once: partitions are siblings.
-            listings = reader.map(reader.storage.list_directory, level, report=False)
-            next_level = []
-            for directory, (files, subdirectories) in zip(level, listings, strict=True):
-                level_files = []
-                for name, stamp in files.items():
-                    full = f"{directory}/{name}"
-                    stamps[full] = stamp
-                    # The order of these checks is pyarrow's: a summary file is recognised even
-                    # where a hidden-file rule would otherwise skip it.
-                    if name.endswith("_common_metadata"):
-                        common_paths.append(full)
-                    elif name.endswith("_metadata"):
-                        metadata_paths.append(full)
-                    elif not _silently_excluded(name):
-                        level_files.append(full)
-                partitions = sorted(name for name in subdirectories if not _private_directory(name))
-                if level_files and partitions:
-                    raise DatasetError(
-                        f"{url(directory)} holds both data files and subdirectories: petastorm "
-                        "cannot read that layout; move the files into a partition directory "
-                        "(key=value)"
-                    )
-                for name in partitions:
-                    if "=" not in name:
-                        raise DatasetError(
-                            f"{url(directory)}/{name} is not a hive partition directory "
-                            "(key=value): petastorm cannot read it; rename it or start its name "
-                            "with '_'"
-                        )
-                    next_level.append(f"{directory}/{name}")
-                data_files.extend(level_files)
-            level = next_level
-        for kind, found in (("_metadata", metadata_paths), ("_common_metadata", common_paths)):
-            if len(found) > 1:
-                raise DatasetError(
-                    f"several {kind} files under {url(root)} "
-                    f"({', '.join(url(path) for path in sorted(found))}): petastorm would use an "
-                    "arbitrary one; keep only the one at the dataset root"
-                )
-        if not data_files:
-            raise DatasetError(f"{url(root)} holds no Parquet data files: check the path")
-        # The manifest sorts by full path once all levels are listed.
-        data_files.sort()
-        return cls(
-            data_files=data_files,
-            metadata_path=metadata_paths[0] if metadata_paths else None,
-            common_metadata_path=common_paths[0] if common_paths else None,
-            stamps=stamps,
-        )
-
-
-def _silently_excluded(name: str) -> bool:
-    return (
-        name.endswith(".crc")
-        or name.endswith("_$folder$")
-        or name.startswith((".", "_"))
-        or name == "_SUCCESS"
-    )
-
-
-def _private_directory(name: str) -> bool:
-    return name.startswith(("_", ".")) and "=" not in name
-
-
 def _footer_sizes(footer: pq.FileMetaData) -> list[int]:
     return [footer.row_group(k).num_rows for k in range(footer.num_row_groups)]
 
 
 def _from_summary(
-    layout: _DirectoryLayout, metadata: pq.FileMetaData, metadata_path: str
+    layout: DirectoryLayout, metadata: pq.FileMetaData, metadata_path: str
 ) -> RowGroups:
     """``_metadata`` lists row groups with their file paths relative to its directory. No
     footer is read: the summary's digest and each data file's stamp name the data instead."""
