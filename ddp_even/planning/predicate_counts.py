@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from ddp_even.planning.provenance import code_identity
@@ -128,13 +127,13 @@ def count_in_columns(
     by_file: dict[int, list[int]] = {}
     for index in indices:
         by_file.setdefault(int(row_groups.file_of[index]), []).append(index)
-    filesystem = resolved.storage.filesystem or pafs.LocalFileSystem()
+    storage = resolved.storage
 
     def count_file(file_index: int) -> list[tuple[int, int]]:
         wanted = by_file[file_index]
         positions = [int(row_groups.index_in_file[index]) for index in wanted]
         kept_rows: list[int] = []
-        with filesystem.open_input_file(row_groups.files[file_index]) as source:
+        with storage.open_input_file(row_groups.files[file_index]) as source:
             # pre_buffer: the column chunks of one read come in few, coalesced requests.
             parquet_file = pq.ParquetFile(source, pre_buffer=True)
             for batch in _read_batches(parquet_file, positions, fields):

@@ -15,7 +15,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -131,6 +131,20 @@ class Storage(ABC):
             >>> local.storage.filesystem.type_name
             'local'
         """
+
+    def open_input_file(self, path: str) -> Any:
+        """A random-access file of ``path``, to read column chunks (a predicate's scan).
+
+        Example:
+            >>> from ddp_even.storage import resolve_dataset
+            >>> import tempfile
+            >>> path = f"{tempfile.mkdtemp()}/a.parquet"
+            >>> pq.write_table(pa.table({"x": [1, 2, 3]}), path)
+            >>> with resolve_dataset(path).storage.open_input_file(path) as source:
+            ...     pq.ParquetFile(source).metadata.num_rows
+            3
+        """
+        return (self.filesystem or pafs.LocalFileSystem()).open_input_file(path)
 
     @abstractmethod
     def kind(self, path: str) -> FileKind:
