@@ -2,11 +2,11 @@
 
 ``ddp-even plan URL --world-size N --batch-size B [--sharding S] [--json] [--all-ranks]``
 prints one table of ranks (row groups, rows, batches) and one of modes (steps, dropped,
-repeated, waste), from Parquet metadata only. ``--sharding`` (``round_robin``, ``row_groups``,
-``rows``, ``replicate``; see :mod:`ddp_even.planning.sharding`) plans other shards than
-petastorm's round robin and compares them with it; with ``rows`` a table lists the row groups
-split between ranks and each rank's range of them. ``--balanced`` is the deprecated spelling of
-``--sharding row_groups``. ``--json`` prints the same for scripts.
+repeated, padded, waste), from Parquet metadata only. ``--sharding`` (``round_robin``,
+``row_groups``, ``rows``, ``replicate``; see :mod:`ddp_even.planning.sharding`) plans other
+shards than petastorm's round robin and compares them with it; with ``rows`` a table lists the
+row groups split between ranks and each rank's range of them. ``--balanced`` is the deprecated
+spelling of ``--sharding row_groups``. ``--json`` prints the same for scripts.
 
 Remote datasets (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...) take their credentials
 and endpoint from the environment (``AWS_*`` including ``AWS_ENDPOINT_URL``,
@@ -300,9 +300,14 @@ def _rank_summary_table(plan: ShardPlan) -> Table:
 def _mode_table(plan: ShardPlan) -> Table:
     table = Table(title="Per epoch", title_justify="left")
     table.add_column("mode")
-    for column in ("steps", "dropped (batches / rows)", "repeated (batches / rows)"):
+    for column in (
+        "steps",
+        "dropped (batches / rows)",
+        "repeated (batches / rows)",
+        "padded (batches / rows)",
+        "idle rank-steps",
+    ):
         table.add_column(column, justify="right")
-    table.add_column("idle rank-steps", justify="right")
     table.add_column("waste %", justify="right")
     notes = []
     for mode in MODES:
@@ -312,6 +317,7 @@ def _mode_table(plan: ShardPlan) -> Table:
             f"{stats.steps:,}",
             f"{sum(stats.dropped_batches):,} / {stats.total_dropped_rows:,}",
             f"{sum(stats.repeated_batches):,} / {stats.total_repeated_rows:,}",
+            f"{sum(stats.padded_batches):,} / {sum(stats.padded_rows):,}",
             f"{sum(stats.idle_steps):,}",
             f"{stats.waste_percent:.2f}",
             style="" if stats.runnable else "red",

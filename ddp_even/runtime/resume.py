@@ -223,8 +223,9 @@ def resumed_start(
         skipped = [min(batch_size, rows - index * batch_size) for index in range(step)]
         return ResumedStart(tails_source, first_pass=tails, step=step, skipped=skipped)
     source.start_epoch(epoch)
-    # A repeated pass (cycle) cannot be reached by starting the first one later.
-    if not mode.restarts_short_shards and source.starts_at(step):
+    # A repeated pass (cycle) cannot be reached by starting the first one later, nor can
+    # padding (pad) that copies a batch before the step.
+    if not mode.goes_past_own_data and source.starts_at(step):
         return ResumedStart(source, step=step, skipped=[None] * step)
     return ResumedStart(source, step=step)
 
@@ -244,6 +245,8 @@ def _own_tails(
         or plan is None
         or planned.why_not_in_plan_order is not None
         or step > plan.batches_per_rank[rank]  # in a repeated pass
+        # Padding copies the rank's last batch: a rank past its data reads it again.
+        or (mode.pads_short_shards and step >= plan.batches_per_rank[rank])
     ):
         return None
     from ddp_even.planning.remainder import plan_own_tails
