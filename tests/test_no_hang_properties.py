@@ -156,6 +156,10 @@ def allowed_errors(case: Scenario) -> Allowed:
     if case.mode == "cycle" and 0 in case.lengths:
         kinds.add("EmptyShardError")
         mandatory = True
+    if case.mode == "pad" and not any(case.lengths) and case.steps_per_epoch is not None:
+        # Nothing on any rank to pad with, and steps asked for.
+        kinds.add("EmptyShardError")
+        mandatory = True
     return Allowed(frozenset(kinds), mandatory)
 
 

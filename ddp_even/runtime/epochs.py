@@ -268,7 +268,8 @@ class EpochRun(Generic[BatchT]):
         reports = self.agreer.gather_reports(report)
         error = error_from_reports(reports, self.feed.failure, self.steps_done)
         if isinstance(error, EmptyShardError) and self.settings.mode.pads_short_shards:
-            return share_padding(self.agreer, self.feed, reports)
+            fixed_steps = self.settings.steps_per_epoch is not None
+            return share_padding(self.agreer, self.feed, reports, fixed_steps)
         logger.debug(
             "epoch %d, after %d step(s): every rank raises %r", self.epoch, self.steps_done, error
         )

@@ -126,13 +126,22 @@ def summed_rows(totals: Sequence[int]) -> list[int | None]:
     return [None if total >= _UNKNOWN_ROWS else total for total in totals]
 
 
-def share_padding(agreer: Agreer, feed: ShardFeed[Any], reports: Sequence[Report]) -> Agreement:
+def share_padding(
+    agreer: Agreer, feed: ShardFeed[Any], reports: Sequence[Report], fixed_steps: bool
+) -> Agreement:
     """Give every rank without a batch a copy of the lowest other rank's first batch.
 
     Called on every rank with the same ``reports`` (gathered because some rank's shard is
-    empty, nothing else being wrong); returns the agreement they carry.
+    empty, nothing else being wrong); returns the agreement they carry. When no rank has a
+    batch the epoch has no step, unless ``steps_per_epoch`` fixes its steps (``fixed_steps``):
+    then every rank raises :class:`~ddp_even.EmptyShardError`.
     """
     donors = [index for index, peer in enumerate(reports) if peer.available > 0]
+    if not donors and fixed_steps:
+        raise EmptyShardError(
+            tuple(peer.rank for peer in reports),
+            "no rank has a batch, and steps_per_epoch asks for steps",
+        )
     if donors:
         donor = donors[0]
         payload = _saved(feed.donation()) if agreer.rank == donor else None
