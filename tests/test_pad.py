@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -410,3 +411,64 @@ def test_training_takes_the_gradient_of_the_mean_loss_over_the_real_rows(
     # step 1 on some ranks pad.
     assert checked == (1 if norm else 8)
     assert math.isfinite(float(results[0]["weights"][0].sum()))
+
+
+# --- failures: agreed on every rank, padding meanwhile ------------------------------------------
+
+
+class _FailsAt(Sequence[list[int]]):
+    """A rank's shard of known length (as a map-style DataLoader) whose batch ``at`` raises."""
+
+    def __init__(self, rank: int, length: int, at: int | None) -> None:
+        self.batches = [[rank * 100 + index] for index in range(length)]
+        self.at = at
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: Any) -> Any:
+        if index == self.at:
+            raise OSError(f"corrupt row group after {index} batches")
+        return self.batches[index]
+
+
+def _fail(rank: int, world_size: int) -> dict[str, Any]:
+    """Worker: a planned pad epoch whose rank 1 fails after 3 batches; then an empty shard whose
+    donor's first batch cannot be sent (a generator cannot be saved)."""
+    from ddp_even import EvenLoaderError, PeerSourceError
+    from ddp_even.planning import plan_shards
+
+    outcome: dict[str, Any] = {}
+    plan = plan_shards([8] * world_size, world_size, batch_size=1)
+    loader = EvenLoader(_FailsAt(rank, 8, 3 if rank == 1 else None), mode="pad", plan=plan)
+    seen = []
+    try:
+        for batch in loader:
+            seen.append((batch, loader.padding, loader.batch_weight))
+    except (OSError, PeerSourceError) as error:
+        outcome["failure"] = (type(error).__name__, str(error), seen)
+    unsendable = [[(row for row in range(3))]] if rank == 0 else []
+    try:
+        list(EvenLoader(unsendable, mode="pad"))
+    except EvenLoaderError as error:
+        outcome["empty"] = (type(error).__name__, str(error))
+    return outcome
+
+
+@pytest.mark.timeout(200)
+def test_failures_are_raised_on_every_rank_and_the_failing_rank_pads_meanwhile() -> None:
+    results = run_ranks(_fail, 3, timeout=150)
+    for rank, result in enumerate(results):
+        error, message, seen = result["failure"]
+        # With a plan the ranks only check their sources every 16 steps and after the last: the
+        # failing rank hands out padding (weight 0) until that check, where every rank raises.
+        if rank == 1:
+            assert (error, message) == ("OSError", "corrupt row group after 3 batches")
+            assert seen == [([100 + i], False, 1.0) for i in range(3)] + [([102], True, 0.0)] * 5
+        else:
+            assert error == "PeerSourceError" and "rank 1" in message
+            # The weights follow the plan (a row per rank and step), which the check corrects.
+            assert seen == [([rank * 100 + i], False, 1.0) for i in range(8)]
+        assert result["empty"][0] == "EmptyShardError"
+        assert "rank(s) 1, 2 have no batch" in result["empty"][1]
+        assert "rank 0's first batch cannot be sent" in result["empty"][1]
