@@ -467,7 +467,7 @@ def test_failures_are_raised_on_every_rank_and_the_failing_rank_pads_meanwhile()
             assert seen == [([100 + i], False, 1.0) for i in range(3)] + [([102], True, 0.0)] * 5
         else:
             assert error == "PeerSourceError" and "rank 1" in message
-            # The weights follow the plan (a row per rank and step), which the check corrects.
+            # The weights follow the plan (a row per rank and step) until every rank raises.
             assert seen == [([rank * 100 + i], False, 1.0) for i in range(8)]
         assert result["empty"][0] == "EmptyShardError"
         assert "rank(s) 1, 2 have no batch" in result["empty"][1]
