@@ -27,10 +27,12 @@ Variants:
   ``floor + 1-param DDP``, the same step on equal shards. Join's model is an identical DDP
   instance of its own: Join leaves its joinables' join all-reduces on after it exits;
 * ddp_even truncate and cycle agreeing every step (K=1, overlapped with the step) and every 16
-  steps (K=16); ddp_even with known lengths (a list source, ``sync_every=None``: one agreement
-  per epoch, and a check of the sources every ``CHECK_EVERY`` steps and after the last), and
-  the same with only the check after the last step (``CHECK_EVERY`` set out of reach for that
-  variant): the difference is what the checks cost.
+  steps (K=16); pad the same (over lists, without a plan, each agreement comes with a sum of
+  the window's real rows: a second collective, started with it); ddp_even with known lengths
+  (a list source, ``sync_every=None``: one agreement per epoch, and a check of the sources
+  every ``CHECK_EVERY`` steps and after the last), and the same with only the check after the
+  last step (``CHECK_EVERY`` set out of reach for that variant): the difference is what the
+  checks cost.
 
 Shards are uneven: rank r has ``steps * (1 - 0.1 r)`` batches. The floor takes, on every rank,
 as many steps as truncate does, so per-step times compare. One epoch of every variant runs per
@@ -390,6 +392,8 @@ def variants_for(workload: Workload, shard: list[Batch], equal: int, window: int
         Variant(f"ddp_even truncate K={window}", FLOOR, even("truncate", window), step),
         Variant("ddp_even cycle K=1", FLOOR, even("cycle", 1), step),
         Variant(f"ddp_even cycle K={window}", FLOOR, even("cycle", window), step),
+        Variant("ddp_even pad K=1", FLOOR, even("pad", 1), step),
+        Variant(f"ddp_even pad K={window}", FLOOR, even("pad", window), step),
         Variant("ddp_even truncate known lengths", FLOOR, even("truncate", None), step),
         Variant("ddp_even cycle known lengths", FLOOR, even("cycle", None), step),
         Variant(

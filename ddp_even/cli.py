@@ -2,12 +2,12 @@
 
 ``ddp-even plan URL --world-size N --batch-size B [--sharding S] [--format F] [--all-ranks]``
 prints one table of ranks (row groups, rows, batches) and one of modes (steps, dropped,
-repeated, waste), from Parquet metadata only. ``--sharding`` (``round_robin``, ``row_groups``,
-``rows``, ``replicate``; see :mod:`ddp_even.planning.sharding`) plans other shards than
-petastorm's round robin and compares them with it; with ``rows`` a table lists the row groups
-split between ranks and each rank's range of them. ``--balanced`` is the deprecated spelling of
-``--sharding row_groups``. ``--format`` prints tables (``table``, fitted to the terminal, 80
-columns when piped), ``markdown`` or ``json`` (``--json`` for short); see
+repeated, padded, waste), from Parquet metadata only. ``--sharding`` (``round_robin``,
+``row_groups``, ``rows``, ``replicate``; see :mod:`ddp_even.planning.sharding`) plans other
+shards than petastorm's round robin and compares them with it; with ``rows`` a table lists the
+row groups split between ranks and each rank's range of them. ``--balanced`` is the deprecated
+spelling of ``--sharding row_groups``. ``--format`` prints tables (``table``, fitted to the
+terminal, 80 columns when piped), ``markdown`` or ``json`` (``--json`` for short); see
 :mod:`ddp_even.plan_output`.
 
 Remote datasets (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...) take their credentials

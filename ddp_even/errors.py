@@ -85,7 +85,8 @@ class SourceEndedEarlyError(EvenLoaderError):
 
 
 class EmptyShardError(EvenLoaderError):
-    """Cycle mode was asked to wrap around a shard that yields no batch at all.
+    """Cycle mode was asked to wrap around a shard that yields no batch at all (or, in pad mode,
+    the batch another rank would lend an empty one as padding cannot be sent: ``why``).
 
     Example (one process; with several ranks every rank raises it, naming the empty ones)::
 
@@ -97,13 +98,16 @@ class EmptyShardError(EvenLoaderError):
         ddp_even.errors.EmptyShardError: cycle mode cannot wrap around an empty shard: ...
     """
 
-    def __init__(self, empty_ranks: tuple[int, ...]) -> None:
+    def __init__(self, empty_ranks: tuple[int, ...], why: str | None = None) -> None:
         self.empty_ranks = empty_ranks
         names = ", ".join(str(rank) for rank in empty_ranks)
+        what = "cycle mode cannot wrap around an empty shard"
+        if why is not None:
+            what = f"pad mode has nothing to pad empty shards with: {why}"
         super().__init__(
-            f"cycle mode cannot wrap around an empty shard: rank(s) {names} have no batch. "
-            "Give every rank at least one row group (fewer ranks, smaller row groups, or a "
-            "balanced plan), or use mode='truncate' or mode='join'"
+            f"{what}: rank(s) {names} have no batch. Give every rank at least one row group "
+            "(fewer ranks, smaller row groups, or a balanced plan), or use mode='truncate' or "
+            "mode='join'" + ("" if why is not None else " (or mode='pad')")
         )
 
 

@@ -6,7 +6,6 @@ settles the plan (given, from the footers, or none) and runs the epoch in its sh
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import weakref
@@ -28,7 +27,7 @@ from ddp_even.runtime.environment import (
 from ddp_even.runtime.epochs import EpochRun, Settings, run_epoch
 from ddp_even.runtime.feed import ShardFeed
 from ddp_even.runtime.footer_plan import FooterPlan
-from ddp_even.runtime.iteration import Epoch, EpochNumbering
+from ddp_even.runtime.iteration import Epoch, EpochNumbering, HandedOut, LoaderAccount
 from ddp_even.runtime.resume import (
     PendingResume,
     ResumedStart,
@@ -50,7 +49,7 @@ BatchT = TypeVar("BatchT")
 logger = logging.getLogger("ddp_even")
 
 
-class EvenLoader(Generic[BatchT]):
+class EvenLoader(LoaderAccount, Generic[BatchT]):
     r"""Wraps a rank's data loader so that every DDP rank takes the same number of steps.
 
     Each ``for`` over the loader is one epoch. Before handing out batches, the ranks agree
@@ -66,12 +65,14 @@ class EvenLoader(Generic[BatchT]):
             with ``num_epochs=None``, which each epoch continues (``steps_per_epoch`` needed).
         mode: ``"truncate"`` (every rank stops where the shortest shard ends), ``"cycle"``
             (short shards start again until the longest ends, or for ``steps_per_epoch``
-            steps) or ``"join"`` (every rank yields all its batches; ranks that finish early
-            shadow the others' DDP all-reduces through ``torch``'s ``Join``).
+            steps), ``"pad"`` (cycle's steps; past its data a rank hands out padding) or
+            ``"join"`` (every rank yields all its batches; ranks that finish early shadow the
+            others' DDP all-reduces through ``torch``'s ``Join``).
         steps_per_epoch: a cap on the steps of an epoch (truncate) or the exact number of
-            steps (cycle). Not allowed in join mode.
+            steps (cycle, pad). Not allowed in join mode.
         sync_every: batches per agreement. ``None`` (default): agree once per epoch when the
-            source's length is known (a list, a map-style ``DataLoader``), else every batch.
+            source's length is known (a list, a map-style ``DataLoader``; in pad mode only a
+            plan will do), else every batch.
             ``K > 1`` reads up to ``K`` batches ahead and agrees once per ``K`` steps.
         group: the training's process group (default: the world group).
         joinables: join mode only, and required there: the DDP model and any other
@@ -89,7 +90,7 @@ class EvenLoader(Generic[BatchT]):
     Attributes:
         stats: the :class:`EpochStats` of the last epoch that ran to its end.
         history: the stats of every such epoch, in order.
-        repeating: True while the batch last handed out comes from a restarted pass (cycle).
+        repeating, padding, batch_weight: what the batch last handed out is (see each).
 
     Example, run on every rank (``examples/train.py`` is the whole script)::
 
@@ -100,8 +101,7 @@ class EvenLoader(Generic[BatchT]):
         loader = EvenLoader(one_pass, mode="cycle")
         for epoch in range(3):
             for batch in loader:
-                loss = ddp_model(batch["x"]).sum()
-                loss.backward()
+                ddp_model(batch["x"]).sum().backward()
                 optimizer.step()
                 optimizer.zero_grad()
             print(loader.stats.summary())
@@ -159,14 +159,14 @@ class EvenLoader(Generic[BatchT]):
         # Where the next epoch resumes, from load_state_dict.
         self._pending: PendingResume | None = None
         self.history: list[EpochStats] = []
-        self.repeating = False
+        self._handed_out = HandedOut()
         # Trainers number epochs through sampler.set_epoch (Lightning); no batch sampler here.
         self.sampler = EpochNumbering(self)
         self.batch_sampler = None
 
     @property
     def mode(self) -> str:
-        """``"truncate"``, ``"cycle"`` or ``"join"``."""
+        """``"truncate"``, ``"cycle"``, ``"pad"`` or ``"join"``."""
         return self._mode.name
 
     @classmethod
@@ -324,12 +324,6 @@ class EvenLoader(Generic[BatchT]):
             return  # that epoch is already running (a trainer fetched its first batch early)
         self._next_epoch = epoch
 
-    @property
-    def stats(self) -> EpochStats:
-        if not self.history:
-            raise RuntimeError("no epoch has run to its end yet: iterate the loader first")
-        return self.history[-1]
-
     def __len__(self) -> int:
         plan = self._known_plan
         if plan is not None:
@@ -375,18 +369,20 @@ class EvenLoader(Generic[BatchT]):
             self._mode.restarts_short_shards,
             self._steps_per_epoch is not None,
             starts_after=len(start.skipped),
+            pads=self._mode.pads_short_shards,
         )
         run = self._settle_plan(epoch, agreer, start, feed)
         feed.failure = feed.failure or refusal(start, self._provenance)
         if self._mode.shadows_finished_ranks and agreer.world_size > 1:
             refuse_join_inside_lightning()
         self._current_run = run
+        self._handed_out.epoch_started()
         if start.step is not None:
             run.resume_after(start.step, start.skipped)
         try:
             yield from run_epoch(run, self._joinables)
         finally:
-            self.repeating = False
+            self._handed_out.epoch_ended()
             feed.close()
 
     def _settle_plan(
@@ -404,8 +400,9 @@ class EvenLoader(Generic[BatchT]):
             rank_in_plan(plan, self._group)
             known_batches = counts.planned_batches = plan.batches_per_rank[rank]
             counts.planned_rows = plan.rows_per_rank[rank]
-        if agrees_as_it_goes:
-            # An explicit window, and join (which shares no step count), agree as they go.
+        if agrees_as_it_goes or (mode.pads_short_shards and plan is None):
+            # An explicit window, join (no common step count) and pad without a plan (its
+            # weights need each step's real rows over all ranks) agree as they go.
             known_batches, fixed_steps = None, False
         whole_epoch = known_batches is not None or fixed_steps
         if known_batches is not None:
@@ -416,7 +413,7 @@ class EvenLoader(Generic[BatchT]):
             feed=feed,
             epoch=epoch,
             counts=counts,
-            mark_repeating=functools.partial(setattr, self, "repeating"),
+            mark=self._handed_out.add,
             record=self.history.append,
             known_batches=known_batches,
         )

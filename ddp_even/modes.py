@@ -1,15 +1,16 @@
 """The modes, one class each in one registry: what a mode checks, decides and predicts.
 
-A mode is everything that differs between truncate, cycle and join:
+A mode is everything that differs between truncate, cycle, pad and join:
 
 * its argument checks (``check``),
-* whether short shards start again (``restarts_short_shards``) and whether ranks that run
-  out shadow the others through torch's ``Join`` (``shadows_finished_ranks``),
+* whether short shards start again (``restarts_short_shards``), hand out padding past their
+  data (``pads_short_shards``), or whether ranks that run out shadow the others through
+  torch's ``Join`` (``shadows_finished_ranks``),
 * ``decide``: the one function that turns what every rank offered into how many steps
   every rank takes next. It is pure and identical on every rank, so every rank decides the
   same,
 * its plan arithmetic: the steps of an epoch from every rank's batch count, and what each
-  rank drops, repeats or waits (``epoch_outcome``).
+  rank drops, repeats, pads or waits (``epoch_outcome``).
 
 The loader, the planner, the CLI and the tests loop over :data:`MODES`; adding a mode is one
 class here (and its tests). Nothing here imports torch.
@@ -52,6 +53,8 @@ class EpochOutcome:
     repeated_batches: npt.NDArray[np.int64]
     repeated_rows: npt.NDArray[np.int64]
     idle_steps: npt.NDArray[np.int64]
+    padded_batches: npt.NDArray[np.int64]
+    padded_rows: npt.NDArray[np.int64]
 
     @classmethod
     def of(
@@ -64,7 +67,15 @@ class EpochOutcome:
         return cls(steps=steps, waste_percent=round(100.0 * waste / max(whole, 1), 3), **arrays)
 
 
-_PER_RANK = ("dropped_batches", "dropped_rows", "repeated_batches", "repeated_rows", "idle_steps")
+_PER_RANK = (
+    "dropped_batches",
+    "dropped_rows",
+    "repeated_batches",
+    "repeated_rows",
+    "idle_steps",
+    "padded_batches",
+    "padded_rows",
+)
 
 
 class Mode(ABC):
@@ -75,11 +86,20 @@ class Mode(ABC):
     summary: ClassVar[str]
     #: Short shards start a fresh pass until the epoch ends.
     restarts_short_shards: ClassVar[bool] = False
+    #: A rank whose own data ran out hands out padding (its last batch again, flagged, of
+    #: weight 0) until the epoch ends; every real row is handed out once.
+    pads_short_shards: ClassVar[bool] = False
     #: Ranks hand out all their own batches and those that run out shadow the others'
     #: collectives (torch ``Join``); ranks then share no step count.
     shadows_finished_ranks: ClassVar[bool] = False
     #: What ``waste_percent`` measures.
     waste_means: ClassVar[str]
+
+    @property
+    def goes_past_own_data(self) -> bool:
+        """Whether a rank hands out batches past its own data (repeats or padding), which
+        need a batch of its own to copy (one it reads again when an epoch resumes)."""
+        return self.restarts_short_shards or self.pads_short_shards
 
     def check(self, *, steps_per_epoch: int | None, has_joinables: bool) -> None:
         """Raise ``ValueError`` for arguments this mode cannot honour."""
@@ -151,6 +171,15 @@ class Mode(ABC):
         """``(runnable, note)`` when the ranks named in ``empty_ranks`` have no batch."""
 
 
+def _longest_or_fixed(agreement: Agreement, window: int | None, steps_per_epoch: int | None) -> int:
+    """Cycle's and pad's steps: every rank fills its window, so the most own batches any rank
+    has decide, unless ``steps_per_epoch`` fixes the count."""
+    if steps_per_epoch is not None:
+        # The step count is fixed; a window of None here means the whole epoch.
+        return window if window is not None else steps_per_epoch
+    return agreement.max_own_available
+
+
 class Truncate(Mode):
     """Every rank stops at the step where the shortest shard ends."""
 
@@ -192,10 +221,7 @@ class Cycle(Mode):
     def agreed_steps(
         self, agreement: Agreement, window: int | None, steps_per_epoch: int | None
     ) -> int:
-        if steps_per_epoch is not None:
-            # The step count is fixed; a window of None here means the whole epoch.
-            return window if window is not None else steps_per_epoch
-        return agreement.max_own_available
+        return _longest_or_fixed(agreement, window, steps_per_epoch)
 
     def epoch_outcome(
         self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
@@ -218,6 +244,46 @@ class Cycle(Mode):
         if steps == 0:
             return True, "no rank has a batch: the epoch has 0 steps"
         return False, f"cannot run: rank(s) {empty_ranks} have no batch to repeat"
+
+
+class Pad(Mode):
+    """Every rank takes as many steps as the longest shard (or ``steps_per_epoch``); ranks whose
+    data ran out hand out padding: their last batch again, flagged, of weight 0."""
+
+    name = "pad"
+    summary = "ranks whose data ran out hand out padding (weight 0) until the longest ends"
+    pads_short_shards = True
+    waste_means = "padded rank-steps as % of rank-steps"
+
+    def agreed_steps(
+        self, agreement: Agreement, window: int | None, steps_per_epoch: int | None
+    ) -> int:
+        # As cycle: every rank fills its window, with padding past its data.
+        return _longest_or_fixed(agreement, window, steps_per_epoch)
+
+    def epoch_outcome(
+        self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
+    ) -> EpochOutcome:
+        steps = int(batches.max())
+        padded = steps - batches
+        # A padding batch is the rank's last batch again; a rank without one pads with a copy
+        # of the first batch of the lowest rank that has one.
+        last_rows = rows - np.maximum(batches - 1, 0) * batch_size
+        donors = np.flatnonzero(batches > 0)
+        donated = min(batch_size, int(rows[donors[0]])) if donors.size else 0
+        padded_rows = padded * np.where(batches > 0, last_rows, donated)
+        return EpochOutcome.of(
+            steps,
+            float(padded.sum()),
+            steps * len(batches),
+            padded_batches=padded,
+            padded_rows=padded_rows,
+        )
+
+    def note_with_empty_ranks(self, empty_ranks: str, steps: int) -> tuple[bool, str]:
+        if steps == 0:
+            return True, "no rank has a batch: the epoch has 0 steps"
+        return True, f"rank(s) {empty_ranks} have no batch: they pad with another rank's first"
 
 
 class JoinMode(Mode):
@@ -264,7 +330,7 @@ class JoinMode(Mode):
 
 
 #: Every mode by name, in the order tables list them.
-MODES: dict[str, Mode] = {mode.name: mode for mode in (Truncate(), Cycle(), JoinMode())}
+MODES: dict[str, Mode] = {mode.name: mode for mode in (Truncate(), Cycle(), Pad(), JoinMode())}
 
 
 def mode_named(mode: str | Mode) -> Mode:
@@ -274,10 +340,10 @@ def mode_named(mode: str | Mode) -> Mode:
 
         >>> mode_named("cycle").restarts_short_shards
         True
-        >>> mode_named("pad")
+        >>> mode_named("wrap")
         Traceback (most recent call last):
         ...
-        ValueError: unknown mode 'pad': choose one of 'truncate', 'cycle', 'join'
+        ValueError: unknown mode 'wrap': choose one of 'truncate', 'cycle', 'pad', 'join'
     """
     if isinstance(mode, Mode):
         return mode

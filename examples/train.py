@@ -4,12 +4,19 @@ Petastorm gives rank ``r`` the row groups whose index ``i`` has ``i % world_size
 row groups differ in size, so do the shards, and plain DDP breaks: the rank with the shortest
 shard leaves the loop first and the others wait forever in an all-reduce it never enters.
 ``ddp_even.EvenLoader`` wraps each rank's loader so that every rank takes the same number of
-steps, in one of three modes, and says afterwards what each rank did (``loader.stats``):
+steps, in one of four modes, and says afterwards what each rank did (``loader.stats``):
 
 * ``truncate``: every rank stops where the shortest shard ends (the rest is not trained on);
 * ``cycle``: short shards start again until the longest one ends (some rows are seen twice);
+* ``pad``: every rank trains on all its rows, once; a rank whose shard ended hands out padding
+  (its last batch again, ``loader.padding``) whose loss the loop multiplies by
+  ``loader.batch_weight`` (0), until the longest shard ends;
 * ``join``: every rank trains on all its rows, once; ranks that finish early shadow DDP's
   all-reduces (``torch.distributed.algorithms.join.Join``) until the last one is done.
+
+After training, each mode's model is evaluated on every row of the dataset exactly once, with
+an EvenLoader in pad mode: every rank takes the same steps, so the loop can all-reduce its
+running sums at every step.
 
 The same script runs two ways:
 
@@ -61,10 +68,11 @@ from ddp_even.modes import MODES
 
 # petastorm 0.12.1 (the release that does not lose row groups, see constraints.txt) drives
 # pyarrow 14 through pyarrow's deprecated legacy ParquetDataset API, and every reader it opens
-# emits a dozen FutureWarnings about that. They concern petastorm's internals, not this script,
-# and would bury its output; hide those and only those. Set at import time, so that the spawned
-# demo ranks (which import this module afresh) hide them too.
-warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm(\.|$)")
+# emits a dozen FutureWarnings about that (and so does ddp_even's adapter of petastorm, reading
+# a reader's dataset). They concern petastorm's internals, not this script, and would bury its
+# output; hide those and only those. Set at import time, so that the spawned demo ranks (which
+# import this module afresh) hide them too.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"(ddp_even\.)?petastorm(\.|$)")
 # BatchedDataLoader hands Arrow's read-only buffers to torch.as_tensor, which warns once per
 # process; this script never writes into a batch, so the warning does not apply.
 warnings.filterwarnings(
@@ -245,26 +253,33 @@ def train_mode(
         # Summed on this rank, reduced once after the epoch: no collective inside the loop
         # besides DDP's own (join mode forbids any other).
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        own_rows = repeated_rows = 0
+        own_rows = repeated_rows = trained_batches = 0
         for batch in loader:
             features, labels = to_tensors(batch, device)
             loss = torch.nn.functional.mse_loss(model(features), labels)
             optimizer.zero_grad()
-            loss.backward()
+            # 1.0 except in pad mode: 0 for padding, else this batch's share of the step's
+            # real rows, so that DDP's average is the gradient of the step's mean loss.
+            (loss * loader.batch_weight).backward()
             optimizer.step()
+            if loader.padding:  # pad mode: past this rank's data; trained on nothing
+                continue
             loss_sum += loss.detach()
+            trained_batches += 1
             if loader.repeating:  # this batch comes from a restarted pass (cycle mode)
                 repeated_rows += len(labels)
             else:
                 own_rows += len(labels)
         stats = loader.stats  # the same on every rank
         totals = torch.tensor(
-            [loss_sum.item(), own_rows, repeated_rows], dtype=torch.float64, device=device
+            [loss_sum.item(), own_rows, repeated_rows, trained_batches],
+            dtype=torch.float64,
+            device=device,
         )
         dist.all_reduce(totals)
         result = EpochResult(
             stats=stats,
-            train_loss=totals[0].item() / max(sum(stats.steps), 1),
+            train_loss=totals[0].item() / max(totals[3].item(), 1),
             own_rows=int(totals[1].item()),
             repeated_rows=int(totals[2].item()),
             seconds=time.perf_counter() - epoch_started,
@@ -282,24 +297,19 @@ def evaluate(
     one_pass: Callable[[], BatchedDataLoader],
     device: torch.device,
 ) -> tuple[float, int]:
-    """Mean squared error on every row of the dataset: each rank reads its whole shard.
-
-    No collective runs per batch here, so uneven shards do no harm: ranks meet once, at the end.
-    """
-    squared_error = torch.zeros((), dtype=torch.float64, device=device)
-    rows = 0
-    loader = one_pass()
-    try:
-        with torch.no_grad():
-            for batch in loader:
-                features, labels = to_tensors(batch, device)
-                squared_error += ((module(features) - labels) ** 2).sum().double()
-                rows += len(labels)
-    finally:
-        loader.reader.stop()
-        loader.reader.join()
-    totals = torch.tensor([squared_error.item(), rows], dtype=torch.float64, device=device)
-    dist.all_reduce(totals)
+    """Mean squared error on every row of the dataset, exactly: pad mode hands out every row
+    once, and every rank takes the same steps, so the sums are all-reduced at every step."""
+    loader: EvenLoader[dict[str, torch.Tensor]] = EvenLoader(one_pass, mode="pad")
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for batch in loader:
+            features, labels = to_tensors(batch, device)
+            squared_error = ((module(features) - labels) ** 2).sum().double()
+            step = torch.stack([squared_error, squared_error.new_tensor(len(labels))])
+            if loader.padding:  # a copy of a batch already counted: leave it out
+                step.zero_()
+            dist.all_reduce(step)
+            totals += step
     dataset_rows = int(totals[1].item())
     return totals[0].item() / max(dataset_rows, 1), dataset_rows
 
@@ -356,7 +366,13 @@ def print_mode(console: Console, result: ModeResult) -> None:
             per_rank(stats.steps),
             per_rank(stats.own_batches),
             per_rank(stats.repeated_batches),
-            per_rank(stats.samples),
+            # Rows handed out, less padding (pad mode: copies trained on with weight 0).
+            per_rank(
+                [
+                    None if rows is None or padded is None else rows - padded
+                    for rows, padded in zip(stats.samples, stats.padded_rows, strict=True)
+                ]
+            ),
             f"{stats.oversampling:.0%}",
             rank_list(stats.truncated),
             f"{epoch.train_loss:.4f}",
@@ -384,6 +400,13 @@ def mode_caption(result: ModeResult) -> str:
             f"Every rank took {stats.steps[0]} steps per epoch; {ranks_phrase(restarted)} "
             f"started {shards} again: {sum(stats.repeated_batches)} repeated batches "
             f"({last.repeated_rows} rows) on top of {sum(stats.own_batches)} own ones."
+        )
+    if result.mode == "pad":
+        padded = [count > 0 for count in stats.padded_batches]
+        return (
+            f"Every rank took {stats.steps[0]} steps per epoch and all {total} rows were trained "
+            f"on once; {ranks_phrase(padded)} ran out of data and handed out "
+            f"{sum(stats.padded_batches)} padding batches of weight 0."
         )
     longest = max(stats.steps)
     idle = sum(longest - steps for steps in stats.steps)
@@ -433,6 +456,8 @@ def print_comparison(console: Console, results: Sequence[ModeResult]) -> None:
         "fine when shards are nearly even.\n"
         "[bold]cycle[/]: every row is used and every rank stays busy, at the price of "
         "repeating the short shards' rows.\n"
+        "[bold]pad[/]: every row exactly once and any collective in the loop (evaluation, "
+        "SyncBatchNorm, metrics); ranks that run out compute on padding of weight 0.\n"
         "[bold]join[/]: every row exactly once; ranks that run out idle until the last one "
         "finishes, which costs time when shards are very uneven.\n"
         "Equal shards avoid the skew in the first place: "
@@ -494,7 +519,7 @@ def print_demo_intro(console: Console, data_dir: Path, world_size: int, batch_si
         f"With a plain DDP loop, the ranks with {min(batches)} batches would leave after "
         f"{min(batches)} steps and the others would wait in DDP's next all-reduce until the "
         "process group times out. ddp_even gives every rank the same number of steps, in one "
-        "of three modes, and reports what each rank did."
+        "of four modes, and reports what each rank did."
     )
 
 

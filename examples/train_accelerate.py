@@ -8,6 +8,8 @@ own loader over its own shard, and the loop is accelerate's usual one.
 Modes (``--mode``, repeat to train once in each):
 
 * ``truncate``, ``cycle``: ddp_even gives every rank the same number of steps; no Join needed;
+* ``pad``: as many steps as cycle, every row once; a rank past its data gets padding, whose
+  loss the loop multiplies by ``loader.batch_weight`` (0);
 * ``join``: ddp_even's join mode, ``EvenLoader(..., mode="join", joinables=[model])`` with the
   *prepared* (DDP) model, and no ``accelerator.join_uneven_inputs`` around the loop: ddp_even
   already runs each epoch inside torch's ``Join`` with that model (and its own agreement as a
@@ -18,6 +20,10 @@ Modes (``--mode``, repeat to train once in each):
   1.15, ``MULTI_CPU``) it never does ("only supported for multi-GPU training"): uneven shards
   then hang in DDP's all-reduce. So on CPU this mode uses torch's ``Join([model])`` itself,
   which is what accelerate does on GPUs. It trains on every row too, but keeps no statistics.
+
+After training, every run evaluates the model exactly: an EvenLoader in pad mode over the same
+shards (every row once, the same steps on every rank), a torchmetrics metric that leaves the
+padding out, and a collective of the loop's own at every step (``accelerator.reduce``).
 
 Run it under torchrun or accelerate launch (2 CPU processes here)::
 
@@ -50,6 +56,7 @@ from petastorm import make_batch_reader
 from petastorm.pytorch import BatchedDataLoader
 from skewed_parquet import FEATURES, LABEL, dataset_url, keep_demo_dataset
 from torch.distributed.algorithms.join import Join
+from torchmetrics.regression import MeanSquaredError
 
 from ddp_even import EvenLoader
 
@@ -73,7 +80,7 @@ hide_known_warnings()
 # 334 rows in 8 row groups; with 2 ranks petastorm gives rank 0 row groups 0, 2, 4, 6 (280
 # rows) and rank 1 row groups 1, 3, 5, 7 (54 rows).
 DEMO_ROW_GROUP_SIZES = (120, 8, 60, 16, 90, 20, 10, 10)
-MODES = ("truncate", "cycle", "join", "accelerate-join")
+MODES = ("truncate", "cycle", "pad", "join", "accelerate-join")
 
 
 def train(
@@ -101,21 +108,22 @@ def train(
         )
         return BatchedDataLoader(reader, batch_size=batch_size)
 
-    loader: EvenLoader[dict[str, torch.Tensor]] | None = None
-    if mode != "accelerate-join":
-        # Join mode shadows DDP's all-reduces for ranks that ran out: give it the prepared
-        # model (the DDP wrapper accelerate made), not the bare module.
-        joinables = [model] if mode == "join" else []
+    def even_loader(mode: str, joinables: list[Any]) -> EvenLoader[dict[str, torch.Tensor]]:
         if source == "parquet":
-            loader = EvenLoader.from_parquet(
+            return EvenLoader.from_parquet(
                 data_url,
                 batch_size=batch_size,
                 mode=mode,
                 reader_kwargs=reader_options,
                 joinables=joinables,
             )
-        else:
-            loader = EvenLoader(one_pass, mode=mode, joinables=joinables)
+        return EvenLoader(one_pass, mode=mode, joinables=joinables)
+
+    loader: EvenLoader[dict[str, torch.Tensor]] | None = None
+    if mode != "accelerate-join":
+        # Join mode shadows DDP's all-reduces for ranks that ran out: give it the prepared
+        # model (the DDP wrapper accelerate made), not the bare module.
+        loader = even_loader(mode, [model] if mode == "join" else [])
 
     steps: list[int] = []
     rows: list[int] = []
@@ -146,6 +154,10 @@ def train(
         rows.append(epoch_rows)
         if loader is not None and accelerator.is_main_process:
             print(loader.stats.summary())
+    evaluation = even_loader("pad", [])
+    mse, eval_rows = evaluate(accelerator, model, evaluation)
+    if accelerator.is_main_process:
+        print(f"evaluation, every row once: mse {mse:.5f} over {eval_rows} rows")
     return {
         "mode": mode,
         "source": source,
@@ -155,6 +167,9 @@ def train(
         "steps": steps,
         "rows": rows,
         "history": [] if loader is None else [stats.as_dict() for stats in loader.history],
+        "eval_mse": mse,
+        "eval_rows": eval_rows,
+        "eval_history": [stats.as_dict() for stats in evaluation.history],
         "weights": [value for tensor in model.parameters() for value in tensor.flatten().tolist()],
         "seconds": time.perf_counter() - started,
     }
@@ -173,12 +188,39 @@ def train_epoch(
         labels = batch[LABEL].float().unsqueeze(1)
         features, labels = features.to(accelerator.device), labels.to(accelerator.device)
         loss = torch.nn.functional.mse_loss(model(features), labels)
+        if isinstance(batches, EvenLoader):
+            # Pad mode: 0 for padding, else the batch's share of the step's real rows (1.0 in
+            # the other modes): DDP's average is then the mean loss's gradient over the step.
+            loss = loss * batches.batch_weight
         optimizer.zero_grad()
         accelerator.backward(loss)
         optimizer.step()
         steps += 1
         rows += len(labels)
     return steps, rows
+
+
+def evaluate(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    loader: EvenLoader[dict[str, torch.Tensor]],
+) -> tuple[float, int]:
+    """Mean squared error over every row of the dataset, and the rows; the same on every rank."""
+    metric = MeanSquaredError().to(accelerator.device)
+    rows = torch.zeros((), dtype=torch.int64, device=accelerator.device)
+    with torch.no_grad():
+        for batch in loader:
+            features = torch.stack([batch[name] for name in FEATURES], dim=1).float()
+            labels = batch[LABEL].float().unsqueeze(1)
+            features, labels = features.to(accelerator.device), labels.to(accelerator.device)
+            predictions = model(features)
+            # Padding (this rank's data ran out) is left out; every rank still takes the step,
+            # so a collective here, every step, never waits for a rank that ran out.
+            if not loader.padding:
+                metric.update(predictions, labels)
+            real = torch.tensor(0 if loader.padding else len(labels), device=accelerator.device)
+            rows += accelerator.reduce(real, reduction="sum")
+    return float(metric.compute()), int(rows)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

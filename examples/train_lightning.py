@@ -7,12 +7,18 @@ the trainer's loggers (here a CSV file per run under ``--results``).
 
 What works in which mode:
 
-* ``truncate`` and ``cycle``: yes, with a factory of petastorm loaders (``--source factory``)
-  or with ``EvenLoader.from_parquet`` (``--source parquet``; Lightning then knows
-  ``len(loader)`` and no collective runs inside the epoch);
+* ``truncate``, ``cycle`` and ``pad``: yes, with a factory of petastorm loaders (``--source
+  factory``) or with ``EvenLoader.from_parquet`` (``--source parquet``; Lightning then knows
+  ``len(loader)`` and no collective runs inside the epoch). In pad mode the training step
+  multiplies its loss by the batch's weight (0 for padding);
 * ``join``: no. Lightning broadcasts a tensor from rank 0 at every step (its SIGTERM check),
   a collective torch's ``Join`` cannot shadow for the ranks that ran out, so the job would
   hang; ddp_even raises ``EvenLoaderError`` on every rank at the first epoch instead.
+
+Validation, after every training epoch, is exact whatever the training mode: the validation
+loader is an EvenLoader in pad mode over the whole dataset, so every row is seen once and every
+rank takes the same steps; ``validation_step`` leaves padding out of a torchmetrics metric and
+out of a mean it logs with ``sync_dist=True`` at every step.
 
 Run it three ways (Lightning starts the other ranks itself, as subprocesses of this script)::
 
@@ -34,6 +40,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +55,7 @@ from petastorm.pytorch import BatchedDataLoader
 from skewed_parquet import FEATURES, LABEL, dataset_url, keep_demo_dataset
 from torch.distributed.algorithms.join import Joinable
 from torch.nn.parallel import DistributedDataParallel
+from torchmetrics.regression import MeanSquaredError
 
 from ddp_even import EvenLoader, EvenLoaderError
 from ddp_even.integrations.lightning import EvenLoaderStats
@@ -99,15 +107,41 @@ class Regression(pl.LightningModule):
         self.settings = run
         self.net = torch.nn.Linear(len(FEATURES), 1)
         self.loader: EvenLoader[dict[str, torch.Tensor]] | None = None
+        self.val_loader: EvenLoader[dict[str, torch.Tensor]] | None = None
+        # Synced over the ranks when computed, at the end of each validation epoch.
+        self.val_mse = MeanSquaredError()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        assert self.loader is not None
         features, labels = to_tensors(batch)
         loss = torch.nn.functional.mse_loss(self.net(features), labels)
         # Averaged over the ranks at the end of the epoch (a collective every rank reaches).
         self.log(
             "train_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(labels)
         )
-        return loss
+        # Pad mode: 0 for padding, else this batch's share of the step's real rows (1.0 in the
+        # other modes). By batch_idx: Lightning may have fetched the next batch already.
+        return loss * self.loader.batch_weight_at(batch_idx)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        assert self.val_loader is not None
+        features, labels = to_tensors(batch)
+        predictions = self.net(features)
+        # A padding batch (this rank's data ran out) counts for nothing: every rank still takes
+        # the step, and the per-step sync_dist below, so no rank waits for one that ran out.
+        padding = self.val_loader.padding_at(batch_idx)
+        if not padding:
+            self.val_mse.update(predictions, labels)
+        self.log("val_mse", self.val_mse, on_epoch=True)
+        squared_error = torch.nn.functional.mse_loss(predictions, labels)
+        self.log(
+            "val_mse_mean",
+            squared_error,
+            on_step=True,
+            on_epoch=True,
+            sync_dist=True,
+            batch_size=0 if padding else len(labels),
+        )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.settings.lr)
@@ -115,39 +149,49 @@ class Regression(pl.LightningModule):
     def train_dataloader(self) -> EvenLoader[dict[str, torch.Tensor]]:
         # Called by Lightning once the process group exists and the model is wrapped in DDP.
         run = self.settings
-        rank, world_size = self.trainer.global_rank, self.trainer.world_size
         # Join mode needs the DDP model to shadow its all-reduces (and refuses to run under
         # Lightning, see the module docstring); the other modes need nothing.
         joinables: list[Joinable] = []
         if run.mode == "join":
             assert isinstance(self.trainer.strategy.model, DistributedDataParallel)
             joinables.append(self.trainer.strategy.model)
+        self.loader = self.even_loader(run.mode, joinables)
+        return self.loader
+
+    def val_dataloader(self) -> EvenLoader[dict[str, torch.Tensor]]:
+        # Pad: every row once, the same steps on every rank, whatever the training's mode.
+        self.val_loader = self.even_loader("pad")
+        return self.val_loader
+
+    def even_loader(
+        self, mode: str, joinables: Sequence[Joinable] = ()
+    ) -> EvenLoader[dict[str, torch.Tensor]]:
+        run = self.settings
+        rank, world_size = self.trainer.global_rank, self.trainer.world_size
         reader_options = {"schema_fields": [*FEATURES, LABEL], "workers_count": 2}
         if run.source == "parquet":
             # Plans the shards from the Parquet footers: len(loader) is known before the first
             # step, and the statistics say exactly what each rank dropped.
-            self.loader = EvenLoader.from_parquet(
+            return EvenLoader.from_parquet(
                 run.data_url,
                 batch_size=run.batch_size,
-                mode=run.mode,
+                mode=mode,
                 reader_kwargs=reader_options,
                 joinables=joinables,
             )
-        else:
 
-            def one_pass() -> BatchedDataLoader:
-                # A fresh reader for each pass over this rank's shard (petastorm's round robin).
-                reader = make_batch_reader(
-                    run.data_url,
-                    num_epochs=1,
-                    cur_shard=rank,
-                    shard_count=world_size,
-                    **reader_options,
-                )
-                return BatchedDataLoader(reader, batch_size=run.batch_size)
+        def one_pass() -> BatchedDataLoader:
+            # A fresh reader for each pass over this rank's shard (petastorm's round robin).
+            reader = make_batch_reader(
+                run.data_url,
+                num_epochs=1,
+                cur_shard=rank,
+                shard_count=world_size,
+                **reader_options,
+            )
+            return BatchedDataLoader(reader, batch_size=run.batch_size)
 
-            self.loader = EvenLoader(one_pass, mode=run.mode, joinables=joinables)
-        return self.loader
+        return EvenLoader(one_pass, mode=mode, joinables=joinables)
 
 
 # --- One training run (every rank) ------------------------------------------------------------
@@ -177,13 +221,20 @@ def train(run: Run) -> dict[str, Any]:
     except EvenLoaderError as raised:  # join mode: raised on every rank at the first epoch
         error = {"type": type(raised).__name__, "message": str(raised)}
     seconds = time.perf_counter() - started
-    loader = module.loader
+    loader, val_loader = module.loader, module.val_loader
     return {
         "mode": run.mode,
         "source": run.source,
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
         "history": [] if loader is None else [stats.as_dict() for stats in loader.history],
+        "val_history": [] if val_loader is None else [s.as_dict() for s in val_loader.history],
+        # The last validation's values (after the last training epoch), the same on every rank.
+        "validation": {
+            name: float(value)
+            for name, value in trainer.callback_metrics.items()
+            if name.startswith("val_")
+        },
         "logged_metrics": stats_callback.metrics,
         "global_step": trainer.global_step,
         "weights": [value for tensor in module.parameters() for value in tensor.flatten().tolist()],
@@ -202,8 +253,10 @@ def report(result: dict[str, Any]) -> None:
         print(
             f"epoch {epoch['epoch']}: steps {epoch['steps']}, own batches {epoch['own_batches']}, "
             f"repeated {epoch['repeated_batches']}, oversampling {epoch['oversampling']:.0%}, "
-            f"dropped batches {epoch['dropped_batches']}"
+            f"dropped batches {epoch['dropped_batches']}, padded {epoch['padded_batches']}"
         )
+    if "val_mse" in result["validation"]:
+        print(f"validation (pad mode, every row once): mse {result['validation']['val_mse']:.5f}")
 
 
 # --- Command line -----------------------------------------------------------------------------
@@ -217,7 +270,7 @@ def report(result: dict[str, Any]) -> None:
 @click.option(
     "--mode",
     "modes",
-    type=click.Choice(["truncate", "cycle", "join"]),
+    type=click.Choice(["truncate", "cycle", "pad", "join"]),
     multiple=True,
     default=["cycle"],
     show_default=True,

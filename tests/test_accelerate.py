@@ -1,9 +1,11 @@
 """EvenLoader inside a real Hugging Face accelerate loop, 2 CPU ranks under torchrun.
 
 One torchrun job runs ``examples/train_accelerate.py`` in every mode, one after the other:
-truncate, cycle and join with a loader factory and with ``from_parquet``, and accelerate's own
-recipe (``accelerate-join``: a plain petastorm loader inside torch's ``Join``). Each rank writes
-a JSON file per run; the test checks them against counts worked out from the row-group sizes.
+truncate, cycle, pad and join with a loader factory and with ``from_parquet``, and accelerate's
+own recipe (``accelerate-join``: a plain petastorm loader inside torch's ``Join``); after each,
+an evaluation in pad mode. Each rank writes a JSON file per run; the test checks them against
+counts worked out from the row-group sizes, and the evaluation against the final model's exact
+mean squared error over the whole dataset.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers.datasets import shard_rows
 from tests.helpers.lightning_and_accelerate import (
+    FEATURES,
     REPO,
     TORCHRUN,
     expected_epoch,
@@ -32,31 +37,31 @@ BATCH_SIZE = 8
 EPOCHS = 3
 # Rank 0 gets row groups 0, 2, 4 (62 rows, 8 batches), rank 1 row groups 1, 3 (12 rows, 2).
 ROW_GROUP_SIZES = (30, 5, 20, 7, 12)
-EVEN_RUNS = [
-    (mode, source) for mode in ("truncate", "cycle", "join") for source in ("factory", "parquet")
-]
+MODES = ("truncate", "cycle", "pad", "join")
+EVEN_RUNS = [(mode, source) for mode in MODES for source in ("factory", "parquet")]
+DATA = "data"
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     workdir = tmp_path_factory.mktemp("accelerate")
-    data_url = write_regression_dataset(workdir / "data", ROW_GROUP_SIZES)
+    data_url = write_regression_dataset(workdir / DATA, ROW_GROUP_SIZES)
     results = workdir / "results"
     runs = [*EVEN_RUNS, ("accelerate-join", "plain")]
     command = [TORCHRUN, "--standalone", "--nproc-per-node", str(WORLD_SIZE), str(EXAMPLE)]
     command += ["--data", data_url, "--results", str(results)]
     command += ["--epochs", str(EPOCHS), "--batch-size", str(BATCH_SIZE)]
-    for mode in ("truncate", "cycle", "join", "accelerate-join"):
+    for mode in (*MODES, "accelerate-join"):
         command += ["--mode", mode]
     command += ["--source", "factory", "--source", "parquet"]
     expected_files = [
         f"{mode}-{source}-rank{rank}.json" for mode, source in runs for rank in range(WORLD_SIZE)
     ]
-    launch(command, results, expected_files, timeout=100, cwd=workdir)
+    launch(command, results, expected_files, timeout=200, cwd=workdir)
     return results
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(250)
 @pytest.mark.parametrize(("mode", "source"), EVEN_RUNS)
 def test_every_rank_trains_the_planned_steps(trained: Path, mode: str, source: str) -> None:
     ranks = read_ranks(trained, f"{mode}-{source}", WORLD_SIZE)
@@ -84,7 +89,25 @@ def test_every_rank_trains_the_planned_steps(trained: Path, mode: str, source: s
     assert ranks[0]["weights"] == ranks[1]["weights"]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(250)
+@pytest.mark.parametrize(("mode", "source"), [*EVEN_RUNS, ("accelerate-join", "plain")])
+def test_evaluation_in_pad_mode_is_exact(trained: Path, mode: str, source: str) -> None:
+    """After every run, pad mode evaluates the final model on every row once: the metric is
+    its exact mean squared error over the whole dataset, on every rank."""
+    table = pq.read_table(trained.parent / DATA)
+    features = np.stack([table.column(name).to_numpy() for name in FEATURES], axis=1)
+    labels = table.column("label").to_numpy()
+    expected = expected_epoch("pad", ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=True)
+    for result in read_ranks(trained, f"{mode}-{source}", WORLD_SIZE):
+        *weights, bias = result["weights"]
+        exact = float(np.mean((features.astype(np.float64) @ weights + bias - labels) ** 2))
+        assert result["eval_mse"] == pytest.approx(exact, rel=1e-5)
+        assert result["eval_rows"] == sum(ROW_GROUP_SIZES)
+        (evaluation,) = result["eval_history"]
+        assert {name: evaluation[name] for name in expected} == expected
+
+
+@pytest.mark.timeout(250)
 def test_accelerates_own_join_recipe_trains_every_row_once(trained: Path) -> None:
     ranks = read_ranks(trained, "accelerate-join-plain", WORLD_SIZE)
     batches = shard_batches(ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE)

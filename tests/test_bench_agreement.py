@@ -30,8 +30,8 @@ def test_two_ranks_report_every_variant_and_target() -> None:
     for row in result["results"]:
         assert len(row["rounds"]) == 1
         assert row["per_step_s"] > 0
-        # Truncate-like variants take the shortest shard's steps; Join and cycle the longest.
-        longest = row["variant"] == JOIN or "cycle" in row["variant"]
+        # Truncate-like variants take the shortest shard's steps; Join, cycle and pad the longest.
+        longest = row["variant"] == JOIN or "cycle" in row["variant"] or "pad" in row["variant"]
         assert row["steps"] == (20 if longest else 18), row
         if row["variant"].endswith("known lengths"):
             # One agreement before the first step, the checks of the sources (overlapped with
@@ -42,6 +42,10 @@ def test_two_ranks_report_every_variant_and_target() -> None:
         if row["variant"] == "ddp_even truncate K=1":
             # One agreement per step and one that ends the epoch, then the statistics.
             assert row["collectives_per_epoch"] == 18 + 2
+        if row["variant"] == "ddp_even pad K=1":
+            # One agreement per step and one that ends the epoch, each with its sum of the
+            # window's real rows, then the statistics.
+            assert row["collectives_per_epoch"] == 2 * (20 + 1) + 1
     # None: no verdict, when noise made Join's added time negative.
     assert {target["passed"] for target in result["targets"]} <= {True, False, None}
     assert {target["target"].split(":")[0] for target in result["targets"]} == {

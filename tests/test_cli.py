@@ -50,10 +50,13 @@ def test_tables(dataset: str) -> None:
     assert "91 rows in 8 row groups, 3 files (from footers)" in out
     assert "Ranks" in out and "Per epoch" in out
     assert "75" in out and "16" in out  # rows per rank
-    for mode in ("truncate", "cycle", "join"):
+    for mode in ("truncate", "cycle", "pad", "join"):
         assert mode in out
     # truncate: 2 steps; rank 0 drops 10 - 2 = 8 batches, 75 - 16 = 59 rows.
     assert "8 / 59" in out
+    # pad: 10 steps; rank 1 pads 8 batches, each a copy of its last (full) batch of 8 rows.
+    assert "8 / 64" in out
+    assert "padded rank-steps" in " ".join(out.split())
     assert "Round robin vs balanced" not in out
 
 
@@ -113,6 +116,9 @@ def test_json(dataset: str) -> None:
     assert document["metadata_source"] == "footers"
     assert document["round_robin"]["rows_per_rank"] == [75, 16]
     assert document["round_robin"]["modes"]["truncate"]["dropped_rows"] == [59, 0]
+    pad = document["round_robin"]["modes"]["pad"]
+    assert (pad["steps"], pad["padded_batches"], pad["padded_rows"]) == (10, [0, 8], [0, 64])
+    assert pad["waste_percent"] == 40.0  # 8 of 20 rank-steps
     assert sorted(document["plan"]["rows_per_rank"]) == [45, 46]
     assert document["plan"]["sharding"] == "row_groups"
     every = sorted(i for shard in document["plan"]["row_groups_per_rank"] for i in shard)
@@ -315,7 +321,9 @@ def test_markdown(dataset: str) -> None:
     assert lines[0] == f"## {dataset}"
     assert "### Ranks" in lines and "### Per epoch" in lines
     assert "| 0 | 4 | 75 | 10 |" in result.output  # rank 0: 4 row groups, 75 rows, 10 batches
-    assert "| truncate | 2 | 8 / 59 | 0 / 0 | 0 | 64.83 |" in lines
+    assert "| truncate | 2 | 8 / 59 | 0 / 0 | 0 / 0 | 0 | 64.83 |" in lines
+    # pad: rank 1 hands out its last batch (8 rows) again at 8 steps, 8 of 20 rank-steps.
+    assert "| pad | 10 | 0 / 0 | 0 / 0 | 8 / 64 | 0 | 40.00 |" in lines
     assert any(line.startswith("- **cycle**: ") for line in lines)
     clash = run(dataset, "-w", "2", "-b", "8", "--format", "markdown", "--json")
     assert clash.exit_code == 2 and "--json contradicts --format markdown" in clash.output

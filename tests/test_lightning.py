@@ -2,8 +2,9 @@
 
 The test runs ``examples/train_lightning.py`` as a subprocess: Lightning starts rank 1 itself
 (a subprocess of the script) and every rank writes a JSON file per run. One job trains, one
-after the other, in truncate and cycle with a loader factory and with ``from_parquet``; a
-second job tries join mode, which must end on every rank, with a clear error, not hang.
+after the other, in truncate, cycle and pad with a loader factory and with ``from_parquet``,
+validating after every epoch in pad mode (a metric synced at every step); a second job tries
+join mode, which must end on every rank, with a clear error, not hang.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers.lightning_and_accelerate import (
+    FEATURES,
     PYTHON,
     REPO,
     expected_epoch,
@@ -32,7 +36,8 @@ BATCH_SIZE = 8
 EPOCHS = 3
 # Rank 0 gets row groups 0, 2, 4 (62 rows, 8 batches), rank 1 row groups 1, 3 (12 rows, 2).
 ROW_GROUP_SIZES = (30, 5, 20, 7, 12)
-RUNS = [(mode, source) for mode in ("truncate", "cycle") for source in ("factory", "parquet")]
+MODES = ("truncate", "cycle", "pad")
+RUNS = [(mode, source) for mode in MODES for source in ("factory", "parquet")]
 
 
 def _command(data_url: str, results: Path, modes: list[str], sources: list[str]) -> list[str]:
@@ -53,18 +58,18 @@ def data_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def trained(data_url: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One Lightning job: the four runs of RUNS, one after the other, on the same 2 ranks."""
+    """One Lightning job: the six runs of RUNS, one after the other, on the same 2 ranks."""
     workdir = tmp_path_factory.mktemp("lightning")
     results = workdir / "results"
     expected_files = [
         f"{mode}-{source}-rank{rank}.json" for mode, source in RUNS for rank in range(WORLD_SIZE)
     ]
-    command = _command(data_url, results, ["truncate", "cycle"], ["factory", "parquet"])
-    launch(command, results, expected_files, timeout=100, cwd=workdir)
+    command = _command(data_url, results, list(MODES), ["factory", "parquet"])
+    launch(command, results, expected_files, timeout=200, cwd=workdir)
     return results
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(250)
 @pytest.mark.parametrize(("mode", "source"), RUNS)
 def test_every_epoch_has_the_right_steps_on_every_rank(
     trained: Path, mode: str, source: str
@@ -92,7 +97,32 @@ def test_every_epoch_has_the_right_steps_on_every_rank(
     assert ranks[0]["weights"] == ranks[1]["weights"]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(250)
+@pytest.mark.parametrize(("mode", "source"), RUNS)
+def test_validation_in_pad_mode_logs_the_exact_mean_over_the_whole_dataset(
+    trained: Path, data_url: str, mode: str, source: str
+) -> None:
+    """Whatever the training's mode, validation (pad) sees every row once: the metric logged
+    at the last epoch is the final model's mean squared error over the whole dataset."""
+    table = pq.read_table(data_url.removeprefix("file://"))
+    features = np.stack([table.column(name).to_numpy() for name in FEATURES], axis=1)
+    labels = table.column("label").to_numpy()
+    for result in read_ranks(trained, f"{mode}-{source}", WORLD_SIZE):
+        *weights, bias = result["weights"]
+        exact = float(np.mean((features.astype(np.float64) @ weights + bias - labels) ** 2))
+        validation = result["validation"]
+        # A torchmetrics metric skipping padding, and a mean logged with sync_dist=True at
+        # every step (padding weighted 0): both exact, up to float32 sums.
+        assert validation["val_mse"] == pytest.approx(exact, rel=1e-5)
+        assert validation["val_mse_mean_epoch"] == pytest.approx(exact, rel=1e-5)
+        # Every validation epoch took the same steps on both ranks, padding the short shard.
+        expected = expected_epoch("pad", ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=True)
+        assert len(result["val_history"]) == EPOCHS
+        for epoch in result["val_history"]:
+            assert {name: epoch[name] for name in expected} == expected
+
+
+@pytest.mark.timeout(250)
 @pytest.mark.parametrize(("mode", "source"), RUNS)
 def test_the_callback_logs_every_epoch_to_the_trainers_logger(
     trained: Path, mode: str, source: str
@@ -113,6 +143,8 @@ def test_the_callback_logs_every_epoch_to_the_trainers_logger(
         "ddp_even/samples": sum(expected["samples"]),
         "ddp_even/truncated_ranks": sum(expected["truncated"]),
         "ddp_even/oversampling": pytest.approx(expected["oversampling"]),
+        "ddp_even/padded_batches": sum(expected["padded_batches"]),
+        "ddp_even/padded_rows": sum(expected["padded_rows"]),
     }
     known_lengths = expected["dropped_batches"] is not None
     if known_lengths:

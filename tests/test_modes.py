@@ -10,7 +10,13 @@ import math
 
 import pytest
 
-from tests.helpers.scenarios import Outcome, Scenario, expected_batches, run_scenarios
+from tests.helpers.scenarios import (
+    Outcome,
+    Scenario,
+    expected_batches,
+    expected_weights,
+    run_scenarios,
+)
 from tests.helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -28,6 +34,14 @@ def _scenarios(lengths: tuple[int, ...]) -> list[Scenario]:
         Scenario(lengths, "join", source="iterator", epochs=1),
         Scenario(lengths, "truncate", source="iterator", epochs=1),
         Scenario(lengths, "join", break_after=1),
+        # Pad runs over empty shards too: they pad with another rank's first batch.
+        Scenario(lengths, "pad"),
+        Scenario(lengths, "pad", sync_every=3),
+        Scenario(lengths, "pad", source="list"),
+        Scenario(lengths, "pad", source="iterator", epochs=1),
+        Scenario(lengths, "pad", steps_per_epoch=2 * max(lengths) + 1, sync_every=2),
+        Scenario(lengths, "pad", steps_per_epoch=1),
+        Scenario(lengths, "pad", break_after=2),
     ]
     if min(lengths) > 0:
         cases += [
@@ -43,6 +57,9 @@ def _scenarios(lengths: tuple[int, ...]) -> list[Scenario]:
 
 
 def _passes(scenario: Scenario, steps: int, length: int) -> int:
+    if scenario.mode == "pad":
+        # Never restarts; without a plan it reads ahead, which starts the source.
+        return 1
     if steps == 0:
         # Reading ahead (before the epoch's first agreement) starts the source; with known
         # lengths, a source whose length is 0 is never started.
@@ -57,12 +74,19 @@ def _check_epoch(scenario: Scenario, outcomes: list[Outcome], epoch: int) -> Non
         expected = expected_batches(scenario, rank)
         length = scenario.lengths[rank]
         assert outcome.epochs[epoch] == expected, (scenario, rank, epoch)
-        assert outcome.repeating[epoch] == [index >= length for index in range(len(expected))]
+        past_own_data = [index >= length for index in range(len(expected))]
+        pads = scenario.mode == "pad"
+        assert outcome.repeating[epoch] == ([False] * len(expected) if pads else past_own_data)
+        assert outcome.padding[epoch] == (past_own_data if pads else [False] * len(expected))
+        if pads:
+            assert outcome.weights[epoch] == pytest.approx(expected_weights(scenario, rank))
         assert outcome.stats[epoch] == stats, "stats must be equal on every rank"
         own = min(len(expected), length)
         assert stats["steps"][rank] == len(expected)
         assert stats["own_batches"][rank] == own
-        assert stats["repeated_batches"][rank] == len(expected) - own
+        assert stats["repeated_batches"][rank] == (0 if pads else len(expected) - own)
+        assert stats["padded_batches"][rank] == (len(expected) - own if pads else 0)
+        assert stats["padded_rows"][rank] == stats["padded_batches"][rank]
         assert stats["samples"][rank] == len(expected)
         assert stats["truncated"][rank] == (length > own)
         assert stats["passes"][rank] == _passes(scenario, len(expected), length)

@@ -10,8 +10,9 @@ process group). Checked here, for every case:
 * either every rank yields exactly the prescribed batches (``expected_batches``), or every
   rank raises the same error at the same step (the failing rank its own ``OSError``, the
   others ``PeerSourceError`` naming it); an error the case makes unavoidable is raised;
-* nothing lost: cycle yields every own batch at least once per epoch, join every batch
-  exactly once, and the statistics say exactly what happened, truncated ranks included;
+* nothing lost: cycle yields every own batch at least once per epoch, pad and join every batch
+  exactly once (pad's padding flagged, of weight 0), and the statistics say exactly what
+  happened, truncated ranks included;
 * nothing left behind: every rank issued the same number of control collectives, and the
   DDP replicas stayed equal.
 """
@@ -33,6 +34,7 @@ from tests.helpers.scenarios import (
     Outcome,
     Scenario,
     expected_batches,
+    expected_weights,
     run_scenarios_in_process,
     run_scenarios_one_model,
     shard,
@@ -74,8 +76,11 @@ def numbers(draw: st.DrawFn, world_size: int) -> Numbers:
 def known_lengths(
     mode: str, source: str, sync_every: int | None, steps_per_epoch: int | None
 ) -> bool:
-    """Whether the loader agrees once per epoch: known lengths, or cycle's fixed step count."""
-    whole_epoch = source == "list" or (mode == "cycle" and steps_per_epoch is not None)
+    """Whether the loader agrees once per epoch: known lengths, or cycle's fixed step count
+    (pad needs a plan, which these cases have not)."""
+    whole_epoch = (source == "list" and mode != "pad") or (
+        mode == "cycle" and steps_per_epoch is not None
+    )
     return whole_epoch and sync_every is None and mode != "join"
 
 
@@ -151,6 +156,10 @@ def allowed_errors(case: Scenario) -> Allowed:
     if case.mode == "cycle" and 0 in case.lengths:
         kinds.add("EmptyShardError")
         mandatory = True
+    if case.mode == "pad" and not any(case.lengths) and case.steps_per_epoch is not None:
+        # Nothing on any rank to pad with, and steps asked for.
+        kinds.add("EmptyShardError")
+        mandatory = True
     return Allowed(frozenset(kinds), mandatory)
 
 
@@ -206,6 +215,8 @@ def _check_errors(case: Scenario, outcomes: list[Outcome]) -> None:
 
 
 def _passes(case: Scenario, steps: int, length: int) -> int:
+    if case.mode == "pad":
+        return 1  # never restarts; reading ahead starts the source
     if steps == 0:
         # Reading ahead (before the epoch's first agreement) starts the source; with known
         # lengths, a source whose length is 0 is never started.
@@ -226,17 +237,25 @@ def _check_epoch(case: Scenario, outcomes: list[Outcome], epoch: int) -> None:
         own = shard(rank, length)
         assert yielded == full, (rank, epoch)
         assert outcome.stats[epoch] == stats, "statistics must be equal on every rank"
-        assert outcome.repeating[epoch] == [index >= length for index in range(len(full))]
+        past_own_data = [index >= length for index in range(len(full))]
+        pads = case.mode == "pad"
+        assert outcome.repeating[epoch] == ([False] * len(full) if pads else past_own_data)
+        assert outcome.padding[epoch] == (past_own_data if pads else [False] * len(full))
         # Nothing lost.
         if case.mode == "join":
             assert Counter(map(tuple, yielded)) == Counter(map(tuple, own)), "join: once each"
+        if pads:
+            real = [batch for batch, pad in zip(yielded, past_own_data, strict=True) if not pad]
+            assert real == own[: len(full)], "pad: every own batch once, in order"
+            assert outcome.weights[epoch] == pytest.approx(expected_weights(case, rank))
         if case.mode == "cycle" and (case.steps_per_epoch or length) >= length:
             assert {tuple(batch) for batch in own} <= {tuple(batch) for batch in yielded}
         # The statistics say what happened.
         own_yielded = min(len(full), length)
         assert stats["steps"][rank] == len(full)
         assert stats["own_batches"][rank] == own_yielded
-        assert stats["repeated_batches"][rank] == len(full) - own_yielded
+        assert stats["repeated_batches"][rank] == (0 if pads else len(full) - own_yielded)
+        assert stats["padded_batches"][rank] == (len(full) - own_yielded if pads else 0)
         assert stats["samples"][rank] == len(full)
         assert stats["passes"][rank] == _passes(case, len(full), length), (rank, stats)
         cut = length > own_yielded

@@ -190,7 +190,7 @@ def test_bad_arguments_say_what_to_do(kwargs: dict[str, Any], error: type, words
 def test_bad_mode_and_rank() -> None:
     plan = plan_shards([1, 2, 3], world_size=2, batch_size=2)
     with pytest.raises(
-        ValueError, match="unknown mode 'drop': choose one of 'truncate', 'cycle', 'join'"
+        ValueError, match="unknown mode 'drop': choose one of 'truncate', 'cycle', 'pad', 'join'"
     ):
         plan.steps("drop")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):

@@ -141,7 +141,7 @@ def _run_case(
     for epoch in range(loader.state_dict()["epoch"], 2):
         seen.append([])
         for batch in loader:
-            train_step(model, optimizer, batch)
+            train_step(model, optimizer, batch, loader.batch_weight)
             seen[-1].append(batch)
             if stop_at is not None and epoch == 0:
                 state = {"loader": loader.state_dict(), "model": module.state_dict()}
@@ -162,6 +162,8 @@ CASES = [
     ("truncate", "factory", 2),
     ("cycle", "list", 6),
     ("cycle", "factory", 4),
+    # Ranks 0 and 2 are past their data at the stop: resumed, they read it again to pad.
+    ("pad", "factory", 6),
     ("join", "list", 4),
 ]
 
@@ -204,6 +206,30 @@ def test_epochs_resumed_by_new_processes_continue_where_they_stopped(tmp_path: P
             expected[0].pop("resumed_at_step")
             assert stats == expected, (mode, kind, rank)
             assert resumed["weights"] == pytest.approx(whole[rank][index]["weights"])
+
+
+@pytest.mark.timeout(60)
+def test_pad_reads_its_shard_again_rather_than_start_at_the_step() -> None:
+    """Padding copies the last batch before it: a factory taking ``start_batch`` is still read
+    from its start when a pad epoch resumes, here past the end of its data."""
+    calls: list[int] = []
+
+    def batches(start_batch: int = 0) -> list[list[int]]:
+        calls.append(start_batch)
+        return [[index] for index in range(start_batch, 3)]
+
+    whole = list(EvenLoader(batches, mode="pad", steps_per_epoch=6))
+    loader = EvenLoader(batches, mode="pad", steps_per_epoch=6)
+    epoch = iter(loader)
+    seen = [next(epoch) for _ in range(4)]
+    resumed = EvenLoader(batches, mode="pad", steps_per_epoch=6)
+    resumed.load_state_dict(loader.state_dict())
+    calls.clear()
+    rest = list(resumed)
+    assert calls == [0], "one pass, from its start"
+    assert seen + rest == whole == [[0], [1], [2], [2], [2], [2]]
+    assert resumed.stats.padded_batches == (3,) and resumed.stats.own_batches == (3,)
+    assert [resumed.padding_at(step) for step in (4, 5)] == [True, True]
 
 
 @pytest.mark.timeout(60)

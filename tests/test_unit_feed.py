@@ -1,4 +1,5 @@
-"""``ShardFeed`` over real sources: read-ahead, restarts, end-of-epoch checks and failures.
+"""``ShardFeed`` over real sources: read-ahead, restarts, padding, end-of-epoch checks and
+failures.
 
 One process, no process group: the feed is what one rank reads; what it must hold is
 counted here from the batches the sources were given.
@@ -47,8 +48,10 @@ class Pulls:
             self.closed += 1
 
 
-def _feed(source: object, *, restarts: bool = False, steps_capped: bool = False) -> ShardFeed[Any]:
-    return ShardFeed(as_source(source), restarts=restarts, steps_capped=steps_capped)
+def _feed(
+    source: object, *, restarts: bool = False, steps_capped: bool = False, pads: bool = False
+) -> ShardFeed[Any]:
+    return ShardFeed(as_source(source), restarts=restarts, steps_capped=steps_capped, pads=pads)
 
 
 def _take_all(feed: ShardFeed[Any]) -> list[FedBatch[Any]]:
@@ -296,6 +299,66 @@ def test_take_or_repeat_with_nothing_to_repeat_raises_the_failure() -> None:
     with pytest.raises(OSError, match="disk gone at batch 0") as info:
         feed.take_or_repeat()
     assert info.value is feed.failure
+
+
+# --- padding (pad) --------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["list", "factory", "iterator"])
+def test_past_its_data_a_padding_feed_hands_out_its_last_batch_again(kind: str) -> None:
+    pulls = Pulls([SHARD[:3]])
+    source = {"list": SHARD[:3], "factory": pulls, "iterator": iter(SHARD[:3])}[kind]
+    feed = _feed(source, pads=True)
+    feed.fill(5)
+    taken = _take_all(feed)
+    assert [fed.batch for fed in taken] == SHARD[:3] + [SHARD[2]] * 2
+    assert [fed.padding for fed in taken] == [False] * 3 + [True] * 2
+    assert [fed.own for fed in taken] == [True] * 3 + [False] * 2
+    assert not any(fed.repeated for fed in taken)
+    assert (feed.own_read, feed.passes_started, feed.can_pad) == (3, 1, True)
+    assert not feed.had_more_own_data()
+    if kind == "factory":
+        assert pulls.calls == 1  # padding opens no pass
+
+
+@pytest.mark.timeout(30)
+def test_the_rows_ahead_count_padding_as_none_real() -> None:
+    feed = _feed([[1, 2, 3], [4]], pads=True)
+    feed.fill(4)
+    assert feed.own_buffered == 2
+    assert feed.buffered_rows() == [3, 1, 0, 0]
+    unknown = _feed([[[1, 2], [3, 4]]], pads=True)  # rows or fields? count_rows cannot tell
+    unknown.fill(2)
+    assert unknown.buffered_rows() == [None, 0]
+
+
+@pytest.mark.timeout(30)
+def test_an_empty_shard_pads_only_with_a_batch_it_is_given() -> None:
+    feed = _feed(lambda: iter([]), pads=True)
+    feed.fill(3)
+    assert (feed.buffered, feed.empty_shard, feed.can_pad) == (0, True, False)
+    assert feed.donation() is None
+    feed.pad_with([7, 8], 2)
+    feed.fill(3)
+    taken = _take_all(feed)
+    assert [fed.batch for fed in taken] == [[7, 8]] * 3
+    assert all(fed.padding for fed in taken)
+    assert [fed.count_samples(fed.batch) for fed in taken] == [2] * 3
+    donor = _feed(SHARD, pads=True)
+    donor.fill(2)
+    assert donor.donation() == (SHARD[0], 2)
+
+
+@pytest.mark.timeout(30)
+def test_a_padding_feed_pads_instead_of_repeating_after_a_failure() -> None:
+    feed = _feed(lambda: iter(SHARD[:2]), pads=True)
+    feed.promise(len(SHARD))
+    taken = [feed.take_or_repeat() for _ in range(4)]
+    assert isinstance(feed.failure, SourceEndedEarlyError)
+    assert [fed.batch for fed in taken] == SHARD[:2] + [SHARD[1]] * 2
+    assert [fed.padding for fed in taken] == [False, False, True, True]
+    assert not any(fed.repeated for fed in taken)
 
 
 @pytest.mark.timeout(30)

@@ -2,8 +2,8 @@
 
 No process group: ``decide`` is fed the agreement every rank would hear, simulated here from
 the shard lengths, and the expected numbers come from the definitions of the modes (truncate
-stops at the shortest shard, cycle runs to the longest or exactly ``steps_per_epoch``, join
-hands out every rank's batches).
+stops at the shortest shard, cycle runs to the longest or exactly ``steps_per_epoch``, pad
+takes cycle's steps and pads with a rank's last batch, join hands out every rank's batches).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ddp_even.agreement.wire import Agreement
 from ddp_even.modes import MODES, Mode, WindowDecision, mode_named
 from ddp_even.names import ModeName
 
-TRUNCATE, CYCLE, JOIN = MODES["truncate"], MODES["cycle"], MODES["join"]
+TRUNCATE, CYCLE, PAD, JOIN = MODES["truncate"], MODES["cycle"], MODES["pad"], MODES["join"]
 
 lengths_st = st.lists(st.integers(0, 40), min_size=1, max_size=6)
 positive_lengths_st = st.lists(st.integers(1, 40), min_size=1, max_size=6)
@@ -46,15 +46,16 @@ def _windowed_epoch(
 ) -> list[WindowDecision]:
     """Every window's decision, with the offers ranks with shards of ``lengths`` make.
 
-    A rank offers up to a window of batches: what is left of its own shard, or (cycle, where
-    short shards start again) a full window, of which the own batches are what is left.
+    A rank offers up to a window of batches: what is left of its own shard, or (cycle and pad,
+    where short shards start again or pad) a full window, of which the own batches are what is
+    left.
     """
     decisions: list[WindowDecision] = []
     done = 0
     for _ in range(1000):
         window = sync_every if steps_per_epoch is None else min(sync_every, steps_per_epoch - done)
         own = [min(window, max(0, length - done)) for length in lengths]
-        available = [window] * len(lengths) if mode.restarts_short_shards else own
+        available = [window] * len(lengths) if mode.goes_past_own_data else own
         decision = mode.decide(_agreement(min(available), max(own)), window, done, steps_per_epoch)
         assert 0 <= decision.steps <= window
         decisions.append(decision)
@@ -91,6 +92,11 @@ def _windowed_epoch(
         ("cycle", (2, 0), 2, 3, 5, (2, True)),
         ("cycle", (1, 1), None, 0, 5, (5, True)),
         ("cycle", (1, 1), 0, 0, 0, (0, True)),
+        # Pad: as cycle (every rank fills its window, with padding past its data).
+        ("pad", (3, 1), 3, 0, None, (1, True)),
+        ("pad", (0, 3), 3, 0, None, (3, False)),
+        ("pad", (2, 0), 2, 3, 5, (2, True)),
+        ("pad", (4, 7), None, 0, None, (7, True)),
         # Join (a single rank): as truncate.
         ("join", (2, 3), 3, 0, None, (2, True)),
         ("join", (3, 3), 3, 3, None, (3, False)),
@@ -160,6 +166,25 @@ def test_join_decides_as_truncate(
 
 
 @pytest.mark.timeout(30)
+@given(
+    st.integers(0, 50),
+    st.integers(0, 50),
+    st.none() | windows_st,
+    st.integers(0, 30),
+    steps_per_epoch_st,
+)
+def test_pad_decides_as_cycle(
+    fewest: int, most_own: int, window: int | None, steps_done: int, steps_per_epoch: int | None
+) -> None:
+    if steps_per_epoch is not None:
+        steps_done = min(steps_done, steps_per_epoch)
+    agreement = _agreement(fewest, most_own)
+    assert PAD.decide(agreement, window, steps_done, steps_per_epoch) == CYCLE.decide(
+        agreement, window, steps_done, steps_per_epoch
+    )
+
+
+@pytest.mark.timeout(30)
 @given(lengths_st, windows_st, steps_per_epoch_st)
 def test_truncate_windows_stop_at_the_shortest_shard(
     lengths: list[int], sync_every: int, steps_per_epoch: int | None
@@ -173,25 +198,32 @@ def test_truncate_windows_stop_at_the_shortest_shard(
 
 
 @pytest.mark.timeout(30)
-@given(positive_lengths_st, windows_st)
-def test_cycle_windows_run_to_the_longest_shard(lengths: list[int], sync_every: int) -> None:
-    decisions = _windowed_epoch(CYCLE, lengths, sync_every, None)
+@given(lengths_st, windows_st, st.sampled_from([CYCLE, PAD]))
+def test_cycle_and_pad_windows_run_to_the_longest_shard(
+    lengths: list[int], sync_every: int, mode: Mode
+) -> None:
+    decisions = _windowed_epoch(mode, lengths, sync_every, None)
     assert sum(decision.steps for decision in decisions) == max(lengths)
     assert all(decision.steps == sync_every for decision in decisions[:-1])
 
 
 @pytest.mark.timeout(30)
-@given(positive_lengths_st, windows_st, st.integers(0, 60))
-def test_cycle_with_steps_per_epoch_takes_exactly_that_many_steps(
-    lengths: list[int], sync_every: int, steps_per_epoch: int
+@given(positive_lengths_st, windows_st, st.integers(0, 60), st.sampled_from([CYCLE, PAD]))
+def test_cycle_and_pad_with_steps_per_epoch_take_exactly_that_many_steps(
+    lengths: list[int], sync_every: int, steps_per_epoch: int, mode: Mode
 ) -> None:
-    decisions = _windowed_epoch(CYCLE, lengths, sync_every, steps_per_epoch)
+    decisions = _windowed_epoch(mode, lengths, sync_every, steps_per_epoch)
     assert sum(decision.steps for decision in decisions) == steps_per_epoch
     assert len(decisions) == max(1, math.ceil(steps_per_epoch / sync_every))
 
 
 @pytest.mark.timeout(30)
-@given(positive_lengths_st, windows_st, steps_per_epoch_st, st.sampled_from(["truncate", "cycle"]))
+@given(
+    positive_lengths_st,
+    windows_st,
+    steps_per_epoch_st,
+    st.sampled_from(["truncate", "cycle", "pad"]),
+)
 def test_windows_add_up_to_the_whole_epoch_decision(
     lengths: list[int], sync_every: int, steps_per_epoch: int | None, mode_name: str
 ) -> None:
@@ -217,6 +249,8 @@ def test_windows_add_up_to_the_whole_epoch_decision(
         ("cycle", None, (7, 7, 7)),
         ("cycle", 3, (3, 3, 3)),
         ("cycle", 10, (10, 10, 10)),
+        ("pad", None, (7, 7, 7)),
+        ("pad", 3, (3, 3, 3)),
         ("join", None, (7, 4, 5)),
     ],
 )
@@ -232,6 +266,7 @@ def test_steps_per_rank_by_definition(lengths: list[int]) -> None:
     n = len(lengths)
     assert TRUNCATE.steps_per_rank(lengths) == (min(lengths),) * n
     assert CYCLE.steps_per_rank(lengths) == (max(lengths),) * n
+    assert PAD.steps_per_rank(lengths) == (max(lengths),) * n
     assert JOIN.steps_per_rank(lengths) == tuple(lengths)
 
 
@@ -303,6 +338,27 @@ def test_cycle_outcome_repeats_short_shards_from_the_start(shards: tuple[list[in
 
 @pytest.mark.timeout(30)
 @given(shards_st)
+def test_pad_outcome_pads_short_shards_with_their_last_batch(shards: tuple[list[int], int]) -> None:
+    rows, batch_size = shards
+    outcome = PAD.epoch_outcome(*_arrays(rows, batch_size), batch_size)
+    sizes = [_batch_sizes(count, batch_size) for count in rows]
+    steps = max(len(shard) for shard in sizes)
+    # An empty rank pads with the first batch of the lowest rank that has one.
+    donated = next((shard[0] for shard in sizes if shard), 0)
+    handed = [shard + [shard[-1] if shard else donated] * (steps - len(shard)) for shard in sizes]
+    assert outcome.steps == steps
+    assert outcome.padded_batches.tolist() == [steps - len(shard) for shard in sizes]
+    padded_rows = [sum(out) - count for out, count in zip(handed, rows, strict=True)]
+    assert outcome.padded_rows.tolist() == padded_rows
+    for name in ("dropped_rows", "repeated_rows", "idle_steps"):
+        assert getattr(outcome, name).tolist() == [0] * len(rows)
+    padded = steps * len(rows) - sum(len(shard) for shard in sizes)
+    expected = Fraction(100 * padded, steps * len(rows)) if steps else Fraction(0)
+    assert _rounded_percent(outcome.waste_percent, expected)
+
+
+@pytest.mark.timeout(30)
+@given(shards_st)
 def test_join_outcome_idles_ranks_that_finish_first(shards: tuple[list[int], int]) -> None:
     rows, batch_size = shards
     outcome = JOIN.epoch_outcome(*_arrays(rows, batch_size), batch_size)
@@ -332,6 +388,12 @@ def test_outcomes_on_a_worked_example() -> None:
     assert cycle.repeated_batches.tolist() == [0, 3, 2]
     assert cycle.repeated_rows.tolist() == [0, 13, 10]
     assert _rounded_percent(cycle.waste_percent, Fraction(100 * 23, 43))
+    pad = PAD.epoch_outcome(rows, batches, 5)
+    assert pad.steps == 5
+    # Rank 1 hands out its last batch (3 rows) 3 more times, rank 2 its last (2 rows) twice.
+    assert pad.padded_batches.tolist() == [0, 3, 2]
+    assert pad.padded_rows.tolist() == [0, 9, 4]
+    assert _rounded_percent(pad.waste_percent, Fraction(100 * 5, 15))
     join = JOIN.epoch_outcome(rows, batches, 5)
     assert join.steps == 5
     assert join.idle_steps.tolist() == [0, 3, 2]
@@ -360,6 +422,12 @@ def test_cycle_repeats_no_rows_of_an_empty_shard_and_cannot_run() -> None:
         "rank(s) 1 have no batch: the epoch has 0 steps, all rows dropped",
     )
     assert JOIN.note_with_empty_ranks("2", 5)[0]
+    assert PAD.note_with_empty_ranks("1", 3) == (
+        True,
+        "rank(s) 1 have no batch: they pad with another rank's first",
+    )
+    padded = PAD.epoch_outcome(np.array([10, 0]), np.array([3, 0]), 4)
+    assert padded.padded_rows.tolist() == [0, 12]  # 3 copies of rank 0's first batch
 
 
 # --- the registry, check and mode_named -----------------------------------------------------
@@ -367,14 +435,15 @@ def test_cycle_repeats_no_rows_of_an_empty_shard_and_cannot_run() -> None:
 
 @pytest.mark.timeout(30)
 def test_registry_names_and_flags() -> None:
-    assert list(MODES) == ["truncate", "cycle", "join"]
+    assert list(MODES) == ["truncate", "cycle", "pad", "join"]
     assert [name for name, mode in MODES.items() if mode.restarts_short_shards] == ["cycle"]
+    assert [name for name, mode in MODES.items() if mode.pads_short_shards] == ["pad"]
     assert [name for name, mode in MODES.items() if mode.shadows_finished_ranks] == ["join"]
     assert all(mode.name == name for name, mode in MODES.items())
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("mode", ["truncate", "cycle"])
+@pytest.mark.parametrize("mode", ["truncate", "cycle", "pad"])
 def test_check_refuses_joinables_outside_join(mode: str) -> None:
     MODES[mode].check(steps_per_epoch=None, has_joinables=False)
     MODES[mode].check(steps_per_epoch=7, has_joinables=False)
@@ -398,8 +467,8 @@ def test_mode_named() -> None:
     for name, mode in MODES.items():
         assert mode_named(name) is mode
         assert mode_named(mode) is mode
-    choices = "choose one of 'truncate', 'cycle', 'join'"
-    for wrong, shown in [("pad", "'pad'"), ("Cycle", "'Cycle'"), ("", "''"), (None, "None")]:
+    choices = "choose one of 'truncate', 'cycle', 'pad', 'join'"
+    for wrong, shown in [("wrap", "'wrap'"), ("Cycle", "'Cycle'"), ("", "''"), (None, "None")]:
         with pytest.raises(ValueError) as info:
             mode_named(wrong)  # type: ignore[arg-type]
         assert str(info.value) == f"unknown mode {shown}: {choices}"

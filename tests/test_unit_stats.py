@@ -25,6 +25,8 @@ COLUMNS = (
     "truncated",
     "planned_batches",
     "planned_rows",
+    "padded_batches",
+    "padded_rows",
 )
 
 
@@ -81,6 +83,18 @@ def test_count_batch_splits_own_and_repeated() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_count_batch_counts_padding_apart_from_own_and_repeated() -> None:
+    counts = RankCounts()
+    for rows, padding in [(8, False), (3, False), (3, True), (3, True)]:
+        counts.count_batch(1, rows, padding)
+    assert (counts.steps, counts.own_batches, counts.repeated_batches) == (4, 2, 0)
+    assert (counts.padded_batches, counts.padded_rows) == (2, 6)
+    assert (counts.samples, counts.own_samples, counts.passes) == (17, 11, 1)
+    counts.count_batch(1, None, padding=True)
+    assert (counts.padded_batches, counts.padded_rows, counts.own_samples) == (3, None, 11)
+
+
+@pytest.mark.timeout(30)
 def test_vectors_and_columns_of_a_worked_example() -> None:
     first = RankCounts(steps=4, own_batches=4, passes=1, samples=30, own_samples=30)
     second = RankCounts(
@@ -94,8 +108,8 @@ def test_vectors_and_columns_of_a_worked_example() -> None:
         planned_batches=7,
         planned_rows=50,
     )
-    assert first.as_vector() == [4, 4, 0, 1, 30, 30, 0, -1, -1]
-    assert second.as_vector() == [4, 2, 2, 2, -1, -1, 1, 7, 50]
+    assert first.as_vector() == [4, 4, 0, 1, 30, 30, 0, -1, -1, 0, 0]
+    assert second.as_vector() == [4, 2, 2, 2, -1, -1, 1, 7, 50, 0, 0]
     columns = RankCounts.columns_of([first.as_vector(), second.as_vector()])
     assert tuple(columns) == COLUMNS
     assert columns["own_batches"] == (4, 2)
@@ -115,6 +129,8 @@ counts_st = st.builds(
     truncated=st.booleans(),
     planned_batches=st.none() | st.integers(0, 2**40),
     planned_rows=st.none() | st.integers(0, 2**62),
+    padded_batches=st.integers(0, 2**40),
+    padded_rows=st.none() | st.integers(0, 2**62),
 )
 
 
@@ -166,6 +182,8 @@ def test_gathered_stats_are_the_same_on_every_rank(rank: int) -> None:
         passes=(1, 2, 2),
         samples=(40, 38, 38),
         truncated=(True, False, False),
+        padded_batches=(0, 0, 0),
+        padded_rows=(0, 0, 0),
         dropped_batches=(3, 0, 0),
         dropped_rows=(24, 0, 0),
         lost_rows=(0, 0, 6),
@@ -179,7 +197,7 @@ def test_the_gatherer_receives_this_ranks_vector_once() -> None:
     counts = _planned_cycle_epoch()
     gatherer = Gatherer(1, {0: counts[0], 2: counts[2]})
     gather_epoch_stats(gatherer, counts[1], 0, "cycle")
-    assert gatherer.sent == [[5, 3, 2, 2, 38, 22, 0, 3, 22]]
+    assert gatherer.sent == [[5, 3, 2, 2, 38, 22, 0, 3, 22, 0, 0]]
 
 
 @pytest.mark.timeout(30)
@@ -247,6 +265,24 @@ def test_summary_of_a_join_epoch_with_an_empty_rank() -> None:
     assert stats.summary() == (
         "epoch 0 join 3 ranks: steps 6/0/2; own 6/0/2; repeated 0/0/0; oversampling 0.0%; "
         "EMPTY: rank 1"
+    )
+
+
+@pytest.mark.timeout(30)
+def test_summary_of_a_pad_epoch_with_an_empty_rank() -> None:
+    # Pad over shards of 5, 0 and 2 batches of 8 rows (rank 2's last batch has 3 rows): rank 1
+    # pads with a copy of rank 0's first batch, rank 2 with its own last.
+    counts = [
+        RankCounts(5, 5, 0, 1, 40, 40, False),
+        RankCounts(5, 0, 0, 1, 40, 0, False, padded_batches=5, padded_rows=40),
+        RankCounts(5, 2, 0, 1, 20, 11, False, padded_batches=3, padded_rows=9),
+    ]
+    stats = _gathered(counts, mode="pad", epoch=0)
+    assert (stats.padded_batches, stats.padded_rows) == ((0, 5, 3), (0, 40, 9))
+    assert stats.empty_ranks == (1,)
+    assert stats.summary() == (
+        "epoch 0 pad 3 ranks: 5 steps; own 5/0/2; repeated 0/0/0; oversampling 0.0%; "
+        "padded 0/5/3 (rows 0/40/9); EMPTY: rank 1"
     )
 
 

@@ -46,10 +46,14 @@ logger = logging.getLogger("ddp_even")
 AGREEMENT = "agreement"
 REPORTS = "reports"
 STATISTICS = "statistics"
+ROWS = "rows"
+PADDING = "padding"
 WHAT = {
     AGREEMENT: "a step agreement",
     REPORTS: "the gather of error reports",
     STATISTICS: "the end-of-epoch statistics gather",
+    ROWS: "the sum of a window's real rows (pad)",
+    PADDING: "the copy of a batch for a rank with nothing to pad with (pad)",
 }
 
 # A wait at a control collective longer than this is written down in the store, once per

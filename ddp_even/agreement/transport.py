@@ -21,8 +21,9 @@ import datetime
 import logging
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,10 @@ from ddp_even.agreement.control_group import (
 )
 from ddp_even.agreement.rollcall import (
     AGREEMENT,
+    PADDING,
     QUIET_S,
     REPORTS,
+    ROWS,
     STATISTICS,
     WHAT,
     RollCall,
@@ -66,10 +69,16 @@ def agreer_for(group: dist.ProcessGroup | None, timeout: float | None) -> Agreer
     return CollectiveAgreer(control_group_for(group, timeout), float(timeout))
 
 
-class PendingAgreement(Protocol):
-    """An agreement that was started; ``wait`` returns its result."""
+T_co = TypeVar("T_co", covariant=True)
 
-    def wait(self) -> Agreement: ...
+
+class Pending(Protocol[T_co]):
+    """A control collective that was started; ``wait`` returns its result."""
+
+    def wait(self) -> T_co: ...
+
+
+PendingAgreement = Pending[Agreement]
 
 
 class Agreer(Protocol):
@@ -93,13 +102,25 @@ class Agreer(Protocol):
         """Every rank's ``counts`` vector (same length everywhere), in rank order."""
         ...
 
+    def start_sum(self, values: Sequence[int]) -> Pending[list[int]]:
+        """Sum ``values`` (the same length on every rank) over the ranks, without blocking."""
+        ...
+
+    def broadcast_bytes(self, payload: bytes | None, source: int) -> bytes:
+        """Rank ``source``'s ``payload`` (None: nothing to send, which every rank gets as
+        ``b""``), on every rank."""
+        ...
+
+
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
-class _Done:
-    agreement: Agreement
+class _Done(Generic[T]):
+    result: T
 
-    def wait(self) -> Agreement:
-        return self.agreement
+    def wait(self) -> T:
+        return self.result
 
 
 class SoloAgreer:
@@ -118,19 +139,31 @@ class SoloAgreer:
     def gather_counts(self, counts: list[int]) -> list[list[int]]:
         return [list(counts)]
 
+    def start_sum(self, values: Sequence[int]) -> Pending[list[int]]:
+        return _Done(list(values))
 
-class _InFlight:
+    def broadcast_bytes(self, payload: bytes | None, source: int) -> bytes:
+        return payload or b""
+
+
+class _InFlight(Generic[T]):
     def __init__(
-        self, agreer: CollectiveAgreer, work: Any, buffer: torch.Tensor, ticket: Ticket
+        self,
+        agreer: CollectiveAgreer,
+        work: Any,
+        buffer: torch.Tensor,
+        ticket: Ticket,
+        read: Callable[[list[int]], T],
     ) -> None:
         self._agreer = agreer
         self._work = work
         self._buffer = buffer
         self._ticket = ticket
-        self._result: Agreement | None = None
+        self._read = read
+        self._result: T | None = None
         self._failure: EvenLoaderError | None = None
 
-    def wait(self) -> Agreement:
+    def wait(self) -> T:
         if self._failure is not None:
             # Waited once already (e.g. again in a ``finally``): the same error, at once.
             raise self._failure
@@ -140,7 +173,7 @@ class _InFlight:
             except EvenLoaderError as error:
                 self._failure = error
                 raise
-            self._result = decode(self._buffer.tolist())
+            self._result = self._read(self._buffer.tolist())
         return self._result
 
 
@@ -178,7 +211,36 @@ class CollectiveAgreer:
         ticket = self._ticket(AGREEMENT)
         work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._channel.track(work)
-        return _InFlight(self, work, buffer, ticket)
+        return _InFlight(self, work, buffer, ticket, decode)
+
+    def start_sum(self, values: Sequence[int]) -> Pending[list[int]]:
+        buffer = torch.tensor(list(values), dtype=torch.int64)
+        ticket = self._ticket(ROWS)
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._channel.track(work)
+        return _InFlight(self, work, buffer, ticket, list)
+
+    def broadcast_bytes(self, payload: bytes | None, source: int) -> bytes:
+        # The size first, so that every rank knows what to receive (0: nothing follows).
+        sending = self.rank == source and payload is not None
+        size = torch.tensor([len(payload) if sending and payload else 0], dtype=torch.int64)
+        self._broadcast(size, source)
+        if int(size.item()) == 0:
+            return b""
+        if sending and payload:
+            buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._broadcast(buffer, source)
+        return bytes(buffer.numpy())
+
+    def _broadcast(self, buffer: torch.Tensor, source: int) -> None:
+        ticket = self._ticket(PADDING)
+        work = dist.broadcast(
+            buffer, src=self.global_ranks[source], group=self.group, async_op=True
+        )
+        self._channel.track(work)
+        self.await_work(work, ticket)
 
     def gather_reports(self, report: Report) -> list[Report]:
         # Fixed-size buffers in one async all-gather, so that the wait has this rank's own

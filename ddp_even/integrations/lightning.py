@@ -2,8 +2,11 @@
 
 An :class:`~ddp_even.EvenLoader` goes to a Lightning ``Trainer(strategy="ddp")`` as it is (return
 it from ``train_dataloader()``, where the process group exists): Lightning injects no sampler
-into it and runs the steps it hands out. Truncate and cycle work; join mode cannot, because
-Lightning makes a collective of its own at every step that torch's ``Join`` cannot shadow.
+into it and runs the steps it hands out. Truncate, cycle and pad work (pad also for exact
+validation: ``val_dataloader()``); join mode cannot, because Lightning makes a collective of its
+own at every step that torch's ``Join`` cannot shadow. Lightning may fetch the next batch before
+the step runs: the step asks the loader about its batch by index (``loader.padding_at(batch_idx)``,
+``loader.batch_weight_at(batch_idx)``).
 :class:`EvenLoaderStats` adds the statistics to the trainer's loggers after each training
 epoch. This is the only module of ddp_even that imports Lightning (``lightning.pytorch``).
 
@@ -38,8 +41,8 @@ def stats_metrics(stats: EpochStats, prefix: str = "ddp_even/") -> dict[str, flo
     """One epoch's statistics as flat numbers for a metrics logger.
 
     Per-rank fields are summed over the ranks (``steps`` as min and max); fields that are not
-    known (``samples`` with unsized batches, ``dropped_*`` and ``lost_rows`` without a shard
-    plan, ``resumed_at_step`` in an epoch that was not resumed) are left out.
+    known (``samples`` and ``padded_rows`` with unsized batches, ``dropped_*`` and ``lost_rows``
+    without a shard plan, ``resumed_at_step`` in an epoch that was not resumed) are left out.
 
     Example::
 
@@ -50,7 +53,7 @@ def stats_metrics(stats: EpochStats, prefix: str = "ddp_even/") -> dict[str, flo
         {'ddp_even/epoch': 0, 'ddp_even/steps_min': 3, 'ddp_even/steps_max': 3,
          'ddp_even/own_batches': 2, 'ddp_even/repeated_batches': 1, 'ddp_even/passes_max': 2,
          'ddp_even/truncated_ranks': 0, 'ddp_even/empty_ranks': 0, 'ddp_even/oversampling': 0.5,
-         'ddp_even/samples': 5}
+         'ddp_even/padded_batches': 0, 'ddp_even/samples': 5, 'ddp_even/padded_rows': 0}
     """
     metrics: dict[str, float] = {
         "epoch": stats.epoch,
@@ -62,9 +65,12 @@ def stats_metrics(stats: EpochStats, prefix: str = "ddp_even/") -> dict[str, flo
         "truncated_ranks": sum(stats.truncated),
         "empty_ranks": len(stats.empty_ranks),
         "oversampling": stats.oversampling,
+        "padded_batches": sum(stats.padded_batches),
     }
-    if None not in stats.samples:
-        metrics["samples"] = sum(rows for rows in stats.samples if rows is not None)
+    for name in ("samples", "padded_rows"):
+        rows: tuple[int | None, ...] = getattr(stats, name)
+        if None not in rows:
+            metrics[name] = sum(count for count in rows if count is not None)
     for name in ("dropped_batches", "dropped_rows", "lost_rows"):
         per_rank: tuple[int, ...] | None = getattr(stats, name)
         if per_rank is not None:

@@ -10,11 +10,11 @@ __all__ = ["ModeStats"]
 
 @dataclass(frozen=True)
 class ModeStats:
-    """One mode's epoch for every rank: steps, and what each rank drops, repeats or waits.
+    """One mode's epoch for every rank: steps, and what each rank drops, repeats, pads or waits.
 
     Per-rank fields are tuples indexed by rank. ``waste_percent`` is, per mode: rows dropped
-    (truncate) or rows repeated (cycle) as a share of all rows, and for join the share of
-    rank-steps spent waiting.
+    (truncate) or rows repeated (cycle) as a share of all rows, and for pad and join the share
+    of rank-steps spent on padding or waiting.
 
     Example:
         >>> from ddp_even.planning import plan_shards
@@ -35,6 +35,9 @@ class ModeStats:
     repeated_rows: tuple[int, ...]
     #: Steps a rank spends joined, with no batch of its own (join).
     idle_steps: tuple[int, ...]
+    #: Padding batches (and their rows) a rank hands out past its data (pad).
+    padded_batches: tuple[int, ...]
+    padded_rows: tuple[int, ...]
     #: Share wasted, in percent (see the class docstring).
     waste_percent: float
     #: False when the mode cannot run this epoch; ``note`` says why.
@@ -78,4 +81,6 @@ class ModeStats:
             "repeated_batches": list(self.repeated_batches),
             "repeated_rows": list(self.repeated_rows),
             "idle_steps": list(self.idle_steps),
+            "padded_batches": list(self.padded_batches),
+            "padded_rows": list(self.padded_rows),
         }

@@ -48,8 +48,8 @@ class ShardPlan:
         >>> plan = plan_shards([100, 100, 100, 10], world_size=2, batch_size=32)
         >>> plan.shards, plan.rows_per_rank, plan.batches_per_rank
         (((0, 2), (1, 3)), (200, 110), (7, 4))
-        >>> plan.steps("truncate"), plan.steps("cycle"), plan.steps("join")
-        (4, 7, 7)
+        >>> plan.steps("truncate"), plan.steps("cycle"), plan.steps("pad"), plan.steps("join")
+        (4, 7, 7, 7)
     """
 
     world_size: int
@@ -212,6 +212,8 @@ class ShardPlan:
             repeated_batches=_as_tuple(outcome.repeated_batches),
             repeated_rows=_as_tuple(outcome.repeated_rows),
             idle_steps=_as_tuple(outcome.idle_steps),
+            padded_batches=_as_tuple(outcome.padded_batches),
+            padded_rows=_as_tuple(outcome.padded_rows),
             waste_percent=outcome.waste_percent,
             runnable=runnable,
             note=note,
@@ -231,9 +233,9 @@ class ShardPlan:
             >>> plan = plan_shards([5, 5], world_size=3, batch_size=4)
             >>> print(plan.describe_too_many_ranks())  # doctest: +NORMALIZE_WHITESPACE
             world size 3 is larger than the 2 row groups: with petastorm's round robin every
-            rank's reader raises NoDataAvailableError, so truncate, cycle and join all fail;
-            with whole balanced row groups, rank(s) 2 get no rows: truncate runs 0 steps, cycle
-            cannot run, join trains on 2 rank(s); sharding="rows" splits row groups so that
+            rank's reader raises NoDataAvailableError, so every mode fails; with whole balanced
+            row groups, rank(s) 2 get no rows: truncate runs 0 steps, cycle cannot run, pad
+            pads them, join trains on 2 rank(s); sharding="rows" splits row groups so that
             every rank gets rows
         """
         if self.world_size <= self.num_row_groups:
@@ -242,8 +244,8 @@ class ShardPlan:
         return (
             f"world size {self.world_size} is larger than the {self.num_row_groups} row groups: "
             "with petastorm's round robin every rank's reader raises NoDataAvailableError, so "
-            f"truncate, cycle and join all fail; with whole balanced row groups, rank(s) {empty} "
-            f"get no rows: truncate runs 0 steps, cycle cannot run, join trains on "
+            f"every mode fails; with whole balanced row groups, rank(s) {empty} get no rows: "
+            "truncate runs 0 steps, cycle cannot run, pad pads them, join trains on "
             f'{self.num_row_groups} rank(s); sharding="rows" splits row groups so that every '
             "rank gets rows"
         )

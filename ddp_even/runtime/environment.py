@@ -56,7 +56,8 @@ def refuse_join_inside_lightning() -> None:
                 "join mode cannot run inside a Lightning Trainer: Lightning makes a collective "
                 "of its own at every step (it broadcasts a stop signal), which torch's Join "
                 "cannot shadow for the ranks that ran out, so the job would hang. Use "
-                "mode='truncate' or mode='cycle' under Lightning"
+                "mode='pad' (every row once, as join) or mode='truncate' or mode='cycle' under "
+                "Lightning"
             )
         frame = frame.f_back
 

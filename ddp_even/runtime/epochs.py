@@ -1,12 +1,14 @@
 """How one epoch runs on one rank, in each of its three shapes.
 
-* ``run_windows``: truncate/cycle; ranks agree once per window of ``sync_every`` batches. The
-  agreement for the next window is started before the last batch of the current one is
-  handed out, so its latency hides behind the training step.
-* ``run_known_lengths``: truncate/cycle when every rank knows its batch count, or cycle with
-  a fixed ``steps_per_epoch``; one agreement at the start of the epoch, then only a check
-  every :data:`CHECK_EVERY` steps that no rank's source failed or ran short, started after a
-  step's batch is taken and waited when the next one starts, so the steps between hide it.
+* ``run_windows``: truncate/cycle/pad; ranks agree once per window of ``sync_every`` batches.
+  The agreement for the next window is started before the last batch of the current one is
+  handed out, so its latency hides behind the training step (in pad without a plan, with the
+  sum of the window's real rows: :mod:`ddp_even.runtime.padding`).
+* ``run_known_lengths``: truncate/cycle/pad when every rank knows its batch count (pad: from a
+  plan), or cycle with a fixed ``steps_per_epoch``; one agreement at the start of the epoch,
+  then only a check every :data:`CHECK_EVERY` steps that no rank's source failed or ran short,
+  started after a step's batch is taken and waited when the next one starts, so the steps
+  between hide it.
 * ``run_join`` (``join.py``): join; each rank hands out all its batches inside ``torch``'s
   ``Join``, and the loader itself is the first joinable so that ranks that have joined still
   take part in every window's agreement (errors and mismatches reach them too).
@@ -25,12 +27,20 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from torch.distributed.algorithms.join import Joinable
 
-from ddp_even.agreement.transport import Agreer, PendingAgreement
+from ddp_even.agreement.transport import Agreer, Pending, PendingAgreement
 from ddp_even.agreement.wire import Agreement, Report, error_from_reports
-from ddp_even.errors import RankMismatchError
+from ddp_even.errors import EmptyShardError, RankMismatchError
 from ddp_even.modes import Mode, WindowDecision
 from ddp_even.runtime.feed import FedBatch, ShardFeed
+from ddp_even.runtime.iteration import BatchMarks
 from ddp_even.runtime.join import run_join
+from ddp_even.runtime.padding import (
+    PlannedRows,
+    batch_weight,
+    rows_to_sum,
+    share_padding,
+    summed_rows,
+)
 from ddp_even.runtime.stats import EpochStats, RankCounts, gather_epoch_stats
 
 if TYPE_CHECKING:
@@ -94,8 +104,8 @@ class EpochRun(Generic[BatchT]):
     feed: ShardFeed[BatchT]
     epoch: int
     counts: RankCounts
-    # Tells the loader whether the batch being handed out is a repeat.
-    mark_repeating: Callable[[bool], None]
+    # Tells the loader what the batch being handed out is (a repeat, padding, its weight).
+    mark: Callable[[BatchMarks], None]
     # Keeps the gathered statistics of a finished epoch.
     record: Callable[[EpochStats], None]
     # This rank's batch count known up front (a length or a plan) when the epoch trusts it.
@@ -112,11 +122,37 @@ class EpochRun(Generic[BatchT]):
     finished: bool = False
     # A check of the sources (known lengths) started and not yet waited for.
     pending_check: tuple[Report, PendingAgreement] | None = None
+    # Pad: every rank's real rows at every step, from the plan; without one, the real rows
+    # over all ranks at each step of the current window, from the step ``window_start``, and
+    # the sum for the next window once every rank is known to start it.
+    planned_rows: PlannedRows | None = None
+    window_rows: list[int | None] = dataclasses.field(default_factory=list)
+    window_start: int = 0
+    pending_rows: Pending[list[int]] | None = None
+    sums_rows_ahead: bool = False
+
+    def __post_init__(self) -> None:
+        if self.settings.mode.pads_short_shards and self.settings.plan is not None:
+            self.planned_rows = PlannedRows(self.settings.plan)
 
     def hand_out(self, fed: FedBatch[BatchT]) -> BatchT:
-        self.counts.count_batch(fed.pass_number, fed.count_samples(fed.batch))
-        self.mark_repeating(fed.repeated)
+        step = self.counts.steps
+        rows = fed.count_samples(fed.batch)
+        self.counts.count_batch(fed.pass_number, rows, fed.padding)
+        self.mark(BatchMarks(step, fed.repeated, fed.padding, self._weight(fed, step, rows)))
         return fed.batch
+
+    def _weight(self, fed: FedBatch[BatchT], step: int, rows: int | None) -> float | None:
+        """The loss weight of ``fed`` (of ``rows`` rows), handed out at ``step``."""
+        if fed.padding:
+            return 0.0
+        if not self.settings.mode.pads_short_shards:
+            return 1.0
+        world_size = self.agreer.world_size
+        if self.planned_rows is not None:
+            planned = self.planned_rows
+            return batch_weight(planned.of(self.agreer.rank, step), planned.total(step), world_size)
+        return batch_weight(rows, self.window_rows[step - self.window_start], world_size)
 
     def finish(self, had_more_own_data: bool) -> None:
         """Gather the statistics; called at a point every rank reaches."""
@@ -181,7 +217,7 @@ class EpochRun(Generic[BatchT]):
             if not self.feed.buffered:
                 break  # a rank that ran out (join), or a failure the next agreement reports
             fed = self.feed.take()
-            self.counts.count_batch(fed.pass_number, fed.count_samples(fed.batch))
+            self.counts.count_batch(fed.pass_number, fed.count_samples(fed.batch), fed.padding)
         self.steps_done = self.resumed_at = step
         logger.info(
             "epoch %d resumes after step %d: read %d batch(es) of this rank's source again to "
@@ -193,6 +229,11 @@ class EpochRun(Generic[BatchT]):
 
     def report(self, available: int, own_available: int, shard_is_empty: bool) -> Report:
         failure = self.feed.failure
+        mode = self.settings.mode
+        # Cycle cannot repeat an empty shard; pad needs a batch to pad it with.
+        needs_a_batch = mode.restarts_short_shards or (
+            mode.pads_short_shards and not self.feed.can_pad
+        )
         return Report(
             rank=self.agreer.global_ranks[self.agreer.rank],
             epoch=self.epoch,
@@ -200,7 +241,7 @@ class EpochRun(Generic[BatchT]):
             settings=self.settings.description,
             available=available,
             own_available=own_available,
-            empty_shard=self.settings.mode.restarts_short_shards and shard_is_empty,
+            empty_shard=needs_a_batch and shard_is_empty,
             failed=failure is not None,
             failure=None if failure is None else (type(failure).__name__, str(failure)),
             off_plan=self.off_plan,
@@ -209,14 +250,37 @@ class EpochRun(Generic[BatchT]):
     def offer_buffered(self, window: int) -> tuple[Report, PendingAgreement]:
         self.feed.fill(window)
         report = self.report(self.feed.buffered, self.feed.own_buffered, self.feed.empty_shard)
-        return report, self.agreer.start(report)
+        pending = self.agreer.start(report)
+        if self.sums_rows_ahead:
+            self.pending_rows = self._start_rows_sum(window)
+        return report, pending
 
-    def check(self, report: Report, agreement: Agreement) -> None:
-        """Raise the same error on every rank when the agreement carries a problem."""
-        if not agreement.has_problem:
+    def _start_rows_sum(self, window: int) -> Pending[list[int]]:
+        return self.agreer.start_sum(rows_to_sum(self.feed.buffered_rows(), window))
+
+    def settle_rows(self, window: int) -> None:
+        """Pad without a plan: the real rows over all ranks at each step of this window."""
+        if not self.settings.mode.pads_short_shards or self.planned_rows is not None:
             return
+        if self.pending_rows is None:
+            # The epoch's first window: its agreement showed that every rank runs this loop,
+            # so every rank starts this sum, and from now on with each agreement.
+            self.pending_rows = self._start_rows_sum(window)
+            self.sums_rows_ahead = True
+        pending, self.pending_rows = self.pending_rows, None
+        self.window_rows = summed_rows(pending.wait())
+        self.window_start = self.counts.steps
+
+    def check(self, report: Report, agreement: Agreement) -> Agreement:
+        """Raise the same error on every rank when the agreement carries a problem; in pad, give
+        ranks with an empty shard a batch to pad with instead (the agreement it carries)."""
+        if not agreement.has_problem:
+            return agreement
         reports = self.agreer.gather_reports(report)
         error = error_from_reports(reports, self.feed.failure, self.steps_done)
+        if isinstance(error, EmptyShardError) and self.settings.mode.pads_short_shards:
+            fixed_steps = self.settings.steps_per_epoch is not None
+            return share_padding(self.agreer, self.feed, reports, fixed_steps)
         logger.debug(
             "epoch %d, after %d step(s): every rank raises %r", self.epoch, self.steps_done, error
         )
@@ -262,8 +326,11 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
         while pending is not None:
             agreement = pending.wait()
             pending = None
-            run.check(report, agreement)
+            agreement = run.check(report, agreement)
+            # A rank given a batch to pad with at this agreement fills its window with it.
+            run.feed.fill(window)
             decision = run.decide(agreement, window)
+            run.settle_rows(window)
             run.steps_done += decision.steps
             for remaining in reversed(range(decision.steps)):
                 # Out of the buffer as handed out: a batch the consumer is done with is not
@@ -281,10 +348,12 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
                 run.finish(run.feed.had_more_own_data())
                 return
     finally:
+        # Every rank started these, so they complete; waiting leaves nothing in flight when
+        # the consumer stops early on every rank.
         if pending is not None:
-            # Every rank started this agreement, so it completes; waiting leaves nothing
-            # in flight when the consumer stops early on every rank.
             pending.wait()
+        if run.pending_rows is not None:
+            run.pending_rows.wait()
 
 
 def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterator[BatchT]:
@@ -303,8 +372,7 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
         report = run.report(run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard)
     else:
         report = run.report(own_batches, own_batches, shard_is_empty=own_batches == 0)
-    agreement = run.agreer.start(report).wait()
-    run.check(report, agreement)
+    agreement = run.check(report, run.agreer.start(report).wait())
     # The whole epoch's steps, also when it resumes part-way.
     decision = run.settings.mode.decide(agreement, window, 0, run.settings.steps_per_epoch)
     run.agreed_steps = decision.steps

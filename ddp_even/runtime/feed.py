@@ -1,8 +1,10 @@
-"""One rank's reading of its shard during one epoch: look-ahead buffer, restarts, failures.
+"""One rank's reading of its shard during one epoch: look-ahead buffer, restarts, padding,
+failures.
 
 The feed reads ahead (up to one window) so that, before a window's agreement, a rank knows
 how many batches it can hand out; a source that raises is caught here and reported at the
-agreement instead of leaving the other ranks waiting.
+agreement instead of leaving the other ranks waiting. Past the end of its data a feed that
+pads hands out its last batch again, flagged as padding.
 """
 
 from __future__ import annotations
@@ -30,10 +32,17 @@ class FedBatch(NamedTuple, Generic[BatchT]):
     # Which pass over the shard it came from: 1 for the rank's own data, more for repeats.
     pass_number: int
     count_samples: Callable[[BatchT], int | None]
+    # Handed out past the rank's data (pad): a copy of a batch already handed out.
+    padding: bool = False
 
     @property
     def repeated(self) -> bool:
         return self.pass_number > 1
+
+    @property
+    def own(self) -> bool:
+        """From the rank's first pass, handed out for the first time."""
+        return self.pass_number == 1 and not self.padding
 
 
 def _few(indices: list[int]) -> str:
@@ -48,7 +57,8 @@ class ShardFeed(Generic[BatchT]):
     """Batches of one rank's shard for one epoch, read ahead into a buffer.
 
     ``restarts``: start a fresh pass when the shard ends (cycle). ``steps_capped``: the epoch
-    has ``steps_per_epoch``, so a pass that never ends is fine.
+    has ``steps_per_epoch``, so a pass that never ends is fine. ``pads``: past the end of its
+    data, hand out its last batch again as padding (pad).
     """
 
     def __init__(
@@ -57,10 +67,14 @@ class ShardFeed(Generic[BatchT]):
         restarts: bool,
         steps_capped: bool,
         starts_after: int = 0,
+        pads: bool = False,
     ) -> None:
         self._source = source
         self._restarts = restarts
         self._steps_capped = steps_capped
+        self._pads = pads
+        # What padding hands out (pads): the last own batch read, or one given by a peer.
+        self._padding: FedBatch[BatchT] | None = None
         self._pass: ShardPass[BatchT] | None = None
         # Passes started; at the end of a cycle epoch the last one may go unused, since
         # ranks read ahead before they know that the epoch ends.
@@ -86,7 +100,7 @@ class ShardFeed(Generic[BatchT]):
 
     @property
     def own_buffered(self) -> int:
-        return sum(1 for item in self._buffer if not item.repeated)
+        return sum(1 for item in self._buffer if item.own)
 
     @property
     def empty_shard(self) -> bool:
@@ -96,6 +110,26 @@ class ShardFeed(Generic[BatchT]):
     def _has_own_data(self) -> bool:
         """Whether the shard holds a batch (a restart then has something to repeat)."""
         return self.own_read > 0 or self._starts_after > 0
+
+    @property
+    def can_pad(self) -> bool:
+        """Whether there is a batch to pad with (pads)."""
+        return self._padding is not None
+
+    def donation(self) -> tuple[BatchT, int | None] | None:
+        """The first buffered batch and its rows, for a peer with nothing to pad with."""
+        if not self._buffer:
+            return None
+        first = self._buffer[0]
+        return first.batch, first.count_samples(first.batch)
+
+    def pad_with(self, batch: BatchT, rows: int | None) -> None:
+        """Pad with ``batch`` (of ``rows`` rows), a peer's: this rank has no batch of its own."""
+        self._padding = FedBatch(batch, 1, lambda _batch: rows, padding=True)
+
+    def buffered_rows(self) -> list[int | None]:
+        """Per buffered batch, in order, its real rows: 0 for padding, None where unknown."""
+        return [0 if fed.padding else fed.count_samples(fed.batch) for fed in self._buffer]
 
     def first_pass_row_groups(self) -> frozenset[int] | None:
         """Open the first pass now (nothing read) and say which row groups it reads."""
@@ -167,11 +201,13 @@ class ShardFeed(Generic[BatchT]):
             # Nothing to repeat. Not reached by the loader: an epoch with known lengths reads
             # its first batch before its agreement, which reports a failure there.
             raise self.failure
+        if self._pads:
+            return self._last._replace(padding=True)
         return self._last._replace(pass_number=max(self._last.pass_number, 2))
 
     def had_more_own_data(self) -> bool:
         """Whether the first pass still had batches when the epoch stopped (reads one to check)."""
-        if any(not item.repeated for item in self._buffer):
+        if any(item.own for item in self._buffer):
             return True
         if self.own_ended or self.failure is not None or self.passes_started != 1:
             return False
@@ -188,15 +224,22 @@ class ShardFeed(Generic[BatchT]):
         if self._pass is not None:
             # A source that continues across epochs keeps what was read but not handed out.
             self._pass.give_back(
-                [fed.batch for fed in self._buffer if fed.pass_number == self.passes_started]
+                [
+                    fed.batch
+                    for fed in self._buffer
+                    if fed.pass_number == self.passes_started and not fed.padding
+                ]
             )
             self._pass.close()
             self._pass = None
         self._buffer.clear()
 
     def _read_one(self, may_restart: bool = True) -> FedBatch[BatchT]:
+        """The next batch; past the first pass (a restart, padding) only if ``may_restart``."""
         while True:
             if self._pass is None:
+                if self._pads and self.own_ended and may_restart and self._padding is not None:
+                    return self._padding
                 self._open_pass(may_restart)
             assert self._pass is not None
             try:
@@ -207,7 +250,10 @@ class ShardFeed(Generic[BatchT]):
             self._batches_in_pass += 1
             if self.passes_started == 1:
                 self.own_read += 1
-            return FedBatch(batch, self.passes_started, self._pass.count_samples)
+            fed = FedBatch(batch, self.passes_started, self._pass.count_samples)
+            if self._pads:
+                self._padding = fed._replace(padding=True)
+            return fed
 
     def _open_pass(self, may_restart: bool) -> None:
         restart_allowed = may_restart and self._restarts and self._has_own_data

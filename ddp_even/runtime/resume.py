@@ -312,8 +312,9 @@ def resumed_start(
             tails_source, first_pass=tails, step=step, skipped=skipped, unchecked=unchecked
         )
     source.start_epoch(epoch)
-    # A repeated pass (cycle) cannot be reached by starting the first one later.
-    if not mode.restarts_short_shards and source.starts_at(step):
+    # A repeated pass (cycle) cannot be reached by starting the first one later, nor can
+    # padding (pad) that copies a batch before the step.
+    if not mode.goes_past_own_data and source.starts_at(step):
         return ResumedStart(source, step=step, skipped=[None] * step, unchecked=unchecked)
     return ResumedStart(source, step=step, unchecked=unchecked)
 
@@ -333,6 +334,8 @@ def _own_tails(
         or plan is None
         or planned.why_not_in_plan_order is not None
         or step > plan.batches_per_rank[rank]  # in a repeated pass
+        # Padding copies the rank's last batch: a rank past its data reads it again.
+        or (mode.pads_short_shards and step >= plan.batches_per_rank[rank])
     ):
         return None
     from ddp_even.planning.remainder import plan_own_tails

@@ -30,10 +30,16 @@ class RankCounts:
     # This rank's batches and rows according to a shard plan, when there is one.
     planned_batches: int | None = None
     planned_rows: int | None = None
+    # Padding handed out past the rank's data (pad).
+    padded_batches: int = 0
+    padded_rows: int | None = 0
 
-    def count_batch(self, pass_number: int, rows: int | None) -> None:
+    def count_batch(self, pass_number: int, rows: int | None, padding: bool = False) -> None:
         self.steps += 1
-        if pass_number > 1:
+        if padding:
+            self.padded_batches += 1
+            self.padded_rows = _add(self.padded_rows, rows)
+        elif pass_number > 1:
             self.repeated_batches += 1
         else:
             self.own_batches += 1
@@ -71,15 +77,18 @@ class EpochStats:
 
     Attributes:
         epoch: index of the epoch, counted by the loader from 0.
-        mode: ``"truncate"``, ``"cycle"`` or ``"join"``.
+        mode: ``"truncate"``, ``"cycle"``, ``"pad"`` or ``"join"``.
         world_size: number of ranks.
         steps: batches each rank yielded.
         own_batches: batches each rank yielded from its first pass over its shard.
         repeated_batches: batches yielded after the shard was started again (cycle).
         passes: how many passes over its shard each rank handed out batches from (1 when
             it had none; a pass started by the read-ahead and never used is not counted).
-        samples: rows each rank yielded, or None where a batch's size could not be read.
+        samples: rows each rank yielded (padding included), or None where a batch's size
+            could not be read.
         truncated: whether each rank still had data when the epoch stopped.
+        padded_batches: padding batches each rank handed out past its data (pad; 0 otherwise).
+        padded_rows: the rows of those, or None where a batch's size could not be read.
         dropped_batches: batches of its shard each rank did not hand out because the epoch
             stopped first, known when the loader has a shard plan (``EvenLoader(...,
             plan=...)`` or ``from_parquet``); else None.
@@ -118,6 +127,8 @@ class EpochStats:
     passes: tuple[int, ...]
     samples: tuple[int | None, ...]
     truncated: tuple[bool, ...]
+    padded_batches: tuple[int, ...]
+    padded_rows: tuple[int | None, ...]
     dropped_batches: tuple[int, ...] | None = None
     dropped_rows: tuple[int, ...] | None = None
     lost_rows: tuple[int, ...] | None = None
@@ -157,6 +168,10 @@ class EpochStats:
         if any(self.truncated):
             cut = [rank for rank, flag in enumerate(self.truncated) if flag]
             line += f"; truncated: {_ranks_phrase(cut)}"
+        if any(self.padded_batches):
+            line += f"; padded {_slashed(self.padded_batches)}"
+            if None not in self.padded_rows:
+                line += f" (rows {_slashed(self.padded_rows)})"
         if self.dropped_batches is not None and any(self.dropped_batches):
             line += f"; dropped batches {_slashed(self.dropped_batches)}"
             if self.dropped_rows is not None:
@@ -177,7 +192,7 @@ class EpochStats:
         return dataclasses.asdict(self)
 
 
-def _slashed(values: tuple[int, ...]) -> str:
+def _slashed(values: tuple[int | None, ...]) -> str:
     return "/".join(str(value) for value in values)
 
 
@@ -232,6 +247,8 @@ def gather_epoch_stats(
         passes=_known(columns["passes"]),
         samples=columns["samples"],
         truncated=truncated,
+        padded_batches=_known(columns["padded_batches"]),
+        padded_rows=columns["padded_rows"],
         dropped_batches=dropped_batches,
         dropped_rows=dropped_rows,
         lost_rows=lost_rows,

@@ -93,23 +93,36 @@ def expected_epoch(
     counts = [len(shard) for shard in batches]
     if mode == "truncate":
         steps = [min(counts)] * world_size
-    elif mode == "cycle":
+    elif mode in ("cycle", "pad"):
         steps = [max(counts)] * world_size
     else:
         steps = counts
     own = [min(taken, count) for taken, count in zip(steps, counts, strict=True)]
+    extra = [taken - mine for taken, mine in zip(steps, own, strict=True)]
+    # What a rank hands out past its data: its shard again (cycle), or its last batch (pad).
+    if mode == "pad":
+        handed = [shard + [shard[-1]] * more for shard, more in zip(batches, extra, strict=True)]
+    else:
+        handed = [
+            [shard[i % len(shard)] for i in range(taken)]
+            for taken, shard in zip(steps, batches, strict=True)
+        ]
     expected: dict[str, Any] = {
         "mode": mode,
         "world_size": world_size,
         "steps": steps,
         "own_batches": own,
-        "repeated_batches": [taken - mine for taken, mine in zip(steps, own, strict=True)],
-        "passes": [-(-taken // count) for taken, count in zip(steps, counts, strict=True)],
-        "samples": [
-            sum(shard[i % len(shard)] for i in range(taken))
-            for taken, shard in zip(steps, batches, strict=True)
+        "repeated_batches": [0] * world_size if mode == "pad" else extra,
+        "passes": [
+            1 if mode == "pad" else -(-taken // count)
+            for taken, count in zip(steps, counts, strict=True)
         ],
+        "samples": [sum(rows) for rows in handed],
         "truncated": [count > taken for taken, count in zip(steps, counts, strict=True)],
+        "padded_batches": extra if mode == "pad" else [0] * world_size,
+        "padded_rows": [
+            sum(rows[mine:]) if mode == "pad" else 0 for rows, mine in zip(handed, own, strict=True)
+        ],
     }
     if planned:
         expected["dropped_batches"] = [

@@ -51,7 +51,11 @@ def shard(rank: int, length: int) -> list[list[int]]:
 
 
 def expected_batches(scenario: Scenario, rank: int) -> list[list[int]]:
-    """What ``rank`` must yield in one full epoch, from the definition of each mode."""
+    """What ``rank`` must yield in one full epoch, from the definition of each mode.
+
+    Pad hands out the rank's batches, then its last one again; a rank without a batch pads
+    with the first batch of the lowest rank that has one.
+    """
     own = shard(rank, scenario.lengths[rank])
     if scenario.mode == "join":
         return own
@@ -61,7 +65,22 @@ def expected_batches(scenario: Scenario, rank: int) -> list[list[int]]:
             steps = min(steps, scenario.steps_per_epoch)
         return own[:steps]
     steps = max(scenario.lengths) if scenario.steps_per_epoch is None else scenario.steps_per_epoch
+    if scenario.mode == "pad":
+        donor = next((r for r, length in enumerate(scenario.lengths) if length), None)
+        last = own[-1] if own else shard(donor, 1)[0] if donor is not None else []
+        return [own[index] if index < len(own) else last for index in range(steps)]
     return [own[index % len(own)] for index in range(steps)] if own else []
+
+
+def expected_weights(scenario: Scenario, rank: int) -> list[float]:
+    """Pad's ``batch_weight`` of each step: every batch has one row, so a real batch weighs
+    ``world_size / (ranks with a real batch at that step)`` and padding 0."""
+    steps = len(expected_batches(scenario, rank))
+    world_size = len(scenario.lengths)
+    real = [sum(1 for length in scenario.lengths if length > step) for step in range(steps)]
+    return [
+        world_size / real[step] if step < scenario.lengths[rank] else 0.0 for step in range(steps)
+    ]
 
 
 class _FailingShard:
@@ -142,6 +161,9 @@ class Outcome:
     epochs: list[list[list[int]]] = field(default_factory=list)
     stats: list[dict[str, Any]] = field(default_factory=list)
     repeating: list[list[bool]] = field(default_factory=list)
+    # Per epoch and batch: loader.padding, and loader.batch_weight (in pad mode).
+    padding: list[list[bool]] = field(default_factory=list)
+    weights: list[list[float]] = field(default_factory=list)
     error: tuple[str, str] | None = None
     final_weight: list[float] | None = None
     # For a PeerSourceError: (failed_rank, error_type, step).
@@ -156,9 +178,11 @@ class Outcome:
     seconds: float = 0.0
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
+def train_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, weight: float = 1.0
+) -> None:
     inputs = torch.tensor(batch, dtype=torch.float32).reshape(-1, 1) / 1000
-    loss = model(inputs).pow(2).mean()
+    loss = model(inputs).pow(2).mean() * weight
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -229,13 +253,18 @@ def run_scenario(
         for epoch in range(scenario.epochs):
             seen: list[list[int]] = []
             flags: list[bool] = []
+            padding: list[bool] = []
+            weights: list[float] = []
             try:
                 for batch in loader:
                     if epoch == 0 and scenario.raise_after == len(seen):
                         raise StepFailed(f"training step {len(seen)} failed")
-                    train_step(model, optimizer, batch)
+                    weight = loader.batch_weight if scenario.mode == "pad" else 1.0
+                    train_step(model, optimizer, batch, weight)
                     seen.append(batch)
                     flags.append(loader.repeating)
+                    padding.append(loader.padding)
+                    weights.append(weight)
                     if epoch == 0 and scenario.break_after == len(seen):
                         break
                     if epoch == 0 and scenario.drop_after == len(seen):
@@ -244,6 +273,8 @@ def run_scenario(
                 pass
             outcome.epochs.append(seen)
             outcome.repeating.append(flags)
+            outcome.padding.append(padding)
+            outcome.weights.append(weights)
             if epoch == 0 and scenario.drop_after is not None:
                 assert log is not None
                 del loader

@@ -1,0 +1,178 @@
+"""Pad mode at run time: each step's real rows, the batch weight, and padding for an empty shard.
+
+**The weight.** DDP averages the gradients of the ``W`` ranks. A rank whose batch at a step has
+``n`` real rows (0 for padding), out of ``N`` real rows over all ranks at that step, multiplies
+its mean loss by ``n * W / N``; the averaged gradient is then
+``(1 / W) * sum over ranks of (n * W / N) * (1 / n) * sum of its rows' gradients``, the gradient
+of the mean loss over the step's ``N`` real rows, as one process computing all of them would.
+Each rank needs ``N`` at every step:
+
+* with a shard plan (``from_parquet``, ``plan=``, footer-known petastorm loaders) every rank
+  works out every rank's rows at every step (:class:`PlannedRows`; batches of ``batch_size``
+  rows, a short last one): no collective;
+* otherwise the ranks agree as they go, and every window's agreement comes with an
+  ``all_reduce(SUM)`` of the window's real rows per step (:func:`rows_to_sum`), started with
+  it. It is a second collective because the agreement's ``all_reduce(MAX)`` cannot carry a
+  sum. It is started only once the epoch's first agreement has shown that every rank runs the
+  same loop (pad, the same window), so that it never pairs with another rank's other
+  collective.
+
+**An empty shard.** A rank without a single batch has nothing to pad with. Its first
+agreement reports the empty shard; every rank then gathers the reports and, instead of raising
+(cycle's :class:`~ddp_even.EmptyShardError`), the lowest rank with a batch sends a copy of its
+first one (``torch.save``, tensors mapped to the CPU) over ddp_even's gloo group
+(:func:`share_padding`). A batch that cannot be saved stops every rank with a clear error
+before the first step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ddp_even.agreement.wire import Agreement, Report
+from ddp_even.errors import EmptyShardError
+
+if TYPE_CHECKING:
+    from ddp_even.agreement.transport import Agreer
+    from ddp_even.planning.plans import ShardPlan
+    from ddp_even.runtime.feed import ShardFeed
+
+logger = logging.getLogger("ddp_even")
+
+__all__ = ["PlannedRows", "batch_weight", "rows_to_sum", "share_padding", "summed_rows"]
+
+# A rank whose batch's rows cannot be told adds this to the step's sum: a sum this large says
+# "unknown" (no batch has 2**40 rows, and fewer than 2**22 ranks add it).
+_UNKNOWN_ROWS = 1 << 40
+
+
+def batch_weight(own_rows: int | None, total_rows: int | None, world_size: int) -> float | None:
+    """``own_rows * world_size / total_rows``; 0 when no rank has a real row; None if unknown.
+
+    Example::
+
+        >>> batch_weight(8, 20, world_size=4)  # 8 of the step's 20 real rows, on 4 ranks
+        1.6
+        >>> batch_weight(0, 20, 4), batch_weight(None, 20, 4)
+        (0.0, None)
+    """
+    if own_rows is None or total_rows is None:
+        return None
+    return own_rows * world_size / total_rows if total_rows else 0.0
+
+
+class PlannedRows:
+    """Every rank's real rows at every step of a plan's epoch: ``batch_size`` rows per batch,
+    a short last one, none past the rank's data.
+
+    Example::
+
+        >>> from ddp_even.planning import plan_shards
+        >>> rows = PlannedRows(plan_shards([20, 7, 12], world_size=3, batch_size=8))
+        >>> [rows.of(rank, 2) for rank in range(3)], rows.total(0), rows.total(1), rows.total(2)
+        ([4, 0, 0], 23, 12, 4)
+    """
+
+    def __init__(self, plan: ShardPlan) -> None:
+        self._plan = plan
+        batches = plan.batches_per_rank
+        self._batch_size = plan.batch_size
+        # Ranks by their batch count, so that a step's full batches are one bisection away.
+        self._sorted_batches = sorted(batches)
+        self._last_rows_at: dict[int, int] = {}
+        for rank, count in enumerate(batches):
+            if count:
+                last = plan.rows_per_rank[rank] - (count - 1) * plan.batch_size
+                self._last_rows_at[count - 1] = self._last_rows_at.get(count - 1, 0) + last
+
+    def of(self, rank: int, step: int) -> int:
+        """Real rows of ``rank``'s batch at ``step`` (counted from 0)."""
+        count = self._plan.batches_per_rank[rank]
+        if step < count - 1:
+            return self._batch_size
+        if step == count - 1:
+            return self._plan.rows_per_rank[rank] - step * self._batch_size
+        return 0
+
+    def total(self, step: int) -> int:
+        """Real rows over all ranks at ``step``."""
+        # Ranks with more than step + 1 batches hand out a full batch at this step.
+        full = len(self._sorted_batches) - bisect.bisect_right(self._sorted_batches, step + 1)
+        return full * self._batch_size + self._last_rows_at.get(step, 0)
+
+
+def rows_to_sum(rows: Sequence[int | None], window: int) -> list[int]:
+    """A rank's real rows for each of the ``window`` steps ahead (those it did not buffer: 0),
+    as the sum over ranks takes them.
+
+    Example::
+
+        >>> summed_rows([a + b for a, b in zip(rows_to_sum([8, 3], 3), rows_to_sum([8, None], 3))])
+        [16, None, 0]
+    """
+    ahead = [_UNKNOWN_ROWS if count is None else count for count in rows[:window]]
+    return ahead + [0] * (window - len(ahead))
+
+
+def summed_rows(totals: Sequence[int]) -> list[int | None]:
+    """Each step's real rows over all ranks, from the sum of :func:`rows_to_sum`; None where
+    some rank could not tell its batch's rows."""
+    return [None if total >= _UNKNOWN_ROWS else total for total in totals]
+
+
+def share_padding(
+    agreer: Agreer, feed: ShardFeed[Any], reports: Sequence[Report], fixed_steps: bool
+) -> Agreement:
+    """Give every rank without a batch a copy of the lowest other rank's first batch.
+
+    Called on every rank with the same ``reports`` (gathered because some rank's shard is
+    empty, nothing else being wrong); returns the agreement they carry. When no rank has a
+    batch the epoch has no step, unless ``steps_per_epoch`` fixes its steps (``fixed_steps``):
+    then every rank raises :class:`~ddp_even.EmptyShardError`.
+    """
+    donors = [index for index, peer in enumerate(reports) if peer.available > 0]
+    if not donors and fixed_steps:
+        raise EmptyShardError(
+            tuple(peer.rank for peer in reports),
+            "no rank has a batch, and steps_per_epoch asks for steps",
+        )
+    if donors:
+        donor = donors[0]
+        payload = _saved(feed.donation()) if agreer.rank == donor else None
+        received = agreer.broadcast_bytes(payload, donor)
+        if not received:
+            raise EmptyShardError(
+                tuple(peer.rank for peer in reports if peer.empty_shard),
+                f"rank {reports[donor].rank}'s first batch cannot be sent to pad them "
+                "(torch.save failed there; its log says why)",
+            )
+        if not feed.can_pad:
+            batch, rows = torch.load(io.BytesIO(received), map_location="cpu", weights_only=False)
+            feed.pad_with(batch, rows)
+            logger.info(
+                "this rank's shard is empty: it pads with a copy of rank %d's first batch",
+                reports[donor].rank,
+            )
+    return Agreement(
+        min_available=min(peer.available for peer in reports),
+        max_own_available=max(peer.own_available for peer in reports),
+        has_problem=False,
+    )
+
+
+def _saved(donation: tuple[Any, int | None] | None) -> bytes | None:
+    if donation is None:
+        return None
+    buffer = io.BytesIO()
+    try:
+        torch.save(donation, buffer)
+    except Exception as error:  # any object a loader yields; every rank raises the same
+        logger.warning("the first batch cannot be sent as padding to an empty rank: %r", error)
+        return None
+    return buffer.getvalue()
