@@ -453,7 +453,11 @@ def _check_consumer(scenario: Scenario, outcomes: list[Outcome]) -> None:
             own = min(len(full), scenario.lengths[rank])
             assert stats["steps"][rank] == len(full)
             assert stats["own_batches"][rank] == own
-            assert stats["repeated_batches"][rank] == len(full) - own
+            # Pad hands out its extra batches as padding, not as repeats.
+            extra = len(full) - own
+            padded = scenario.mode == "pad"
+            assert stats["repeated_batches"][rank] == (0 if padded else extra)
+            assert stats["padded_batches"][rank] == (extra if padded else 0)
             assert stats["truncated"][rank] == (scenario.lengths[rank] > own)
             assert stats == outcomes[0].stats[epoch], "stats must be equal on every rank"
         if scenario.drop_after is not None and outcome.closed_at_drop is not None:

@@ -117,6 +117,8 @@ def _expected_stats(mode: str, epoch: int) -> dict[str, Any]:
         "passes": [-(-steps // len(shard)) for shard in shards],
         "samples": [sum(len(shard[i % len(shard)]) for i in range(steps)) for shard in shards],
         "truncated": [len(shard) > steps for shard in shards],
+        "padded_batches": [0] * WORLD_SIZE,
+        "padded_rows": [0] * WORLD_SIZE,
         "dropped_batches": None,
         "dropped_rows": None,
         "lost_rows": None,

@@ -324,6 +324,6 @@ def test_cycle_over_a_shard_the_predicate_empties_fails_on_every_rank(
             f"cycle mode cannot wrap around an empty shard: rank(s) {WORLD_SIZE - 1} have no "
             "batch. Give every "
             "rank at least one row group (fewer ranks, smaller row groups, or a balanced plan), "
-            "or use mode='truncate' or mode='join'",
+            "or use mode='truncate' or mode='join' (or mode='pad')",
         )
     }

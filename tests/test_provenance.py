@@ -83,6 +83,30 @@ def test_closures_defaults_and_bodies_count() -> None:
     assert code_identity(with_default) != code_identity(other_body)
 
 
+RECORDING_MODULE = """
+SEEN = []
+KEPT = (1, 2, 3)
+
+
+def record(rows):
+    # A transform that notes what it read: SEEN grows while the job runs.
+    SEEN.extend(rows)
+    return [row for row in rows if row in KEPT]
+"""
+
+
+def test_a_global_the_function_changes_counts_by_type_an_immutable_one_by_value(
+    tmp_path: Path,
+) -> None:
+    module = _module(tmp_path / "r.py", RECORDING_MODULE)
+    before = code_identity(module.record)
+    module.record([1, 5])
+    assert module.SEEN == [1, 5]
+    assert code_identity(module.record) == before, "what it recorded is not what it computes"
+    module.KEPT = (1, 2)
+    assert code_identity(module.record) != before, "an immutable global it reads is data"
+
+
 def test_the_identity_is_the_same_in_another_process(tmp_path: Path) -> None:
     (tmp_path / "user_predicates.py").write_text(PREDICATE_MODULE.format(limit=10))
     script = (

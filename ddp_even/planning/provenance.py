@@ -9,9 +9,12 @@ reused count can be checked where it is used and a mismatch named in one line.
 
 :func:`code_identity` digests code by what it does, not by where it lives: a function's
 bytecode, constants and names, its defaults, the values its closure holds, and the globals it
-reads (functions among them recursively, modules by name). Pickling by reference (what ``dill``
-does for a function defined in an importable module) would miss an edit to that function; line
-numbers, comments and formatting do not change the identity.
+reads (functions among them recursively, modules by name). A mutable global (a list the
+function appends to, a counter, a logger) counts by its type only, since it changes while the
+job runs: data that decides what a predicate keeps belongs in a default, a closure or an
+immutable global. Pickling by reference (what ``dill`` does for a function defined in an
+importable module) would miss an edit to that function; line numbers, comments and formatting
+do not change the identity.
 """
 
 from __future__ import annotations
@@ -99,8 +102,38 @@ def _function_identity(function: types.FunctionType, seen: set[int], depth: int)
             parts.append(b"empty-cell")
     for name in sorted(_global_names(function.__code__)):
         if name in function.__globals__:
-            parts.append(name.encode() + b"=" + _identity(function.__globals__[name], seen, depth))
+            value = function.__globals__[name]
+            described = (
+                _identity(value, seen, depth)
+                if _is_fixed(value)
+                else b"state:" + _name_of(type(value))
+            )
+            parts.append(name.encode() + b"=" + described)
     return b"|".join(parts)
+
+
+def _is_fixed(value: Any) -> bool:
+    """Whether a global is code or an immutable value, which counts in full.
+
+    A mutable global (a list a transform records into, a counter, a logger) changes while
+    the job runs although what the function computes does not, so it counts by its type only.
+    """
+    if isinstance(value, tuple | frozenset):
+        return all(_is_fixed(item) for item in value)
+    return value is None or isinstance(
+        value,
+        bool
+        | int
+        | float
+        | complex
+        | str
+        | bytes
+        | types.ModuleType
+        | types.FunctionType
+        | types.MethodType
+        | type
+        | types.BuiltinFunctionType,
+    )
 
 
 def _code_identity(code: types.CodeType, seen: set[int], depth: int) -> bytes:
