@@ -63,9 +63,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -84,6 +82,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, run_on_ranks
+from benchmarks.report import warn_if_loaded, write_results
 from ddp_even import EvenLoader
 from ddp_even.runtime import epochs
 
@@ -649,27 +648,12 @@ def main(ranks: tuple[int, ...], repeats: int, steps: int, out: Path, quick: boo
             + " us per call (ddp_even's agreement sends 2)"
         )
         print_targets(console, result)
-        load = result["load_average"][0]
-        if load > (os.cpu_count() or 1):
-            console.print(
-                f"[yellow]load average {load:.1f} on {os.cpu_count()} CPUs: other processes "
-                "share this machine, differences of tens of microseconds are noise[/]"
-            )
+        warn_if_loaded(
+            console, result["load_average"][0], "differences of tens of microseconds are noise"
+        )
         console.print(f"({time.perf_counter() - started:.0f} s)\n")
         runs.append(result)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    document = {
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "processor": platform.machine(),
-            "cpus": os.cpu_count(),
-        },
-        "config": asdict(config),
-        "runs": runs,
-    }
-    out.write_text(json.dumps(document, indent=2) + "\n")
-    console.print(f"wrote {out}")
+    write_results(console, out, config, runs)
 
 
 if __name__ == "__main__":

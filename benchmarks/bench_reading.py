@@ -54,7 +54,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import platform
 import statistics
 import sys
 import tempfile
@@ -69,12 +68,12 @@ import click
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
 from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, run_on_ranks
+from benchmarks.report import warn_if_loaded, write_results
 from ddp_even import EvenLoader
 from ddp_even.planning.sharding import Sharding
 
@@ -459,27 +458,12 @@ def main(
             started = time.perf_counter()
             result = measure_world(world_size, config, urls)
             console.print(results_table(result, config))
-            load = result["load_average"][0]
-            if load > (os.cpu_count() or 1):
-                console.print(
-                    f"[yellow]load average {load:.1f} on {os.cpu_count()} CPUs: other processes "
-                    "share this machine, differences of a few percent are noise[/]"
-                )
+            warn_if_loaded(
+                console, result["load_average"][0], "differences of a few percent are noise"
+            )
             console.print(f"({time.perf_counter() - started:.0f} s)\n")
             runs.append(result)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    document = {
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "processor": platform.machine(),
-            "cpus": os.cpu_count(),
-        },
-        "config": asdict(config),
-        "runs": runs,
-    }
-    out.write_text(json.dumps(document, indent=2) + "\n")
-    console.print(f"wrote {out}")
+    write_results(console, out, config, runs)
 
 
 if __name__ == "__main__":

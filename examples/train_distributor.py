@@ -34,28 +34,11 @@ from typing import Any
 
 import click
 
+# The skewed 12-partition DataFrame of the other Spark example (run as a script, this folder
+# is on sys.path).
+from train_spark import make_dataframe
+
 from ddp_even.petastorm.spark_converter import check_distributor
-
-# Rows per DataFrame partition: 12 partitions, 3 to 400 rows (1,000 rows in all).
-PARTITION_ROWS = (400, 3, 150, 20, 90, 7, 160, 10, 60, 40, 50, 10)
-
-
-def make_dataframe(spark: Any) -> Any:
-    """``PARTITION_ROWS[k]`` rows in partition ``k``: ``x`` in [0, 1), ``y = 3x + 1 + noise``."""
-    starts = [sum(PARTITION_ROWS[:k]) for k in range(len(PARTITION_ROWS))]
-    lasts = [start + rows - 1 for start, rows in zip(starts, PARTITION_ROWS, strict=True)]
-
-    def pick(values: list[int]) -> str:
-        array = ", ".join(f"cast({value} as bigint)" for value in values)
-        return f"element_at(array({array}), cast(id + 1 as int))"
-
-    # One row per partition, exploded into its own rows: narrow, so the partitions stay.
-    return (
-        spark.range(0, len(PARTITION_ROWS), 1, len(PARTITION_ROWS))
-        .selectExpr(f"explode(sequence({pick(starts)}, {pick(lasts)})) as id")
-        .selectExpr("id", "rand(0) as x")
-        .selectExpr("id", "x", "3 * x + 1 + 0.1 * randn(1) as y")
-    )
 
 
 def train(converter: Any, options: dict[str, Any]) -> dict[str, Any]:

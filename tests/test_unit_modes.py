@@ -146,7 +146,12 @@ def test_truncate_never_exceeds_the_minimum_the_window_or_the_cap(
     assert decision.last == (not goes_on)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("mode", "decides_as"),
+    [(JOIN, TRUNCATE), (PAD, CYCLE)],
+    ids=["join-as-truncate", "pad-as-cycle"],
+)
 @given(
     st.integers(0, 50),
     st.integers(0, 50),
@@ -154,32 +159,19 @@ def test_truncate_never_exceeds_the_minimum_the_window_or_the_cap(
     st.integers(0, 30),
     steps_per_epoch_st,
 )
-def test_join_decides_as_truncate(
-    fewest: int, most_own: int, window: int | None, steps_done: int, steps_per_epoch: int | None
+def test_join_decides_as_truncate_and_pad_as_cycle(
+    mode: Mode,
+    decides_as: Mode,
+    fewest: int,
+    most_own: int,
+    window: int | None,
+    steps_done: int,
+    steps_per_epoch: int | None,
 ) -> None:
     if steps_per_epoch is not None:
         steps_done = min(steps_done, steps_per_epoch)
     agreement = _agreement(fewest, most_own)
-    assert JOIN.decide(agreement, window, steps_done, steps_per_epoch) == TRUNCATE.decide(
-        agreement, window, steps_done, steps_per_epoch
-    )
-
-
-@pytest.mark.timeout(30)
-@given(
-    st.integers(0, 50),
-    st.integers(0, 50),
-    st.none() | windows_st,
-    st.integers(0, 30),
-    steps_per_epoch_st,
-)
-def test_pad_decides_as_cycle(
-    fewest: int, most_own: int, window: int | None, steps_done: int, steps_per_epoch: int | None
-) -> None:
-    if steps_per_epoch is not None:
-        steps_done = min(steps_done, steps_per_epoch)
-    agreement = _agreement(fewest, most_own)
-    assert PAD.decide(agreement, window, steps_done, steps_per_epoch) == CYCLE.decide(
+    assert mode.decide(agreement, window, steps_done, steps_per_epoch) == decides_as.decide(
         agreement, window, steps_done, steps_per_epoch
     )
 
