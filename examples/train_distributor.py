@@ -74,7 +74,8 @@ def train(converter: Any, options: dict[str, Any]) -> dict[str, Any]:
     for _ in range(options["epochs"]):
         for batch in loader:
             x, y = batch["x"].float().unsqueeze(1), batch["y"].float().unsqueeze(1)
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            # batch_weight: 1.0 but in pad mode, where padding weighs 0 and real rows count alike.
+            loss = torch.nn.functional.mse_loss(model(x), y) * loader.batch_weight
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -85,7 +86,7 @@ def train(converter: Any, options: dict[str, Any]) -> dict[str, Any]:
 
 
 @click.command()
-@click.option("--mode", type=click.Choice(["truncate", "cycle", "join"]), default="cycle")
+@click.option("--mode", type=click.Choice(["truncate", "cycle", "pad", "join"]), default="cycle")
 @click.option(
     "--local-mode/--barrier",
     default=True,

@@ -35,7 +35,7 @@ WORLD_SIZE = 2
 # shards differ by at least one batch of 8, so truncate drops and cycle repeats.
 SIZES = [40, 5, 25, 3, 30, 7]
 BATCH_SIZE = 8
-MODES = ["truncate", "cycle", "join"]
+MODES = ["truncate", "cycle", "pad", "join"]
 # Processes a finished job must not leave behind (command-line fragments).
 LAUNCHER_PROCESSES = ("torch.distributed.run", "torch_run_process_wrapper")
 
@@ -120,6 +120,7 @@ def test_torch_distributor_trains_every_mode(
     expected_steps = {
         "truncate": [min(own_batches)] * WORLD_SIZE,
         "cycle": [max(own_batches)] * WORLD_SIZE,
+        "pad": [max(own_batches)] * WORLD_SIZE,
         "join": own_batches,
     }
     for mode in MODES:
@@ -131,17 +132,27 @@ def test_torch_distributor_trains_every_mode(
         every_row: list[int] = []
         for rank, rank_seen in enumerate(seen):
             rows = [i for batch in rank_seen["batches"] for i in batch]
-            every_row += rows
             assert len(rank_seen["batches"]) == expected_steps[mode][rank], (mode, rank)
             assert stats["samples"][rank] == len(rows), (mode, rank)
+            if mode == "pad":
+                # The shard's batches, then padding (flagged) until the longest shard ends:
+                # the rows that trained are the real ones.
+                flags = rank_seen["padding"]
+                assert flags == [step >= own_batches[rank] for step in range(len(flags))], rank
+                assert stats["padded_batches"][rank] == max(own_batches) - own_batches[rank]
+                real = [
+                    batch for batch, pad in zip(rank_seen["batches"], flags, strict=True) if not pad
+                ]
+                rows = [i for batch in real for i in batch]
+            every_row += rows
             if mode == "cycle":
                 # Every row of the shard, the short shard's first rows again.
                 assert set(rows) == set(own[rank]), (mode, rank)
             else:
                 assert len(rows) == len(set(rows)), (mode, rank, "a row repeated")
                 assert set(rows) <= set(own[rank]), (mode, rank)
-        if mode == "join":
-            assert sorted(every_row) == list(range(sum(SIZES))), "join: every row once"
+        if mode in ("join", "pad"):
+            assert sorted(every_row) == list(range(sum(SIZES))), f"{mode}: every real row once"
         if mode == "cycle":
             assert set(every_row) == set(range(sum(SIZES))), "cycle: every row"
             assert len(every_row) > sum(SIZES), "cycle repeats the short shard's rows"

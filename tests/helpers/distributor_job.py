@@ -50,14 +50,18 @@ def train_every_mode(converter: Any, modes: list[str], batch_size: int) -> list[
         source = ConverterSource(converter, batch_size=batch_size, workers_count=2)
         loader = EvenLoader(source, mode, joinables=[model] if mode == "join" else (), timeout=60)
         batches: list[list[int]] = []
+        padding: list[bool] = []
         for batch in loader:
-            loss = model(batch["value"].float().reshape(-1, 1)).pow(2).mean()
+            # batch_weight is 1.0 but in pad mode, where padding weighs 0.
+            loss = model(batch["value"].float().reshape(-1, 1)).pow(2).mean() * loader.batch_weight
+            padding.append(loader.padding)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             batches.append([int(i) for i in batch["id"]])
         report["modes"][mode] = {
             "batches": batches,
+            "padding": padding,
             "stats": loader.stats.as_dict(),
             "weights": [param.item() for param in model.module.parameters()],
         }
