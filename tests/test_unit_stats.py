@@ -322,6 +322,25 @@ def test_rank_0_logs_the_summary_and_warns_by_global_rank(
 
 
 @pytest.mark.timeout(30)
+def test_a_rank_with_nothing_left_of_an_elastic_rest_is_no_empty_shard(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The rest of an epoch re-planned on another number of ranks, resumed at its end: a rank
+    with none of it left has no batch, and that is expected, not an empty shard."""
+    counts = _planned_cycle_epoch()
+    counts[1] = RankCounts(0, 0, 0, 1, 0, 0, False, planned_batches=0, planned_rows=0)
+    others = {index: one for index, one in enumerate(counts) if index != 0}
+    for resumed_from, warned in ((None, True), (3, False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ddp_even"):
+            gather_epoch_stats(
+                Gatherer(0, others), counts[0], 3, "cycle", resumed_from_world_size=resumed_from
+            )
+        empty = [r for r in caplog.records if "had no batch at all" in r.getMessage()]
+        assert bool(empty) is warned, resumed_from
+
+
+@pytest.mark.timeout(30)
 def test_only_rank_0_logs(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG, logger="ddp_even"):
         _gathered(_planned_cycle_epoch(), rank=1)
