@@ -12,6 +12,7 @@ torch and starts in a fraction of a second.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING
 
 from ddp_even.errors import (
@@ -39,7 +40,8 @@ __all__ = [
     "RankMismatchError",
     "SourceEndedEarlyError",
 ]
-__version__ = "0.2.0"
+# The installed distribution's version: pyproject.toml is the one place it is written.
+__version__ = importlib.metadata.version("ddp_even")
 
 # The public names imported on first use, and the module each comes from.
 _LAZY = {"EvenLoader": "ddp_even.loader", "EpochStats": "ddp_even.runtime.stats"}
