@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -529,3 +530,80 @@ def test_resuming_a_reader_that_cannot_replay_warns_once_on_rank_0_with_the_reci
         assert not [m for m in rank["warnings"] if "is not the interrupted run's" in m]
     # Both resumed and trained the rest of the epoch (2 row groups of 4 per rank: 4 steps).
     assert [len(rank["rest"]) for rank in defaults + seeded] == [2, 2, 2, 2]
+
+
+# --- a predicate's cached counts, in a new job after an edit --------------------------------
+
+KEEP_BELOW_MODULE = """
+from petastorm.predicates import in_lambda
+
+LIMIT = {limit}
+
+
+def keep(ids):
+    return ids < LIMIT
+
+
+PREDICATE = in_lambda(["id"], keep)
+"""
+
+
+def _job_with_a_module_predicate(
+    rank: int, world_size: int, url: str, module_path: str
+) -> dict[str, Any]:
+    """A job whose predicate comes from the user's own module (as a process pool needs it):
+    one cycle epoch on every rank, and what ddp_even said about the count cache."""
+    import importlib.util
+
+    from ddp_even import EvenLoader
+    from tests.helpers.logs import ddp_even_messages
+
+    messages = ddp_even_messages(logging.INFO)
+    spec = importlib.util.spec_from_file_location("user_predicates", module_path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loader = EvenLoader.from_parquet(url, BATCH, "cycle", predicate=module.PREDICATE)
+    trained = sorted({row for batch in loader for row in _ids(batch)})
+    cached = any("from the cache" in message for message in messages)
+    return {"trained": trained, "cached": cached}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.multirank
+@pytest.mark.parametrize("edit", ["predicate", "summary-dataset"])
+def test_a_new_job_after_an_edit_counts_anew_and_trains_what_is_kept_on_every_rank(
+    tmp_path: Path, edit: str
+) -> None:
+    """Case 5 (a predicate edited in the user's module) and case 6 (a dataset with a
+    ``_metadata`` summary rewritten with other values): the second job on 2 ranks misses the
+    first job's cached counts and trains exactly the rows kept now, with no rank failing."""
+    from tests.helpers.shard_reads import write_summary_metadata
+
+    root = tmp_path / "ds"
+    url = write_plain_dataset(root, SIZES)
+    if edit == "summary-dataset":
+        write_summary_metadata(root, common=True)
+    env = {"DDP_EVEN_CACHE_DIR": str(tmp_path / "cache")}
+    first = tmp_path / "first.py"
+    first.write_text(KEEP_BELOW_MODULE.format(limit=12))
+
+    def job(module: Path) -> list[dict[str, Any]]:
+        return run_ranks(_job_with_a_module_predicate, 2, url, str(module), env=env, timeout=200)
+
+    before = job(first)
+    assert sorted(row for rank in before for row in rank["trained"]) == list(range(12))
+    again = job(first)
+    assert any(rank["cached"] for rank in again), "an unchanged job reuses the counts"
+    if edit == "predicate":
+        changed = tmp_path / "edited.py"  # a new job imports the edited file
+        changed.write_text(KEEP_BELOW_MODULE.format(limit=15))
+        kept = list(range(15))
+    else:
+        time.sleep(0.01)  # a later modification time on any file system
+        _rewrite_with_ids_from(root, 5)  # the same sizes; ids 5..21, so 7 of them below 12
+        write_summary_metadata(root, common=True)
+        changed, kept = first, list(range(5, 12))
+    after = job(changed)
+    assert not any(rank["cached"] for rank in after), "the stale counts were used"
+    assert sorted(row for rank in after for row in rank["trained"]) == kept
