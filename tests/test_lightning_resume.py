@@ -41,8 +41,10 @@ SOURCES = ("list", "factory")
 # is then in its repeated pass) and the last batch of the second epoch (5 steps an epoch in
 # truncate, 9 in cycle).
 SAVE_AT = {"truncate": (3, 7, 10), "cycle": (7, 15, 18)}
-# The parquet source (as many batches per rank as BATCHES): mid second epoch only.
-PARQUET_SAVE_AT = {"truncate": (7,), "cycle": (15,)}
+# The parquet source (as many batches per rank as BATCHES): mid second epoch only; in cycle
+# also right after rank 1 handed out its own shard's last batch (step 14), where a resumed
+# first pass is the shard's empty tail and must start over.
+PARQUET_SAVE_AT = {"truncate": (7,), "cycle": (14, 15)}
 WEIGHT_TOLERANCE = 1e-6
 
 READ_AHEAD = (
