@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
-from ddp_even.agreement.transport import Agreer, agreer_for, start_heartbeat_for
+from ddp_even.agreement.control_group import start_heartbeat_for
+from ddp_even.agreement.transport import Agreer, agreer_for
 from ddp_even.checks import check_timeout, checked_loader_arguments
 from ddp_even.modes import mode_named
 from ddp_even.runtime.environment import (

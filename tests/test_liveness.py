@@ -5,8 +5,8 @@ Two real gloo ranks, ``timeout=2`` (how long a peer may show no sign of life):
 * pauses of 2x and 5x the timeout by either rank, before the first epoch, inside a step (a
   slow read), between steps, at the last step and between epochs (an evaluation after an
   epoch), with a real DDP model taking optimizer steps: no error, the same batches;
-* SIGKILL of a rank: the survivor raises ddp_even's ``PeerTimeoutError`` naming it as dead
-  within ``timeout`` + 2 s, not gloo's error;
+* SIGKILL of a rank (also of rank 0 hosting the TCP store): the survivor raises ddp_even's
+  ``PeerTimeoutError`` naming it as dead within ``timeout`` + 2 s, not gloo's error;
 * SIGSTOP of a rank: named as stalled, with what it was doing, within ``timeout`` + 2 s of
   its freezing; continued, it raises too (``late``);
 * a peer that never makes an ``EvenLoader`` is waited for up to the training group's timeout,
@@ -67,26 +67,35 @@ def test_a_live_rank_that_pauses_anywhere_is_waited_for(shape: str, ddp: bool, f
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("point", "shape", "ddp"),
+    ("point", "shape", "ddp", "victim"),
     [
-        ("before_first_epoch", "known", True),
-        ("between_epochs", "known", True),
-        ("between_steps", "windows", False),
+        ("before_first_epoch", "known", True, 1),
+        ("between_epochs", "known", True, 1),
+        ("between_steps", "windows", False, 1),
+        # Rank 0 hosts the TCP store here: the store goes with it.
+        ("before_first_epoch", "known", True, 0),
+        ("between_epochs", "known", True, 0),
     ],
     ids=str,
 )
-def test_a_killed_rank_is_named_dead_within_the_timeout(point: str, shape: str, ddp: bool) -> None:
+def test_a_killed_rank_is_named_dead_within_the_timeout(
+    point: str, shape: str, ddp: bool, victim: int
+) -> None:
     results, marks = _run(
-        Job((Act(point, 1, "kill"),), shape=shape, timeout=TIMEOUT, ddp=ddp), timeout=90
+        Job((Act(point, victim, "kill"),), shape=shape, timeout=TIMEOUT, ddp=ddp),
+        timeout=90,
+        tcp_store=victim == 0,
     )
-    survivor = results[0]
+    survivor = results[1 - victim]
     assert isinstance(survivor, dict), survivor  # ddp_even's error, not gloo's RuntimeError
     assert survivor["error"] == "PeerTimeoutError", survivor
-    assert survivor["missing"] == (1,) and survivor["states"] == {1: "dead"}, survivor
-    assert "rank 1 is dead" in survivor["message"], survivor
+    assert survivor["missing"] == (victim,), survivor
+    assert survivor["states"] == {victim: "dead"}, survivor
+    assert f"rank {victim}" in survivor["message"] and "dead" in survivor["message"], survivor
     assert not survivor["late"]
-    assert survivor["at"] - _fault_time(marks, 1, point) <= TIMEOUT + 2, survivor
-    assert results[1] == RankError("ProcessExited", "rank 1 died (signal SIGKILL) without a result")
+    assert survivor["at"] - _fault_time(marks, victim, point) <= TIMEOUT + 2, survivor
+    died = f"rank {victim} died (signal SIGKILL) without a result"
+    assert results[victim] == RankError("ProcessExited", died)
 
 
 @pytest.mark.timeout(120)

@@ -24,7 +24,10 @@ Torch internals relied on (torch 2.13; each guarded, with a fallback where one e
   (``heartbeat.default_store``);
 * ``ProcessGroup._get_backend(device)._set_default_timeout``: the group is created with a
   short timeout of ddp_even's own, then given the training group's (:func:`_create`; created
-  with the training group's timeout when ``_set_default_timeout`` is missing).
+  with the training group's timeout when ``_set_default_timeout`` is missing);
+* ``torch._C._distributed_c10d``'s ``ProcessGroupGloo``, ``PrefixStore`` and ``TCPStore``
+  (here and in ``liveness.py``): the classes ``torch.distributed`` re-exports, imported from
+  where their type information is.
 
 ``tests/test_clean_exit.py`` fails first if any of them changes.
 """
@@ -43,8 +46,15 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-from ddp_even.agreement.heartbeat import waiting
-from ddp_even.agreement.liveness import BUSY, UNSEEN, current_watch, lost_peers, poll_interval
+from ddp_even.agreement.heartbeat import start_heartbeat, waiting
+from ddp_even.agreement.liveness import (
+    BUSY,
+    UNSEEN,
+    current_watch,
+    lost_peers,
+    poll_interval,
+    watch_from_now,
+)
 from ddp_even.agreement.rollcall import finish_roll_calls
 from ddp_even.agreement.verdict import Board, Verdict, store_silence, verdict_on
 from ddp_even.errors import EvenLoaderError
@@ -125,6 +135,14 @@ _RENDEZVOUS_POLL_S = 0.05
 # Groups released while a collective was still running on them (see ``_release``).
 _left_running: list[dist.ProcessGroup] = []
 _release_at_exit_registered = False
+
+
+def start_heartbeat_for(group: dist.ProcessGroup | None, timeout: float | None) -> None:
+    """Say that this process lives (``heartbeat.py``), beating often enough for ``timeout``
+    (None: the training group's timeout), from the first loader until exit."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        start_heartbeat(training_timeout(group) if timeout is None else timeout)
+        watch_from_now()
 
 
 def control_group_for(

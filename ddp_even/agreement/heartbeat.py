@@ -24,6 +24,8 @@ slow the thread; the thread's own clone of the store has a short timeout all the
 thread stops when the process group it beats into is destroyed (writing :data:`LEFT`) and at
 interpreter exit (writing :data:`EXITED`), from an ``atexit`` hook that joins it: a daemon
 thread coming back from a store call while the interpreter finalizes would abort the process.
+The job's store is torch's private ``distributed_c10d._get_default_store()`` (listed with
+the other torch internals in ``control_group.py``).
 """
 
 from __future__ import annotations

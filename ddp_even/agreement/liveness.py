@@ -98,8 +98,13 @@ class Watch:
         self.store_failing_since: float | None = None
         self.store_error: BaseException | None = None
 
-    @property
-    def store(self) -> Any:
+    def connect(self) -> None:
+        """Open this watch's own connection to the store, with a short timeout of its own.
+
+        Done when the loader is made (:func:`watch_from_now`): a clone connects with the job's
+        store's timeout (30 minutes by default), so one made once the store's host is gone
+        would hang for that long instead of failing within a second.
+        """
         if self._store is None:
             store = self.origin
             try:
@@ -108,6 +113,10 @@ class Watch:
             except Exception:  # a store type without clone: read the job's
                 logger.debug("the default store cannot be cloned; reading it as it is")
             self._store = store
+
+    @property
+    def store(self) -> Any:
+        self.connect()
         return self._store
 
     def look(self, ranks: Sequence[int]) -> dict[int, PeerView] | None:
@@ -143,6 +152,12 @@ class Watch:
 
 
 _watch: Watch | None = None
+
+
+def watch_from_now() -> None:
+    """Connect the current process group's watch now, while the store's host is alive."""
+    if default_store() is not None:
+        current_watch().connect()
 
 
 def current_watch() -> Watch:

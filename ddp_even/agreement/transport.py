@@ -53,6 +53,7 @@ from ddp_even.agreement.verdict import (
     Board,
     Verdict,
     gloo_words,
+    store_host_gone,
     store_silence,
     verdict_on,
     verdict_on_missing,
@@ -80,13 +81,6 @@ def agreer_for(group: dist.ProcessGroup | None, timeout: float | None) -> Agreer
         timeout = training_timeout(group)
     start_heartbeat(timeout)
     return CollectiveAgreer(control_group_for(group, timeout), float(timeout))
-
-
-def start_heartbeat_for(group: dist.ProcessGroup | None, timeout: float | None) -> None:
-    """Say that this process lives (``heartbeat.py``), beating often enough for ``timeout``
-    (None: the training group's timeout), from the first loader until exit."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        start_heartbeat(training_timeout(group) if timeout is None else timeout)
 
 
 T_co = TypeVar("T_co", covariant=True)
@@ -391,6 +385,11 @@ class CollectiveAgreer:
                 f"some ranks only)? Every rank must stop at the same step. {gloo}"
             )
         what = WHAT.get(ticket.what, ticket.what)
+        if attendance.unknown_because is not None:
+            why = (attendance.unknown_because, self.global_ranks, self._me, self.timeout, what)
+            lost = store_host_gone(str(error), *why)
+            if lost is not None:
+                return self._decide(lost)
         if attendance.unknown_because is not None or not attendance.missing:
             detail = gloo
             if attendance.unknown_because is not None:

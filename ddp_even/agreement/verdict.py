@@ -203,6 +203,27 @@ def verdict_on_missing(
     return Verdict(by, tuple(missing), states, applied, what, f"{detail}; gloo: {words}")
 
 
+def store_host_gone(
+    gloo_message: str,
+    unknown_because: str,
+    ranks: Sequence[int],
+    by: int,
+    timeout: float,
+    what: str,
+) -> Verdict | None:
+    """The verdict when the store stopped answering and gloo's connection to a peer closed: the
+    rank whose process hosted the store is dead (None when no rank of ``ranks`` hosts it, or
+    this one does, or gloo does not say that a connection closed)."""
+    host = store_host()
+    if host is None or host == by or host not in ranks or not connection_lost(gloo_message):
+        return None
+    detail = (
+        f"rank {host} is dead: the job's store, which its process hosted, stopped answering "
+        f"({unknown_because}) and gloo's connection to it closed; gloo: {gloo_words(gloo_message)}"
+    )
+    return Verdict(by, (host,), {host: DEAD}, timeout, what, detail)
+
+
 def gloo_words(message: str) -> str:
     """Gloo's message without its source location prefix and sign-off."""
     words = message.split("] ", 1)[-1] if message.startswith("[") else message
