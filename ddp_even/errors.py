@@ -10,7 +10,7 @@ it).
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class EvenLoaderError(RuntimeError):
@@ -149,17 +149,25 @@ class OffPlanError(EvenLoaderError):
 
 
 class PeerTimeoutError(EvenLoaderError):
-    """Some ranks did not reach the agreement within the loader's timeout (dead or stalled).
+    """Some ranks are lost: dead, stalled, or alive but away past the training group's timeout.
 
-    ``missing_ranks`` names them (found with a roll call in the job's key-value store, since
-    gloo's own errors name no rank). A dead rank is noticed at once (about a second for the
-    roll call); a stalled one after ``timeout`` seconds. A stalled rank that wakes up later
-    raises it too, with ``late=True`` and itself as the missing rank.
+    ``missing_ranks`` names them (global ranks) and ``states`` says, for each, what became of
+    it: ``"dead"`` (its process is gone), ``"exited"`` (its process ended, or destroyed its
+    process group), ``"stalled"`` (no sign of life, no heartbeat, for ``timeout``: frozen by
+    SIGSTOP or a debugger, or its main thread holding the GIL), ``"busy"`` (alive, but it did
+    not come within the training group's own timeout; the message says what it was doing) or
+    ``"unseen"`` (it never made an ``EvenLoader``). ``timeout`` is the deadline that applied:
+    the loader's ``timeout`` (how long a peer may show no sign of life) or the training
+    group's. A stalled rank that wakes up later raises it too, with ``late=True`` and itself
+    among the missing.
 
     Example::
 
-        >>> print(PeerTimeoutError((3,), 300.0, "connection closed by peer"))
-        rank(s) 3 did not answer the step agreement within 300 s (dead, stalled, or waiting ...
+        >>> error = PeerTimeoutError((3,), 30.0, "rank 3 is dead: ...", states={3: "dead"})
+        >>> print(error)
+        rank(s) 3 did not answer a step agreement: rank 3 is dead: ...
+        >>> error.states
+        {3: 'dead'}
     """
 
     def __init__(
@@ -170,27 +178,26 @@ class PeerTimeoutError(EvenLoaderError):
         *,
         rank: int | None = None,
         late: bool = False,
+        states: Mapping[int, str] | None = None,
+        what: str = "a step agreement",
     ) -> None:
-        # The ranks that never reached the agreement; empty when they could not be told.
+        # The lost ranks; empty when they could not be told.
         self.missing_ranks = missing_ranks
         self.timeout = timeout
         # The rank raising this error, and whether it was the one that came too late (it
         # stalled, and the others had already given up on it).
         self.rank = rank
         self.late = late
+        self.states = dict(states or {})
         self.detail = detail
         if late:
             super().__init__(
-                f"rank {rank} reached the step agreement after every other rank had stopped "
-                f"waiting for it ({timeout:g} s): this rank was stalled or too slow, and every "
-                f"rank stops: {detail}"
+                f"rank {rank} reached {what} after every other rank had stopped waiting for "
+                f"it: this rank was stalled or too slow, and every rank stops: {detail}"
             )
             return
         names = ", ".join(str(missing) for missing in missing_ranks) or "unknown"
-        super().__init__(
-            f"rank(s) {names} did not answer the step agreement within {timeout:g} s "
-            f"(dead, stalled, or waiting in a collective this rank did not enter): {detail}"
-        )
+        super().__init__(f"rank(s) {names} did not answer {what}: {detail}")
 
 
 class DatasetError(ValueError):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable
 
+from ddp_even.agreement.control_group import start_heartbeat_for
 from ddp_even.agreement.transport import Agreer, agreer_for
 from ddp_even.checks import check_timeout, checked_loader_arguments
 from ddp_even.modes import mode_named
@@ -78,10 +79,9 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         joinables: join mode only, and required there: the DDP model and any other
             :class:`~torch.distributed.algorithms.join.Joinable` (e.g. a
             ``ZeroRedundancyOptimizer``) whose collectives joined ranks must shadow.
-        timeout: seconds a rank may itself wait for the others at an agreement before
-            raising :class:`~ddp_even.PeerTimeoutError` (time spent outside the loader, a
-            checkpoint or an evaluation between steps, does not count). ``None`` (default): the
-            training group's own collective timeout.
+        timeout: seconds a peer may show no sign of life (its heartbeat stopped: dead or
+            frozen) before every rank raises :class:`~ddp_even.PeerTimeoutError` naming it; a
+            live peer is waited for up to the training group's timeout (also the default).
         plan: a :class:`~ddp_even.planning.ShardPlan` of the dataset this rank reads (from
             :func:`~ddp_even.planning.plan_for_dataset`, no row predicate): every rank's batch
             count is then known up front, ``len()`` answers before the first step, and the
@@ -141,6 +141,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         self._source.check_fits(self._mode.restarts_short_shards, steps_per_epoch)
         if dist.is_available() and dist.is_initialized():
             self._source.check_shard(*rank_and_world_size(group))
+            start_heartbeat_for(group, timeout)  # this process lives, from now until exit
         self._steps_per_epoch = steps_per_epoch
         self._sync_every = sync_every
         self._group = group

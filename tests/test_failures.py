@@ -1,8 +1,9 @@
 """Failures reach every rank: dead and stalled peers time out with a name; consumers may stop.
 
-* A rank that dies (``os._exit``, SIGKILL) or stalls while the others wait at an agreement:
-  the others raise :class:`PeerTimeoutError` naming it, at once for a dead rank, within the
-  loader's ``timeout`` for a stalled one; a stalled rank that wakes up raises too.
+* A rank that dies (``os._exit``, SIGKILL) or stalls (frozen by SIGSTOP: no sign of life) while
+  the others wait at an agreement: the others raise :class:`PeerTimeoutError` naming it, at
+  once for a dead rank, after the loader's ``timeout`` for a stalled one; a stalled rank that
+  wakes up raises too. (A rank that is merely slow, alive, is waited for: ``test_liveness.py``.)
 * ``break``, an exception in the training step, or a loader dropped mid-epoch, on every rank
   at the same step: the next epoch yields what it must and no control collective is left
   behind on any rank.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +40,8 @@ pytestmark = pytest.mark.multirank
 @dataclass(frozen=True)
 class PeerFault:
     mode: str
-    # "exit" (os._exit(1)), "kill" (SIGKILL to itself) or "stall" (sleeps, then goes on).
+    # "exit" (os._exit(1)), "kill" (SIGKILL to itself) or "stall" (SIGSTOP to itself,
+    # continued ``stall_s`` later by a helper process, then goes on).
     fault: str
     # "factory" (ranks agree every window) or "list" (known lengths: one agreement at the
     # start, the next collective is the statistics gather at the end of the epoch).
@@ -54,7 +57,7 @@ class PeerFault:
 
     @property
     def stall_s(self) -> float:
-        # Long enough for the others to time out, hold their roll call and leave.
+        # Long enough for the others to time out and leave.
         return self.timeout + 4.0
 
 
@@ -63,7 +66,9 @@ def _fault(case: PeerFault) -> None:
         os._exit(1)
     if case.fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(case.stall_s)
+    # Frozen: its heartbeat stops too. A stopped process cannot continue itself.
+    subprocess.Popen(["sh", "-c", f"sleep {case.stall_s}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _peer_fault_worker(rank: int, world_size: int, case: PeerFault) -> dict[str, Any]:
@@ -144,11 +149,11 @@ def test_a_dead_or_stalled_peer_is_named_on_every_other_rank(case: PeerFault) ->
         names = ", ".join(str(victim) for victim in case.victims)
         assert f"rank(s) {names} did not answer" in result["message"]
         if case.fault == "stall":
-            # Waited for the timeout (the agreement may have started a step earlier), then
-            # about a second of roll call.
+            # Waited for the timeout of silence (counted from the peer's last heartbeat, at
+            # most a second before it froze).
             assert case.timeout - 1.5 <= result["waited"] <= case.timeout + 4, result
         else:
-            # A dead peer is noticed at once: the roll call (1.5 s), not the timeout (10 s).
+            # A dead peer is noticed at once (its process is gone), not after the timeout.
             assert result["waited"] < case.timeout - 4, result
         assert result["steps"] >= case.after
     for victim in case.victims:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,7 +106,9 @@ def _dies_before_first_agreement_worker(
         if rank == victim:
             if fault == "exit":
                 os._exit(1)
-            time.sleep(8)
+            # Frozen (SIGSTOP), continued 8 s later: no sign of life meanwhile.
+            subprocess.Popen(["sh", "-c", f"sleep 8; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
         return iter(batches)
 
     loader: EvenLoader[Any] = EvenLoader(one_pass, "truncate", timeout=4)
@@ -521,7 +525,7 @@ def _some_ranks_only_worker(rank: int, world_size: int) -> dict[str, Any]:
     from ddp_even import EvenLoader, EvenLoaderError
 
     if rank != 0:
-        time.sleep(5)  # validation on rank 0 only: the others never start the loader
+        time.sleep(8)  # validation on rank 0 only: the others never start the loader
         return {"error": None}
     began = time.monotonic()
     try:
@@ -533,10 +537,14 @@ def _some_ranks_only_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(90)
 def test_iterating_on_some_ranks_only_names_the_ranks_that_never_joined() -> None:
-    result = run_ranks(_some_ranks_only_worker, 3, timeout=60)[0]
-    assert result["error"] is not None and "rank(s) 1, 2 never started iterating" in result["error"]
-    assert "rank 0" in result["error"]
-    assert result["waited"] < 10
+    # Without a heartbeat (no EvenLoader yet) they may be in a long set-up: waited for up to
+    # the training group's timeout, as DDP's first all-reduce would.
+    result = run_ranks(_some_ranks_only_worker, 3, timeout=60, pg_timeout=5)[0]
+    message = result["error"]
+    assert message is not None and "rank(s) 1, 2 did not answer" in message, message
+    assert "rank 1 never made an EvenLoader" in message and "rank 2 never made" in message
+    assert "training group's timeout (5 s)" in message, message
+    assert result["waited"] < 5 + 4
 
 
 def _nested_worker(rank: int, world_size: int, how: str) -> str:

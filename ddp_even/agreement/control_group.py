@@ -20,7 +20,14 @@ Torch internals relied on (torch 2.13; each guarded, with a fallback where one e
 * ``distributed_c10d._world.pg_map``: whether torch still knows a group, i.e. it was not
   destroyed (:func:`_registered`; assumed alive when unreadable);
 * ``distributed_c10d._get_default_store()``: the job's store, where ranks meet before the
-  group is created (:func:`_meet_before_creating`).
+  group is created (:func:`_meet_before_creating`) and write their heartbeats
+  (``heartbeat.default_store``);
+* ``ProcessGroup._get_backend(device)._set_default_timeout``: the group is created with a
+  short timeout of ddp_even's own, then given the training group's (:func:`_create`; created
+  with the training group's timeout when ``_set_default_timeout`` is missing);
+* ``torch._C._distributed_c10d``'s ``ProcessGroupGloo``, ``PrefixStore`` and ``TCPStore``
+  (here and in ``liveness.py``): the classes ``torch.distributed`` re-exports, imported from
+  where their type information is.
 
 ``tests/test_clean_exit.py`` fails first if any of them changes.
 """
@@ -37,8 +44,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroupGloo
 
+from ddp_even.agreement.heartbeat import start_heartbeat, waiting
+from ddp_even.agreement.liveness import (
+    BUSY,
+    UNSEEN,
+    current_watch,
+    lost_peers,
+    poll_interval,
+    watch_from_now,
+)
 from ddp_even.agreement.rollcall import finish_roll_calls
+from ddp_even.agreement.verdict import Board, Verdict, store_silence, verdict_on
 from ddp_even.errors import EvenLoaderError
 
 __all__ = ["Channel", "channel_for", "control_group_for", "release_orphaned", "training_timeout"]
@@ -119,30 +137,37 @@ _left_running: list[dist.ProcessGroup] = []
 _release_at_exit_registered = False
 
 
+def start_heartbeat_for(group: dist.ProcessGroup | None, timeout: float | None) -> None:
+    """Say that this process lives (``heartbeat.py``), beating often enough for ``timeout``
+    (None: the training group's timeout), from the first loader until exit."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        start_heartbeat(training_timeout(group) if timeout is None else timeout)
+        watch_from_now()
+
+
 def control_group_for(
     training_group: dist.ProcessGroup | None, timeout: float
 ) -> dist.ProcessGroup:
     """The gloo group ddp_even talks on for ``training_group``, created once and cached.
 
     Creating it is a collective over the training group's ranks, so every rank must reach this
-    call; ``EvenLoader`` does so at the start of its first epoch. Before creating it, the ranks
-    meet in the store for at most ``timeout`` seconds, so that a rank that never starts the
-    loader (a loop run on rank 0 only) is named instead of failing deep inside torch.
+    call; ``EvenLoader`` does so at the start of its first epoch. The ranks first meet in the
+    store (:func:`_meet_before_creating`), where a rank that comes late is waited for while it
+    lives, so that gloo's rendezvous runs only once every rank is there, under a deadline of
+    ddp_even's own (:func:`_create`).
     """
     release_orphaned()
-    group = training_group if training_group is not None else dist.group.WORLD
+    group: Any = training_group if training_group is not None else dist.group.WORLD
     gloo_timeout = max(timeout, training_timeout(group))
     key = (group, gloo_timeout)
     channel = _control_groups.get(key)
     if channel is None or channel.group is None:
         ranks = dist.get_process_group_ranks(group)
-        _meet_before_creating(group, ranks, timeout)
-        control_group = dist.new_group(
-            ranks=ranks,
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=gloo_timeout),
-            use_local_synchronization=True,
-        )
+        creation = _creations.get(group, 0)
+        _creations[group] = creation + 1
+        meeting = f"ddp_even/meet/{group.group_name}/{creation}/"
+        _meet_before_creating(meeting, ranks, timeout, gloo_timeout)
+        control_group = _create(meeting, ranks, timeout, gloo_timeout)
         channel = Channel(control_group, group)
         _control_groups[key] = _channels[control_group.group_name] = channel
         _register_release_at_exit()
@@ -233,22 +258,136 @@ def _registered(group: Any) -> bool:
     return True if pg_map is None else group in pg_map
 
 
-def _meet_before_creating(group: Any, ranks: Sequence[int], timeout: float) -> None:
-    creation = _creations.get(group, 0)
-    _creations[group] = creation + 1
-    store: Any = dist.distributed_c10d._get_default_store()
-    prefix = f"ddp_even/meet/{group.group_name}/{creation}/"
-    store.set(f"{prefix}{dist.get_rank()}", "here")
-    keys = [f"{prefix}{rank}" for rank in ranks]
-    deadline = time.monotonic() + timeout
-    while not store.check(keys):
-        if time.monotonic() >= deadline:
-            absent = [rank for rank, key in zip(ranks, keys, strict=True) if not store.check([key])]
-            raise EvenLoaderError(
-                f"rank(s) {', '.join(map(str, absent))} never started iterating an EvenLoader "
-                f"within {timeout:g} s while rank {dist.get_rank()} waited for them: every rank "
-                "of the training group must iterate the loader at the same point. To loop on "
-                "some ranks only (evaluation on rank 0), iterate the underlying loader there, "
-                "not an EvenLoader"
-            )
-        time.sleep(_RENDEZVOUS_POLL_S)
+# What the ranks meet for, in the words of an error.
+_MEETING = "ddp_even's first meeting (each rank's first epoch, before ddp_even's group exists)"
+_ONE_LOOP = (
+    "every rank of the training group must iterate the loader at the same point; to loop on "
+    "some ranks only (evaluation on rank 0), iterate the underlying loader there"
+)
+# The shortest deadline of gloo's rendezvous once every rank has met (connecting a few sockets).
+_CREATION_MIN_S = 5.0
+
+
+def _meet_before_creating(
+    meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float
+) -> None:
+    """Wait in the store until every rank is here, for as long as the absent ones live.
+
+    A peer that shows no sign of life for ``timeout`` (or exited) is named at once; a live one,
+    or one with no heartbeat yet (it has not made its ``EvenLoader``: a long set-up), is waited
+    for up to the training group's timeout, as DDP's first all-reduce would wait for it.
+    """
+    me = dist.get_rank()
+    watch = current_watch()
+    board = Board(watch, meeting, me, hosts_store=me == 0)
+    keys = [f"{meeting}{rank}" for rank in ranks]
+    others = [rank for rank in ranks if rank != me]
+    poll = poll_interval(timeout, len(ranks))
+    began = time.monotonic()
+    with waiting():
+        watch.store.set(f"{meeting}{me}", "here")
+        while not _all_here(watch.store, keys):
+            verdict = board.read()
+            if verdict is None:
+                verdict = _why_not_all_here(
+                    watch, keys, ranks, others, began, timeout, gloo_timeout
+                )
+                if verdict is not None:
+                    verdict = board.publish(verdict)
+            if verdict is not None:
+                raise board.adopt(verdict, len(ranks))
+            time.sleep(poll)
+
+
+def _all_here(store: Any, keys: list[str]) -> bool:
+    try:
+        return bool(store.check(keys))
+    except Exception:  # the store did not answer: the next look says why
+        return False
+
+
+def _why_not_all_here(
+    watch: Any,
+    keys: list[str],
+    ranks: Sequence[int],
+    others: list[int],
+    began: float,
+    timeout: float,
+    gloo_timeout: float,
+) -> Verdict | None:
+    me = dist.get_rank()
+    views = watch.look(others)
+    if views is None:
+        return store_silence(watch, by=me, timeout=timeout, what=_MEETING)
+    lost = lost_peers(views, timeout)
+    if lost:
+        return verdict_on(views, lost, by=me, timeout=timeout, what=_MEETING)
+    if time.monotonic() - began < gloo_timeout:
+        return None
+    absent = [rank for rank, key in zip(ranks, keys, strict=True) if not watch.store.check([key])]
+    states = {rank: BUSY if views[rank].beat is not None else UNSEEN for rank in absent}
+    verdict = verdict_on(views, states, by=me, timeout=gloo_timeout, what=_MEETING)
+    return Verdict(
+        me,
+        verdict.missing,
+        verdict.states,
+        gloo_timeout,
+        _MEETING,
+        f"not within the training group's timeout ({gloo_timeout:g} s): {verdict.detail}. "
+        f"Did they never start iterating an EvenLoader? {_ONE_LOOP}",
+    )
+
+
+def _create(meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float) -> Any:
+    """``dist.new_group`` once every rank has met, under ddp_even's deadline, not gloo's.
+
+    Gloo's rendezvous waits for every rank for the group's timeout. Every rank is known to be
+    here, so the group is created with a short one (``timeout``, at least
+    :data:`_CREATION_MIN_S`), which only a rank lost in between can outlast, and is then given
+    the training group's, which its collectives need to wait for a live peer.
+    """
+    settable = hasattr(ProcessGroupGloo, "_set_default_timeout")
+    creating = max(timeout, _CREATION_MIN_S) if settable else gloo_timeout
+    try:
+        group = dist.new_group(
+            ranks=ranks,
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=creating),
+            use_local_synchronization=True,
+        )
+    except Exception as error:  # gloo's raw error: which rank was lost?
+        raise _creation_failure(meeting, ranks, timeout, creating, error) from error
+    if settable:
+        backend = group._get_backend(torch.device("cpu"))
+        backend._set_default_timeout(datetime.timedelta(seconds=gloo_timeout))
+    return group
+
+
+def _creation_failure(
+    meeting: str, ranks: Sequence[int], timeout: float, creating: float, error: Exception
+) -> EvenLoaderError:
+    """ddp_even's error for a failed gloo rendezvous: the ranks lost since the meeting."""
+    me = dist.get_rank()
+    watch = current_watch()
+    board = Board(watch, meeting, me, hosts_store=me == 0)
+    others = [rank for rank in ranks if rank != me]
+    words = f"gloo: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    what = "the creation of ddp_even's group, after every rank had met"
+    # Their silence counts from when this rank first saw it: watch for up to ``timeout``.
+    deadline = time.monotonic() + timeout + 1.0
+    while time.monotonic() < deadline:
+        verdict = board.read()
+        if verdict is None:
+            views = watch.look(others)
+            lost = {} if views is None else lost_peers(views, timeout)
+            if views is not None and lost:
+                verdict = board.publish(verdict_on(views, lost, by=me, timeout=timeout, what=what))
+            elif views is None:
+                verdict = store_silence(watch, by=me, timeout=timeout, what=what)
+        if verdict is not None:
+            return board.adopt(verdict, len(ranks))
+        time.sleep(poll_interval(timeout, len(ranks)))
+    return EvenLoaderError(
+        f"ddp_even could not create its gloo group within {creating:g} s although every rank "
+        f"had met and none is known to be lost since ({words})"
+    )

@@ -2,14 +2,16 @@
 
 The group is our own so that control messages never queue behind gradient buckets and never
 touch a GPU stream. Its gloo timeout is the training group's own (at least the loader's
-``timeout``), so an agreement started ahead of time survives any pause a rank makes between
-steps (a checkpoint, an evaluation) that the training collectives survive. The loader's
-``timeout`` counts only the time a rank itself waits for an agreement: each wait has its own
-deadline, measured from when the wait began.
+``timeout``), so an agreement started ahead of time survives any pause a rank makes that the
+training collectives survive (a checkpoint, an evaluation, a slow set-up).
 
-A failed or timed-out collective does not say which peer was missing; ``rollcall.py`` finds
-out, and :meth:`CollectiveAgreer.failure` turns its answer into the error every rank raises,
-naming global ranks.
+A wait that lasts longer than a quarter of a second watches the peers' heartbeats
+(``liveness.py``): a peer that shows no sign of life for the loader's ``timeout``, or whose
+process is gone, is named at once on every rank; a live peer is waited for, wherever it is, until
+gloo's own timeout ends the collective. A collective that fails does not say which peer was
+missing; ``rollcall.py`` finds out, and :meth:`CollectiveAgreer.failure` turns its answer into the
+error every rank raises, naming global ranks. The first rank to decide writes its verdict to the
+store; the others raise the same error.
 
 The group itself, created once per training group and released with it, is
 ``control_group.py``'s.
@@ -34,6 +36,8 @@ from ddp_even.agreement.control_group import (
     release_orphaned,
     training_timeout,
 )
+from ddp_even.agreement.heartbeat import start_heartbeat, waiting
+from ddp_even.agreement.liveness import current_watch, lost_peers, poll_interval
 from ddp_even.agreement.rollcall import (
     AGREEMENT,
     PADDING,
@@ -44,6 +48,15 @@ from ddp_even.agreement.rollcall import (
     WHAT,
     RollCall,
     Ticket,
+)
+from ddp_even.agreement.verdict import (
+    Board,
+    Verdict,
+    gloo_words,
+    store_host_gone,
+    store_silence,
+    verdict_on,
+    verdict_on_missing,
 )
 from ddp_even.agreement.wire import (
     Agreement,
@@ -66,6 +79,7 @@ def agreer_for(group: dist.ProcessGroup | None, timeout: float | None) -> Agreer
         return SoloAgreer()
     if timeout is None:
         timeout = training_timeout(group)
+    start_heartbeat(timeout)
     return CollectiveAgreer(control_group_for(group, timeout), float(timeout))
 
 
@@ -184,13 +198,23 @@ class CollectiveAgreer:
         self.rank = dist.get_rank(control_group)
         self.world_size = dist.get_world_size(control_group)
         self.global_ranks = tuple(dist.get_process_group_ranks(control_group))
+        #: How long a peer may show no sign of life (the loader's ``timeout``).
         self.timeout = timeout
+        # How long gloo waits for a live peer: the training group's own timeout, or more.
+        self._gloo_timeout = training_timeout(control_group)
         self._channel = channel_for(control_group)
+        hosts_store = dist.get_rank() == 0
         self._roll_call = RollCall(
-            control_group.group_name, self.rank, self.world_size, hosts_store=dist.get_rank() == 0
+            control_group.group_name, self.rank, self.world_size, hosts_store=hosts_store
         )
         self._roll_call.register()
-        self._quiet = min(QUIET_S, timeout / 4)
+        self._quiet = datetime.timedelta(seconds=min(QUIET_S, timeout / 4))
+        self._poll = datetime.timedelta(seconds=poll_interval(timeout, self.world_size))
+        self._watch = current_watch()
+        self._board = Board(
+            self._watch, f"ddp_even/{control_group.group_name}/", dist.get_rank(), hosts_store
+        )
+        self._peers = [rank for rank in self.global_ranks if rank != dist.get_rank()]
         # A loader let go of after its training group was destroyed lets that control group go.
         weakref.finalize(self, release_orphaned, True).atexit = False
 
@@ -267,11 +291,12 @@ class CollectiveAgreer:
         return Ticket(sequence, time.time(), what, since_previous)
 
     def await_work(self, work: Any, ticket: Ticket) -> None:
-        """Wait for a started collective, at most ``timeout`` seconds from now.
+        """Wait for a started collective while every peer that has not come lives.
 
         The first, short wait costs what a plain ``wait()`` costs; only a wait that outlasts
-        it writes this rank's presence to the store before waiting on. A collective that
-        fails, or is still incomplete at the deadline, becomes an :class:`EvenLoaderError`.
+        it writes this rank's presence to the store and watches the peers' heartbeats
+        (:meth:`_wait_watching`). A collective that fails becomes an
+        :class:`EvenLoaderError`.
 
         A wait that gives up does not cancel the collective: it can complete a moment later,
         for every rank, before this rank looks at it again (a busy machine can take that long
@@ -279,35 +304,77 @@ class CollectiveAgreer:
         up: a rank that raised while its peers carried on would leave them waiting for it in
         the training's next collective.
         """
-        began = time.monotonic()
         try:
-            work.wait(datetime.timedelta(seconds=self._quiet))
+            work.wait(self._quiet)
         except RuntimeError as error:
             if not work.is_completed():
-                # Only slow so far: say so, and wait on until this wait's own deadline.
-                self._roll_call.mark_waiting(ticket)
-                remaining = max(self.timeout - (time.monotonic() - began), 0.001)
-                try:
-                    work.wait(datetime.timedelta(seconds=remaining))
-                except RuntimeError as later_error:
-                    if not _succeeded(work):
-                        raise self.failure(later_error, ticket) from later_error
-            elif not _succeeded(work):
+                self._wait_watching(work, ticket)
+                return
+            if not _succeeded(work):
                 raise self.failure(error, ticket) from error
-        if ticket.since_previous >= self.timeout and self._roll_call.gave_up_on(ticket):
-            raise PeerTimeoutError(
-                (self.global_ranks[self.rank],),
-                self.timeout,
-                "the others raised PeerTimeoutError naming this rank",
-                rank=self.global_ranks[self.rank],
-                late=True,
-            )
+        if ticket.since_previous >= self.timeout / 2:
+            # Away long enough for the others to have given up on this rank: its collective
+            # may have completed only because it finally joined theirs, after they raised.
+            self._raise_if_given_up()
+
+    def _wait_watching(self, work: Any, ticket: Ticket) -> None:
+        """Wait on, looking at the peers between slices of waiting, until the work completes,
+        fails, or a peer is lost (here or on another rank)."""
+        self._roll_call.mark_waiting(ticket)
+        with waiting():
+            while True:
+                try:
+                    work.wait(self._poll)
+                    break
+                except RuntimeError as error:
+                    if work.is_completed():
+                        if _succeeded(work):
+                            break
+                        raise self.failure(error, ticket) from error
+                verdict = self._look_around(ticket)
+                if verdict is not None and not _succeeded(work):
+                    raise self._decide(verdict)
+        # Completed, after a long wait: did the others give up meanwhile?
+        self._raise_if_given_up()
+
+    def _look_around(self, ticket: Ticket) -> Verdict | None:
+        """A reason to stop: another rank's verdict, or peers lost; None while all may come."""
+        verdict = self._board.read()
+        if verdict is not None:
+            return verdict
+        what = WHAT.get(ticket.what, ticket.what)
+        views = self._watch.look(self._peers)
+        if views is None:
+            return store_silence(self._watch, by=self._me, timeout=self.timeout, what=what)
+        lost = lost_peers(views, self.timeout)
+        if not lost:
+            return None
+        return verdict_on(views, lost, by=self._me, timeout=self.timeout, what=what)
+
+    def _decide(self, verdict: Verdict) -> EvenLoaderError:
+        """Publish ``verdict`` (unless another rank's stands already); the error to raise."""
+        if verdict.by == self._me:
+            verdict = self._board.publish(verdict)
+        logger.debug("control collective given up: %s", verdict)
+        return self._board.adopt(verdict, self.world_size)
+
+    def _raise_if_given_up(self) -> None:
+        verdict = self._board.read()
+        if verdict is not None:
+            raise self._decide(verdict)
+
+    @property
+    def _me(self) -> int:
+        return self.global_ranks[self.rank]
 
     def failure(self, error: RuntimeError, ticket: Ticket) -> EvenLoaderError:
         """The error every rank raises when a control collective failed: who is missing."""
+        verdict = self._board.read()
+        if verdict is not None:
+            return self._decide(verdict)
         attendance = self._roll_call.attendance(ticket)
         logger.debug("control collective %s failed: %s (%s)", ticket, error, attendance)
-        gloo = f"gloo: {_gloo_words(str(error))}"
+        gloo = f"gloo: {gloo_words(str(error))}"
         kinds = {what for what in attendance.doing.values() if what in WHAT}
         doing = {self.global_ranks[rank]: what for rank, what in attendance.doing.items()}
         if not attendance.missing and len(kinds) > 1:
@@ -317,21 +384,44 @@ class CollectiveAgreer:
                 "leave an epoch early (a break, or an exception caught inside the loop, on "
                 f"some ranks only)? Every rank must stop at the same step. {gloo}"
             )
-        detail = gloo
+        what = WHAT.get(ticket.what, ticket.what)
         if attendance.unknown_because is not None:
-            detail += f"; which ranks did not answer is unknown: {attendance.unknown_because}"
-        elif not attendance.missing:
-            detail += (
-                "; every rank reached this collective, some only after this rank had stopped "
-                "waiting: a peer was late (slow or paused inside the loader), not gone"
+            why = (attendance.unknown_because, self.global_ranks, self._me, self.timeout, what)
+            lost = store_host_gone(str(error), *why)
+            if lost is not None:
+                return self._decide(lost)
+        if attendance.unknown_because is not None or not attendance.missing:
+            detail = gloo
+            if attendance.unknown_because is not None:
+                detail += f"; which ranks did not answer is unknown: {attendance.unknown_because}"
+            else:
+                detail += (
+                    "; every rank reached this collective, some only after this rank had "
+                    "stopped waiting: a peer was late, not gone"
+                )
+            return PeerTimeoutError(
+                tuple(self.global_ranks[rank] for rank in attendance.missing),
+                self.timeout,
+                detail,
+                rank=self._me,
+                late=attendance.late,
+                what=what,
             )
-        return PeerTimeoutError(
-            tuple(self.global_ranks[rank] for rank in attendance.missing),
-            self.timeout,
-            detail,
-            rank=self.global_ranks[self.rank],
-            late=attendance.late,
+        missing = [self.global_ranks[rank] for rank in attendance.missing]
+        if attendance.late:
+            return PeerTimeoutError(
+                tuple(missing), self.timeout, gloo, rank=self._me, late=True, what=what
+            )
+        verdict = verdict_on_missing(
+            self._watch,
+            missing,
+            str(error),
+            by=self._me,
+            timeout=self.timeout,
+            gloo_timeout=self._gloo_timeout,
+            what=what,
         )
+        return self._decide(verdict)
 
 
 def _succeeded(work: Any) -> bool:
@@ -356,9 +446,3 @@ def _describe(doing: dict[int, str]) -> str:
         f"rank(s) {', '.join(map(str, ranks))}: {WHAT.get(what, what)}"
         for what, ranks in by_kind.items()
     )
-
-
-def _gloo_words(message: str) -> str:
-    """Gloo's message without its source location prefix and sign-off."""
-    words = message.split("] ", 1)[-1] if message.startswith("[") else message
-    return words.split(" GLHF!", 1)[0].strip()

@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Generator, Iterator
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
+from ddp_even.agreement.heartbeat import INSIDE, OUTSIDE, presence
 from ddp_even.errors import EvenLoaderError
 from ddp_even.runtime.stats import EpochStats
 
@@ -101,7 +102,14 @@ class Epoch(Generic[BatchT]):
                 "cannot be iterated twice at once (zip(loader, loader), or a loop over it "
                 "inside a loop over it); use two loaders, or finish one epoch first"
             )
-        return next(self._batches)
+        # What this process's heartbeat tells the others: inside the loader, or outside it
+        # (a training step, a checkpoint), and one more batch since.
+        presence.doing = INSIDE
+        try:
+            return next(self._batches)
+        finally:
+            presence.doing = OUTSIDE
+            presence.progress += 1
 
     def supersede(self) -> None:
         self._superseded = True

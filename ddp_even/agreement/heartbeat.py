@@ -1,0 +1,269 @@
+"""This process's heartbeat: a counter in the job's store, and what the process is doing.
+
+From the first ``EvenLoader`` until exit, a daemon thread writes ``ddp_even/heartbeat/<global
+rank>`` in the job's key-value store about once a second (a quarter of the loader's
+``timeout`` when that is shorter), as ``"<count> <progress> <doing> <seconds> <interval> <pid>
+<host>"`` (:class:`Beat`):
+
+* ``count``: the thread's own counter. It goes on while the process lives and its interpreter
+  runs; it stops when the process is gone, frozen (SIGSTOP, a debugger), or when its main
+  thread holds the GIL without a break.
+* ``progress``: a counter the *main* thread advances each time it leaves the loader (each batch
+  handed out, each epoch's end). A count that goes on while the progress stands still is a
+  process alive and busy, or stuck, where ``doing`` says.
+* ``doing``: where the main thread is (:data:`OUTSIDE` the loader, :data:`INSIDE` it,
+  :data:`WAITING` for the others in ddp_even), or that the process is :data:`EXITED` or
+  :data:`LEFT` its process group; ``seconds``: for how long, on its own clock.
+* ``interval``: how often it beats, so that a reader knows what a silence means; ``pid`` and
+  ``host``: so that a reader on the same host can ask the kernel whether a silent peer is gone
+  or stopped (``liveness.py``).
+
+No collective, and nothing on the fast path but two attribute writes per batch
+(:data:`presence`). A store ``set`` does not wait for an answer, so a slow store does not
+slow the thread; the thread's own clone of the store has a short timeout all the same. The
+thread stops when the process group it beats into is destroyed (writing :data:`LEFT`) and at
+interpreter exit (writing :data:`EXITED`), from an ``atexit`` hook that joins it: a daemon
+thread coming back from a store call while the interpreter finalizes would abort the process.
+The job's store is torch's private ``distributed_c10d._get_default_store()`` (listed with
+the other torch internals in ``control_group.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+logger = logging.getLogger("ddp_even")
+
+__all__ = [
+    "EXITED",
+    "INSIDE",
+    "LEFT",
+    "OUTSIDE",
+    "WAITING",
+    "Beat",
+    "beat_interval",
+    "default_store",
+    "heartbeat_key",
+    "presence",
+    "start_heartbeat",
+    "waiting",
+]
+
+# Where the main thread is, and how the process ended.
+OUTSIDE = "outside"
+INSIDE = "inside"
+WAITING = "waiting"
+EXITED = "exited"
+LEFT = "left"
+
+# The longest and shortest beat intervals: a quarter of the loader's timeout in between.
+_MAX_INTERVAL_S = 1.0
+_MIN_INTERVAL_S = 0.05
+# The thread's store calls give up after this; joined at exit for a little longer.
+_STORE_TIMEOUT_S = 2.0
+_JOIN_AT_EXIT_S = _STORE_TIMEOUT_S + 1.0
+THREAD_NAME = "ddp-even-heartbeat"
+
+
+class Presence:
+    """Where this process's main thread is; written by it, read by the heartbeat thread."""
+
+    __slots__ = ("doing", "progress")
+
+    def __init__(self) -> None:
+        self.doing = OUTSIDE
+        self.progress = 0
+
+
+#: The one :class:`Presence` of this process (the epoch marks each batch in it).
+presence = Presence()
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Mark the main thread as waiting for the others in ddp_even while the block runs."""
+    previous, presence.doing = presence.doing, WAITING
+    try:
+        yield
+    finally:
+        presence.doing = previous
+
+
+def heartbeat_key(rank: int) -> str:
+    """The store key of global rank ``rank``'s heartbeat."""
+    return f"ddp_even/heartbeat/{rank}"
+
+
+def beat_interval(timeout: float) -> float:
+    """How often a process beats for a loader whose ``timeout`` is this many seconds."""
+    return min(max(timeout / 4, _MIN_INTERVAL_S), _MAX_INTERVAL_S)
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat, as written to the store."""
+
+    count: int
+    progress: int
+    doing: str
+    # Seconds in ``doing`` when it was written, on the writer's clock.
+    in_state_s: float
+    interval: float
+    pid: int
+    host: str
+
+    def encode(self) -> str:
+        return (
+            f"{self.count} {self.progress} {self.doing} {self.in_state_s:.1f} "
+            f"{self.interval:g} {self.pid} {self.host}"
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> Beat | None:
+        """The beat ``text`` holds, or None when it is not one."""
+        try:
+            count, progress, doing, seconds, interval, pid, host = text.split(" ")
+            return cls(
+                int(count), int(progress), doing, float(seconds), float(interval), int(pid), host
+            )
+        except ValueError:
+            return None
+
+
+def host_token() -> str:
+    """This host and PID namespace: readers compare it with theirs before looking at a PID."""
+    name = socket.gethostname() or "unknown"
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "-"
+    try:
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        namespace = "-"
+    return "/".join((name, boot, namespace)).replace(" ", "_")
+
+
+def default_store() -> Any:
+    """The job's store, or None without a process group (also while it is being destroyed)."""
+    try:
+        if not dist.is_initialized():
+            return None
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # destroyed meanwhile, from another thread
+        return None
+
+
+class _Beater(threading.Thread):
+    """The thread that beats for this process into one process group's store."""
+
+    def __init__(self, origin: Any, rank: int, interval: float) -> None:
+        super().__init__(name=THREAD_NAME, daemon=True)
+        # The default store it beats into: when torch no longer has it, the group is gone.
+        self.origin = origin
+        self.interval = interval
+        self._key = heartbeat_key(rank)
+        self._host = host_token()
+        self._stopping = threading.Event()
+        self._last_words = EXITED
+        self._count = 0
+        self._state = (presence.doing, presence.progress)
+        self._since = time.monotonic()
+        store: Any = origin
+        try:
+            # Its own connection, with its own timeout: the job's store is shared.
+            store = origin.clone()
+            store.set_timeout(datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+        except Exception:  # a store type without clone: share the job's
+            logger.debug("the default store cannot be cloned; the heartbeat shares it")
+        self._store = store
+
+    def beat(self, doing: str | None = None) -> None:
+        """Write one heartbeat (``doing`` overrides what the main thread says)."""
+        now = time.monotonic()
+        state = (presence.doing, presence.progress)
+        if state != self._state:
+            self._state, self._since = state, now
+        self._count += 1
+        beat = Beat(
+            self._count,
+            state[1],
+            doing or state[0],
+            now - self._since,
+            self.interval,
+            os.getpid(),
+            self._host,
+        )
+        try:
+            self._store.set(self._key, beat.encode())
+        except Exception as error:  # a store gone or slow: the next beat tries again
+            logger.debug("heartbeat not written: %r", error)
+
+    def run(self) -> None:
+        while not self._stopping.wait(self.interval):
+            if default_store() is not self.origin:
+                self.beat(LEFT)
+                return
+            self.beat()
+        self.beat(self._last_words)
+
+    def stop(self, last_words: str, wait_s: float) -> None:
+        self._last_words = last_words
+        self._stopping.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(wait_s)
+            if self.is_alive():
+                logger.debug("the heartbeat thread is still in a store call")
+
+
+_beater: _Beater | None = None
+_lock = threading.Lock()
+_stop_at_exit_registered = False
+
+
+def start_heartbeat(timeout: float) -> None:
+    """Beat for this process from now until exit (or until its process group is destroyed).
+
+    Idempotent; a loader with a shorter ``timeout`` than those before makes the beats more
+    frequent. Without a process group, or with one rank, there is no one to beat for.
+    """
+    global _beater, _stop_at_exit_registered
+    store = default_store()
+    if store is None or dist.get_world_size() == 1:
+        return
+    interval = beat_interval(timeout)
+    with _lock:
+        beater = _beater
+        if beater is not None and beater.origin is store and beater.is_alive():
+            beater.interval = min(beater.interval, interval)
+            return
+        if beater is not None:
+            beater.stop(LEFT, _JOIN_AT_EXIT_S)  # a process group made again: beat into the new one
+        beater = _beater = _Beater(store, dist.get_rank(), interval)
+        # The first beat before this returns, so that every rank that reaches the others has one.
+        beater.beat()
+        beater.start()
+        if not _stop_at_exit_registered:
+            atexit.register(_stop_at_exit)
+            _stop_at_exit_registered = True
+    logger.debug("heartbeat every %.2f s into the job's store", interval)
+
+
+def _stop_at_exit() -> None:
+    """Say this process exited, and join the thread before the interpreter finalizes."""
+    beater = _beater
+    if beater is not None:
+        beater.stop(EXITED, _JOIN_AT_EXIT_S)

@@ -1,0 +1,282 @@
+"""Who is alive: the peers' heartbeats read by a rank that waits, judged, and the verdict shared.
+
+A rank reads its peers' heartbeats (``heartbeat.py``) only once a wait in ddp_even has lasted a
+quarter of a second, then about twice a second: nothing on the fast path. What it concludes
+about a peer that has not come (:func:`judge`):
+
+* **exited**: its last heartbeat says its process exited or destroyed its process group.
+  Named at once.
+* **dead**: its process is gone: its PID no longer runs on this host (checked once its
+  heartbeat has missed a few beats), or, on another host, a connection to it closed (gloo's
+  error) and its heartbeat stopped.
+* **stalled**: its heartbeat has shown no change for the loader's ``timeout`` and it is not
+  known to be gone: frozen (SIGSTOP, a debugger: the kernel says "stopped" on this host), its
+  main thread holding the GIL the whole time, or on another host and cut off.
+* **busy** (alive, heartbeat going on) and **unseen** (no heartbeat: it never made an
+  ``EvenLoader``): waited for, wherever the peer is, up to the training group's own timeout,
+  as DDP's all-reduce would wait; named then, with what it was doing. A main thread deadlocked
+  with the GIL released is such a peer: its ``progress`` stands still while its count goes on.
+
+Silences are measured on this rank's clock, from the first time it saw the peer's latest
+beat, so no two hosts' clocks are compared. What the ranks then raise is ``verdict.py``'s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+from ddp_even.agreement.heartbeat import (
+    EXITED,
+    INSIDE,
+    LEFT,
+    OUTSIDE,
+    WAITING,
+    Beat,
+    default_store,
+    heartbeat_key,
+    host_token,
+)
+
+logger = logging.getLogger("ddp_even")
+
+# What a rank concludes about a peer that did not come.
+GONE_EXITED = "exited"
+DEAD = "dead"
+STALLED = "stalled"
+BUSY = "busy"
+UNSEEN = "unseen"
+
+# A silence of this many beats makes a reader ask the kernel about a peer on its host.
+SILENT_BEATS = 2.5
+# The most a read of the store may take (a store whose host is frozen never answers).
+_READ_TIMEOUT_S = 1.0
+_MAX_POLL_S = 0.5
+# Gloo's words for a connection whose other end went away.
+_CONNECTION_LOST = ("closed by peer", "reset by peer", "broken pipe", "connection refused")
+
+
+def poll_interval(timeout: float, world_size: int) -> float:
+    """How often a waiting rank looks at its peers: more seldom in large jobs (one store)."""
+    return min(max(timeout / 6, 0.05), _MAX_POLL_S) * max(1.0, world_size / 64)
+
+
+def connection_lost(gloo_message: str) -> bool:
+    """Whether gloo's error says the other end of a connection went away."""
+    lowered = gloo_message.lower()
+    return any(words in lowered for words in _CONNECTION_LOST)
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """One peer as this process sees it now."""
+
+    rank: int
+    # None: no heartbeat (it has not made an EvenLoader yet).
+    beat: Beat | None
+    # Seconds since its heartbeat last changed, on this process's clock.
+    silent_s: float
+
+
+class Watch:
+    """This process's view of its peers' heartbeats, kept between waits."""
+
+    def __init__(self, origin: Any) -> None:
+        self.origin = origin
+        self._store: Any = None
+        # Per peer: its latest heartbeat text, and when this process first saw it.
+        self._seen: dict[int, tuple[str, float]] = {}
+        # When the store stopped answering (None while it answers), and how.
+        self.store_failing_since: float | None = None
+        self.store_error: BaseException | None = None
+
+    def connect(self) -> None:
+        """Open this watch's own connection to the store, with a short timeout of its own.
+
+        Done when the loader is made (:func:`watch_from_now`): a clone connects with the job's
+        store's timeout (30 minutes by default), so one made once the store's host is gone
+        would hang for that long instead of failing within a second.
+        """
+        if self._store is None:
+            store = self.origin
+            try:
+                store = store.clone()
+                store.set_timeout(datetime.timedelta(seconds=_READ_TIMEOUT_S))
+            except Exception:  # a store type without clone: read the job's
+                logger.debug("the default store cannot be cloned; reading it as it is")
+            self._store = store
+
+    @property
+    def store(self) -> Any:
+        self.connect()
+        return self._store
+
+    def look(self, ranks: Sequence[int]) -> dict[int, PeerView] | None:
+        """The peers' latest heartbeats; None when the store did not answer."""
+        keys = [heartbeat_key(rank) for rank in ranks]
+        try:
+            if self.store.check(keys):  # one request, and multi_get would wait for a missing key
+                values: list[bytes | None] = list(self.store.multi_get(keys))
+            else:
+                values = [self.store.get(key) if self.store.check([key]) else None for key in keys]
+        except Exception as error:
+            if self.store_failing_since is None:
+                self.store_failing_since, self.store_error = time.monotonic(), error
+            return None
+        self.store_failing_since = self.store_error = None
+        now = time.monotonic()
+        views = {}
+        for rank, value in zip(ranks, values, strict=True):
+            if value is None:
+                views[rank] = PeerView(rank, None, 0.0)
+                continue
+            text = value.decode(errors="replace")
+            previous = self._seen.get(rank)
+            if previous is None or previous[0] != text:
+                previous = self._seen[rank] = (text, now)
+            views[rank] = PeerView(rank, Beat.parse(text), now - previous[1])
+        return views
+
+    def last_beat(self, rank: int) -> Beat | None:
+        """The last heartbeat seen of ``rank``, however old."""
+        seen = self._seen.get(rank)
+        return None if seen is None else Beat.parse(seen[0])
+
+
+_watch: Watch | None = None
+
+
+def watch_from_now() -> None:
+    """Connect the current process group's watch now, while the store's host is alive."""
+    if default_store() is not None:
+        current_watch().connect()
+
+
+def current_watch() -> Watch:
+    """The watch over the current process group's heartbeats."""
+    global _watch
+    store = default_store()
+    if _watch is None or _watch.origin is not store:
+        _watch = Watch(store)
+    return _watch
+
+
+def process_state(beat: Beat) -> str | None:
+    """``"gone"``, ``"stopped"`` or ``"running"`` for a peer on this host; None elsewhere."""
+    if beat.host != host_token():
+        return None
+    try:
+        stat = Path(f"/proc/{beat.pid}/stat").read_text()
+    except FileNotFoundError:
+        return "gone"
+    except OSError:
+        return _exists(beat.pid)
+    state = stat.rsplit(")", 1)[-1].split()[0]
+    if state in ("Z", "X"):
+        return "gone"
+    return "stopped" if state in ("T", "t") else "running"
+
+
+def _exists(pid: int) -> str | None:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "gone"
+    except OSError:
+        return None
+    return "running"
+
+
+def judge(view: PeerView, timeout: float, *, connection_lost: bool = False) -> str | None:
+    """Whether the peer is lost (:data:`GONE_EXITED`, :data:`DEAD`, :data:`STALLED`), or None
+    while it may still come (alive, or never seen: waited for up to the training timeout)."""
+    beat = view.beat
+    if beat is None:
+        return None
+    if beat.doing in (EXITED, LEFT):
+        return GONE_EXITED
+    missed = SILENT_BEATS * beat.interval
+    if view.silent_s < missed:
+        return None
+    process = process_state(beat)
+    if process == "gone":
+        return DEAD
+    if view.silent_s < max(timeout, missed):
+        return None
+    return DEAD if connection_lost and process is None else STALLED
+
+
+def describe(view: PeerView, state: str, timeout: float) -> str:
+    """What became of a peer, in words, for an error."""
+    rank, beat = view.rank, view.beat
+    if beat is None:
+        return f"rank {rank} never made an EvenLoader (no heartbeat)"
+    said = f"its last heartbeat said: {_doing(beat)}"
+    if state == GONE_EXITED:
+        if beat.doing == LEFT:
+            return f"rank {rank} destroyed its process group (destroy_process_group)"
+        return f"rank {rank} exited (its process ended; its last heartbeat said so)"
+    if state == DEAD:
+        return f"rank {rank} is dead: its process is gone ({_where(beat)}); {said}"
+    if state == STALLED:
+        process = process_state(beat)
+        why = {
+            "stopped": "its process is stopped (SIGSTOP, a debugger)",
+            "running": "its process runs but its heartbeat does not (a main thread holding "
+            "the GIL?)",
+        }.get(process or "", f"frozen, dead or cut off ({_where(beat)})")
+        return (
+            f"rank {rank} is stalled: no sign of life for {view.silent_s:.1f} s (timeout "
+            f"{timeout:g} s): {why}; {said}"
+        )
+    return f"rank {rank} is alive (its heartbeat goes on): {_doing(beat)}"
+
+
+def _where(beat: Beat) -> str:
+    host = beat.host.split("/", 1)[0]
+    return f"pid {beat.pid} on {'this host' if beat.host == host_token() else host}"
+
+
+def _doing(beat: Beat) -> str:
+    if beat.doing == OUTSIDE and beat.progress == 0:
+        return f"outside the loader, not iterating yet, for {beat.in_state_s:.1f} s"
+    words = {
+        OUTSIDE: "outside the loader (a training step, an evaluation, a checkpoint, or stuck "
+        "there)",
+        INSIDE: "inside the loader (reading its source)",
+        WAITING: "waiting for the others in ddp_even",
+    }.get(beat.doing, beat.doing)
+    return f"{words} for {beat.in_state_s:.1f} s, after {beat.progress} batch(es)"
+
+
+def store_host() -> int | None:
+    """The global rank whose process hosts the job's store, when that is known.
+
+    A TCP store is hosted by global rank 0 under ``env://``, ``tcp://`` and
+    ``torch.multiprocessing.spawn``; torchrun's own agent hosts it when
+    ``TORCHELASTIC_USE_AGENT_STORE`` says so; a file store has no host.
+    """
+    store = default_store()
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, TCPStore):
+        return None
+    return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+
+
+def lost_peers(views: Mapping[int, PeerView], timeout: float) -> dict[int, str]:
+    """The peers :func:`judge` finds lost, with their state."""
+    lost = {}
+    for rank, view in views.items():
+        state = judge(view, timeout)
+        if state is not None:
+            lost[rank] = state
+    return lost

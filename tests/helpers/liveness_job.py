@@ -1,0 +1,215 @@
+"""A training loop that pauses, dies or freezes at one point, on one rank: the liveness tests'.
+
+With ``ddp`` every step is a real DDP step (one all-reduce of the gradients, an optimizer
+step); without, the loop has no collective of its own and whoever waits for a peer waits in
+ddp_even. Rank ``r``'s shard has ``6 + 2 r`` batches, so truncate takes 6 steps an epoch; two
+epochs. The points (:data:`POINTS`):
+
+* ``before_first_epoch``: the loader is made, its first ``for`` not yet begun (a long set-up);
+* ``between_epochs``: after the first epoch's loop, before the second's;
+* ``between_steps``: after the second batch of the first epoch was handed out (the training
+  step, a checkpoint, an evaluation);
+* ``inside_step``: inside the loader, while its source reads the fourth batch (a slow read);
+* ``last_step``: after the first epoch's last batch was handed out, before the loop asks for
+  the next (when the epoch's statistics are gathered).
+
+Shapes: ``known`` (a sized sequence: one agreement per epoch, then checks of the sources every
+16 steps and after the last) and ``windows`` (a factory: an agreement before every step).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, overload
+
+POINTS = ("before_first_epoch", "between_epochs", "between_steps", "inside_step", "last_step")
+EPOCHS = 2
+STEPS = 6
+
+
+@dataclass(frozen=True)
+class Act:
+    """What ``victim`` does at ``point`` (in the first epoch only)."""
+
+    point: str
+    victim: int
+    # "pause" (sleeps ``seconds``), "kill" (SIGKILL to itself) or "stop" (SIGSTOP to itself,
+    # continued ``seconds`` later by a helper process).
+    action: str
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """Two epochs of truncate in ``shape``, doing ``acts`` on the way."""
+
+    acts: tuple[Act, ...]
+    shape: str = "known"
+    timeout: float = 2.0
+    ddp: bool = False
+
+
+def shard_of(rank: int) -> list[list[int]]:
+    return [[rank * 1000 + index] for index in range(STEPS + 2 * rank)]
+
+
+def expected_epochs(rank: int) -> list[list[list[int]]]:
+    """What every epoch hands out on ``rank`` (truncate: the first :data:`STEPS` batches)."""
+    return [shard_of(rank)[:STEPS]] * EPOCHS
+
+
+class _Shard(Sequence[list[int]]):
+    """A rank's batches with a known length, whose read of one batch may do the act."""
+
+    def __init__(self, batches: list[list[int]], on_read: Any) -> None:
+        self._batches = batches
+        self._on_read = on_read
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    @overload
+    def __getitem__(self, index: int) -> list[int]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[list[int]]: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, int):
+            self._on_read(index)
+        return self._batches[index]
+
+
+# Before a SIGSTOP: two beats (of a 2 s timeout's) so that the heartbeat says where it froze.
+SETTLE_S = 1.0
+
+
+def act_now(act: Act, marks: Path) -> None:
+    """Do ``act`` here, writing when it began to ``marks`` first."""
+    if act.action == "stop":
+        # What a frozen peer was doing is what its last heartbeat said: a rank that froze
+        # right after a change is described as it was up to one beat before.
+        time.sleep(SETTLE_S)
+    (marks / f"fault-{act.victim}-{act.point}").write_text(repr(time.time()))
+    if act.action == "pause":
+        time.sleep(act.seconds)
+    elif act.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif act.action == "stop":
+        # A stopped process cannot continue itself: a helper in its process group does.
+        subprocess.Popen(["sh", "-c", f"sleep {act.seconds}; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        raise ValueError(act.action)
+
+
+def run_job(rank: int, world_size: int, job: Job, marks: str, group: Any = None) -> dict[str, Any]:
+    """Two epochs in truncate mode; each act's victim does it at its point."""
+    import torch
+
+    from ddp_even import EvenLoader, PeerTimeoutError
+
+    here = Path(marks)
+    epoch_now = [0]
+
+    def at(point: str) -> None:
+        for act in job.acts:
+            if act.victim == rank and act.point == point and epoch_now[0] == 0:
+                act_now(act, here)
+
+    def on_read(index: int) -> None:
+        if index == 3:
+            at("inside_step")
+
+    batches = shard_of(rank)
+    source: Any
+    if job.shape == "known":
+        source = _Shard(batches, on_read)
+    else:
+
+        def one_pass() -> Iterator[list[int]]:
+            for index, batch in enumerate(batches):
+                on_read(index)
+                yield batch
+
+        source = one_pass
+    sync_every = 1 if job.shape == "windows" else None
+    loader: EvenLoader[Any] = EvenLoader(
+        source, "truncate", sync_every=sync_every, group=group, timeout=job.timeout
+    )
+    step = _step_function(job.ddp)
+    seen: list[list[list[int]]] = []
+    began = time.time()
+    try:
+        at("before_first_epoch")
+        for epoch in range(EPOCHS):
+            epoch_now[0] = epoch
+            seen.append([])
+            for batch in loader:
+                seen[-1].append(batch)
+                step(torch.tensor(batch, dtype=torch.float32).reshape(-1, 1))
+                if len(seen[-1]) == 2:
+                    at("between_steps")
+                if len(seen[-1]) == STEPS:
+                    at("last_step")
+            at("between_epochs")
+    except PeerTimeoutError as error:
+        return {
+            "error": "PeerTimeoutError",
+            "at": time.time(),
+            "missing": error.missing_ranks,
+            "states": error.states,
+            "late": error.late,
+            "timeout": error.timeout,
+            "message": str(error),
+            "seen": seen,
+        }
+    return {"error": None, "seen": seen, "seconds": time.time() - began}
+
+
+def _step_function(ddp: bool) -> Any:
+    """One training step: a real DDP step, or a short sleep with no collective."""
+    import torch
+
+    if not ddp:
+        return lambda inputs: time.sleep(0.002)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(inputs: Any) -> None:
+        loss = model(inputs / 1000).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def main() -> None:
+    """Under torchrun: ``liveness_job.py OUT JOB_JSON``; each rank writes ``OUT/result-<rank>``."""
+    import json
+    import sys
+
+    import torch.distributed as dist
+
+    out, spec = Path(sys.argv[1]), json.loads(sys.argv[2])
+    job = Job(
+        tuple(Act(**act) for act in spec.pop("acts")),
+        **spec,
+    )
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    result = run_job(rank, dist.get_world_size(), job, str(out))
+    (out / f"result-{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

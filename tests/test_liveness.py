@@ -1,0 +1,196 @@
+"""Liveness, not patience: a peer fails when it is gone, never because it is busy elsewhere.
+
+Two real gloo ranks, ``timeout=2`` (how long a peer may show no sign of life):
+
+* pauses of 2x and 5x the timeout by either rank, before the first epoch, inside a step (a
+  slow read), between steps, at the last step and between epochs (an evaluation after an
+  epoch), with a real DDP model taking optimizer steps: no error, the same batches;
+* SIGKILL of a rank (also of rank 0 hosting the TCP store): the survivor raises ddp_even's
+  ``PeerTimeoutError`` naming it as dead within ``timeout`` + 2 s, not gloo's error;
+* SIGSTOP of a rank: named as stalled, with what it was doing, within ``timeout`` + 2 s of
+  its freezing; continued, it raises too (``late``);
+* a peer that never makes an ``EvenLoader`` is waited for up to the training group's timeout,
+  and the error quotes that timeout, never another;
+* under ``torchrun`` (its agent hosts the store): the pauses at every point, and a frozen rank.
+  (A killed rank is torchrun's to handle there: its agent stops the job's other workers.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.liveness_job import Act, Job, expected_epochs, run_job
+from tests.helpers.spawn import RankError, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+TIMEOUT = 2.0
+
+
+def _run(job: Job, **kwargs: Any) -> tuple[list[Any], Path]:
+    marks = Path(tempfile.mkdtemp(prefix="ddp-even-liveness-"))
+    results = run_ranks(run_job, 2, job, str(marks), capture_exceptions=True, **kwargs)
+    return results, marks
+
+
+def _fault_time(marks: Path, victim: int, point: str) -> float:
+    return float((marks / f"fault-{victim}-{point}").read_text())
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("shape", "ddp", "factor"), [("known", True, 5), ("windows", False, 2)], ids=str
+)
+def test_a_live_rank_that_pauses_anywhere_is_waited_for(shape: str, ddp: bool, factor: int) -> None:
+    seconds = factor * TIMEOUT
+    acts = (
+        Act("before_first_epoch", 1, "pause", seconds),
+        Act("inside_step", 0, "pause", seconds),
+        Act("between_steps", 1, "pause", seconds),
+        Act("last_step", 0, "pause", seconds),
+        Act("between_epochs", 1, "pause", seconds),
+    )
+    results, _ = _run(Job(acts, shape=shape, timeout=TIMEOUT, ddp=ddp), timeout=120)
+    for rank, result in enumerate(results):
+        assert isinstance(result, dict) and result["error"] is None, (rank, result)
+        assert result["seen"] == expected_epochs(rank), (rank, result)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("point", "shape", "ddp", "victim"),
+    [
+        ("before_first_epoch", "known", True, 1),
+        ("between_epochs", "known", True, 1),
+        ("between_steps", "windows", False, 1),
+        # Rank 0 hosts the TCP store here: the store goes with it.
+        ("before_first_epoch", "known", True, 0),
+        ("between_epochs", "known", True, 0),
+    ],
+    ids=str,
+)
+def test_a_killed_rank_is_named_dead_within_the_timeout(
+    point: str, shape: str, ddp: bool, victim: int
+) -> None:
+    results, marks = _run(
+        Job((Act(point, victim, "kill"),), shape=shape, timeout=TIMEOUT, ddp=ddp),
+        timeout=90,
+        tcp_store=victim == 0,
+    )
+    survivor = results[1 - victim]
+    assert isinstance(survivor, dict), survivor  # ddp_even's error, not gloo's RuntimeError
+    assert survivor["error"] == "PeerTimeoutError", survivor
+    assert survivor["missing"] == (victim,), survivor
+    assert survivor["states"] == {victim: "dead"}, survivor
+    assert f"rank {victim}" in survivor["message"] and "dead" in survivor["message"], survivor
+    assert not survivor["late"]
+    assert survivor["at"] - _fault_time(marks, victim, point) <= TIMEOUT + 2, survivor
+    died = f"rank {victim} died (signal SIGKILL) without a result"
+    assert results[victim] == RankError("ProcessExited", died)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("point", "doing"),
+    [("between_epochs", "outside the loader"), ("before_first_epoch", "not iterating yet")],
+    ids=str,
+)
+def test_a_frozen_rank_is_named_stalled_with_what_it_was_doing(point: str, doing: str) -> None:
+    frozen_s = TIMEOUT + 8
+    results, marks = _run(
+        Job((Act(point, 1, "stop", frozen_s),), timeout=TIMEOUT, ddp=True), timeout=90
+    )
+    survivor = results[0]
+    assert isinstance(survivor, dict) and survivor["error"] == "PeerTimeoutError", survivor
+    assert survivor["missing"] == (1,) and survivor["states"] == {1: "stalled"}, survivor
+    message = survivor["message"]
+    assert "rank 1 is stalled" in message and "its process is stopped" in message, message
+    assert doing in message, message
+    # The timeout the user set, and no other.
+    assert "timeout 2 s" in message and "600" not in message and "1800" not in message, message
+    assert survivor["at"] - _fault_time(marks, 1, point) <= TIMEOUT + 2, survivor
+    # Continued after the survivor gave up on it: it raises too, naming itself.
+    late = results[1]
+    assert isinstance(late, dict) and late["error"] == "PeerTimeoutError", late
+    assert late["late"] and late["missing"] == (1,), late
+
+
+def _never_makes_a_loader(rank: int, world_size: int) -> dict[str, Any]:
+    from ddp_even import EvenLoader, PeerTimeoutError
+
+    if rank == 1:
+        time.sleep(10)  # a loop on rank 0 only: this rank never iterates an EvenLoader
+        return {"error": None}
+    began = time.monotonic()
+    try:
+        list(EvenLoader([[1], [2]], "truncate", timeout=TIMEOUT))
+    except PeerTimeoutError as error:
+        return {
+            "error": str(error),
+            "states": error.states,
+            "timeout": error.timeout,
+            "waited": time.monotonic() - began,
+        }
+    return {"error": None}
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_with_no_loader_is_waited_for_up_to_the_training_timeout() -> None:
+    result = run_ranks(_never_makes_a_loader, 2, timeout=60, pg_timeout=6)[0]
+    assert result["states"] == {1: "unseen"} and result["timeout"] == 6, result
+    message = result["error"]
+    assert "rank 1 never made an EvenLoader" in message, message
+    assert "training group's timeout (6 s)" in message, message
+    assert 6 <= result["waited"] < 6 + 4, result
+
+
+def _torchrun(out: Path, job: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    root = Path(__file__).parent.parent
+    command = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc-per-node=2",
+        "--monitor-interval=0.2",
+        str(root / "tests" / "helpers" / "liveness_job.py"),
+        str(out),
+        json.dumps(job),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        command, cwd=root, env=env, capture_output=True, text=True, timeout=150, check=False
+    )
+
+
+@pytest.mark.timeout(200)
+def test_under_torchrun_pauses_are_waited_for_and_a_frozen_rank_is_named(tmp_path: Path) -> None:
+    seconds = 3 * TIMEOUT
+    points = ("before_first_epoch", "inside_step", "between_steps", "last_step", "between_epochs")
+    acts = [
+        {"point": point, "victim": index % 2, "action": "pause", "seconds": seconds}
+        for index, point in enumerate(points)
+    ]
+    paused = _torchrun(tmp_path, {"acts": acts, "timeout": TIMEOUT, "ddp": True})
+    assert paused.returncode == 0, paused.stderr[-3000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"result-{rank}.json").read_text())
+        assert result["error"] is None and result["seen"] == expected_epochs(rank), result
+
+    frozen = tmp_path / "frozen"
+    frozen.mkdir()
+    stop = {"point": "between_epochs", "victim": 1, "action": "stop", "seconds": TIMEOUT + 5}
+    _torchrun(frozen, {"acts": [stop], "timeout": TIMEOUT, "ddp": True})
+    survivor = json.loads((frozen / "result-0.json").read_text())
+    assert survivor["error"] == "PeerTimeoutError", survivor
+    assert survivor["missing"] == [1] and survivor["states"] == {"1": "stalled"}, survivor
+    assert "outside the loader" in survivor["message"], survivor
+    began = float((frozen / "fault-1-between_epochs").read_text())
+    assert survivor["at"] - began <= TIMEOUT + 2, survivor
