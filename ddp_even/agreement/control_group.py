@@ -20,8 +20,8 @@ Torch internals relied on (torch 2.13; each guarded, with a fallback where one e
 * ``distributed_c10d._world.pg_map``: whether torch still knows a group, i.e. it was not
   destroyed (:func:`_registered`; assumed alive when unreadable);
 * ``distributed_c10d._get_default_store()``: the job's store, where ranks meet before the
-  group is created (:func:`_meet_before_creating`) and write their heartbeats
-  (``heartbeat.default_store``);
+  group is created (:func:`_meet_before_creating`), write their heartbeats
+  (``heartbeat.default_store``) and hold their roll calls (``rollcall.py``);
 * ``ProcessGroup._get_backend(device)._set_default_timeout``: the group is created with a
   short timeout of ddp_even's own, then given the training group's (:func:`_create`; created
   with the training group's timeout when ``_set_default_timeout`` is missing);
