@@ -57,6 +57,7 @@ __all__ = [
     "beat_interval",
     "default_store",
     "heartbeat_key",
+    "own_connection",
     "presence",
     "start_heartbeat",
     "waiting",
@@ -167,6 +168,18 @@ def default_store() -> Any:
         return None
 
 
+def own_connection(store: Any, timeout_s: float) -> Any:
+    """A connection of one's own to ``store`` whose calls give up after ``timeout_s``; the
+    job's own connection where the store type cannot be cloned."""
+    try:
+        connection = store.clone()
+        connection.set_timeout(datetime.timedelta(seconds=timeout_s))
+    except Exception:  # a store type without clone
+        logger.debug("the default store cannot be cloned; sharing the job's connection")
+        return store
+    return connection
+
+
 class _Beater(threading.Thread):
     """The thread that beats for this process into one process group's store."""
 
@@ -182,14 +195,8 @@ class _Beater(threading.Thread):
         self._count = 0
         self._state = (presence.doing, presence.progress)
         self._since = time.monotonic()
-        store: Any = origin
-        try:
-            # Its own connection, with its own timeout: the job's store is shared.
-            store = origin.clone()
-            store.set_timeout(datetime.timedelta(seconds=_STORE_TIMEOUT_S))
-        except Exception:  # a store type without clone: share the job's
-            logger.debug("the default store cannot be cloned; the heartbeat shares it")
-        self._store = store
+        # Its own connection, with its own timeout: the job's store is shared.
+        self._store = own_connection(origin, _STORE_TIMEOUT_S)
 
     def beat(self, doing: str | None = None) -> None:
         """Write one heartbeat (``doing`` overrides what the main thread says)."""

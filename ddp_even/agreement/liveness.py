@@ -23,7 +23,6 @@ beat, so no two hosts' clocks are compared. What the ranks then raise is ``verdi
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import time
@@ -44,6 +43,7 @@ from ddp_even.agreement.heartbeat import (
     default_store,
     heartbeat_key,
     host_token,
+    own_connection,
 )
 
 logger = logging.getLogger("ddp_even")
@@ -106,13 +106,7 @@ class Watch:
         would hang for that long instead of failing within a second.
         """
         if self._store is None:
-            store = self.origin
-            try:
-                store = store.clone()
-                store.set_timeout(datetime.timedelta(seconds=_READ_TIMEOUT_S))
-            except Exception:  # a store type without clone: read the job's
-                logger.debug("the default store cannot be cloned; reading it as it is")
-            self._store = store
+            self._store = own_connection(self.origin, _READ_TIMEOUT_S)
 
     @property
     def store(self) -> Any:
