@@ -6,7 +6,8 @@ are marked ``spark``. Without a Java runtime they are skipped, except under CI (
 where a missing Java is a failure: CI must run them.
 
 ``s3``: one local S3-compatible server for the whole run (moto's, as a subprocess), with its
-credentials in the standard AWS variables while it runs.
+credentials in the standard AWS variables while it runs. Every test that uses it is marked
+``s3`` here, so that ``-m s3`` selects the remote-storage tests and none is forgotten.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ _AWS_VARIABLES = (
     "AWS_ENDPOINT_URL_S3",
     "AWS_PROFILE",
 )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "s3" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.s3)
 
 
 @pytest.fixture(scope="session")

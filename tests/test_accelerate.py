@@ -26,10 +26,17 @@ from tests.helpers.lightning_and_accelerate import (
     launch,
     read_ranks,
     shard_batches,
+    skip_without,
     write_regression_dataset,
 )
 
 pytestmark = [pytest.mark.multirank, pytest.mark.skipif(sys.platform != "linux", reason="Linux")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _accelerate_installed() -> None:
+    skip_without("accelerate")
+
 
 EXAMPLE = REPO / "examples" / "train_accelerate.py"
 WORLD_SIZE = 2

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -234,23 +233,16 @@ def imported(*args: str) -> set[str]:
     return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in lines}
 
 
-def median_seconds(*args: str, runs: int = 5) -> float:
-    times = []
-    for _ in range(runs):
-        done, seconds = ddp_even_command(*args)
-        assert done.returncode == 0, done.stderr
-        times.append(seconds)
-    return statistics.median(times)
-
-
 @pytest.mark.timeout(120)
 def test_help_version_and_python_dash_m() -> None:
     for args in (["-h"], ["--help"], ["plan", "-h"], ["plan", "--help"]):
-        done, _ = ddp_even_command(*args)
-        assert done.returncode == 0, (args, done.stderr)
-        assert done.stdout.startswith("Usage: python -m ddp_even"), done.stdout
-    assert "--world-size" in ddp_even_command("plan", "-h")[0].stdout
-    assert "--format [table|markdown|json]" in ddp_even_command("plan", "-h")[0].stdout
+        answer = CliRunner().invoke(main, args, prog_name="python -m ddp_even")
+        assert answer.exit_code == 0, (args, answer.output)
+        assert answer.output.startswith("Usage: python -m ddp_even"), answer.output
+    plan_help, _ = ddp_even_command("plan", "-h")
+    assert plan_help.returncode == 0 and plan_help.stdout.startswith("Usage: python -m ddp_even")
+    assert "--world-size" in plan_help.stdout
+    assert "--format [table|markdown|json]" in plan_help.stdout
     version, _ = ddp_even_command("--version")
     assert (
         version.returncode == 0 and version.stdout == f"ddp-even, version {ddp_even.__version__}\n"
@@ -259,16 +251,13 @@ def test_help_version_and_python_dash_m() -> None:
     assert usage.returncode == 2 and "Missing option '--world-size'" in usage.stderr
 
 
-@pytest.mark.timeout(300)
-def test_start_up_imports_no_torch_and_is_quick(dataset: str) -> None:
-    plan = ("plan", dataset, "-w", "2", "-b", "8")
-    # Help and usage errors need click alone; a plan needs the planner, never torch.
+@pytest.mark.timeout(120)
+def test_start_up_imports_no_torch(dataset: str) -> None:
+    # Help and usage errors need click alone; a plan needs the planner, never torch. How quick
+    # they are is measured by benchmarks/bench_cli.py (docs/performance.md, "CLI start-up").
     assert not imported("plan", "--help") & {"torch", "numpy", "pyarrow", "rich"}
-    planned = imported(*plan)
+    planned = imported("plan", dataset, "-w", "2", "-b", "8")
     assert "pyarrow" in planned and "torch" not in planned
-    # The targets are 0.5 s and 1.5 s; the margins allow for a machine busy with other jobs.
-    assert median_seconds("plan", "--help") < 1.5
-    assert median_seconds(*plan) < 4.5
 
 
 @pytest.mark.timeout(120)

@@ -25,10 +25,17 @@ from tests.helpers.lightning_and_accelerate import (
     expected_epoch,
     launch,
     read_ranks,
+    skip_without,
     write_regression_dataset,
 )
 
 pytestmark = [pytest.mark.multirank, pytest.mark.skipif(sys.platform != "linux", reason="Linux")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _lightning_installed() -> None:
+    skip_without("lightning")
+
 
 EXAMPLE = REPO / "examples" / "train_lightning.py"
 WORLD_SIZE = 2

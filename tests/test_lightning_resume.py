@@ -27,10 +27,16 @@ from typing import Any
 import pytest
 
 from tests.helpers.datasets import shard_ids, write_plain_dataset
-from tests.helpers.lightning_and_accelerate import PYTHON, REPO, launch, read_ranks
-from tests.helpers.lightning_resume_job import BATCH_SIZE, BATCHES, EPOCHS, PARQUET_ROW_GROUPS
+from tests.helpers.lightning_and_accelerate import PYTHON, REPO, launch, read_ranks, skip_without
+from tests.helpers.lightning_resume_data import BATCH_SIZE, BATCHES, EPOCHS, PARQUET_ROW_GROUPS
 
 pytestmark = [pytest.mark.multirank, pytest.mark.skipif(sys.platform != "linux", reason="Linux")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _lightning_installed() -> None:
+    skip_without("lightning")
+
 
 JOB = REPO / "tests" / "helpers" / "lightning_resume_job.py"
 WORLD_SIZE = len(BATCHES)

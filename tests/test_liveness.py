@@ -1,18 +1,26 @@
 """Liveness, not patience: a peer fails when it is gone, never because it is busy elsewhere.
 
-Two real gloo ranks, ``timeout=2`` (how long a peer may show no sign of life):
+Real gloo ranks (two unless a case says three), ``timeout=2`` (how long a peer may show no
+sign of life):
 
 * pauses of 2x and 5x the timeout by either rank, before the first epoch, inside a step (a
   slow read), between steps, at the last step and between epochs (an evaluation after an
   epoch), with a real DDP model taking optimizer steps: no error, the same batches;
-* SIGKILL of a rank (also of rank 0 hosting the TCP store): the survivor raises ddp_even's
+* SIGKILL of a rank at each point where the others then wait in ddp_even (also of rank 0
+  hosting the TCP store, and on three ranks): every survivor raises ddp_even's
   ``PeerTimeoutError`` naming it as dead within ``timeout`` + 2 s, not gloo's error;
-* SIGSTOP of a rank: named as stalled, with what it was doing, within ``timeout`` + 2 s of
-  its freezing; continued, it raises too (``late``);
+* SIGSTOP of a rank (also of rank 0 with the store frozen in its process, and at the last
+  step) and a main thread holding the GIL: named as stalled, with what it was doing, within
+  ``timeout`` + 2 s of its freezing; continued, it raises too (``late``);
+* a main thread blocked with the GIL released (a deadlock): busy, named after the training
+  group's timeout with where it stood still;
 * a peer that never makes an ``EvenLoader`` is waited for up to the training group's timeout,
   and the error quotes that timeout, never another;
 * under ``torchrun`` (its agent hosts the store): the pauses at every point, and a frozen rank.
   (A killed rank is torchrun's to handle there: its agent stops the job's other workers.)
+
+A rank killed while the others are inside DDP's own all-reduce is not here: they get gloo's
+error there (README, "Not safe").
 """
 
 from __future__ import annotations
@@ -36,9 +44,9 @@ pytestmark = pytest.mark.multirank
 TIMEOUT = 2.0
 
 
-def _run(job: Job, **kwargs: Any) -> tuple[list[Any], Path]:
+def _run(job: Job, world_size: int = 2, **kwargs: Any) -> tuple[list[Any], Path]:
     marks = Path(tempfile.mkdtemp(prefix="ddp-even-liveness-"))
-    results = run_ranks(run_job, 2, job, str(marks), capture_exceptions=True, **kwargs)
+    results = run_ranks(run_job, world_size, job, str(marks), capture_exceptions=True, **kwargs)
     return results, marks
 
 
@@ -65,63 +73,114 @@ def test_a_live_rank_that_pauses_anywhere_is_waited_for(shape: str, ddp: bool, f
         assert result["seen"] == expected_epochs(rank), (rank, result)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize(
-    ("point", "shape", "ddp", "victim"),
+    ("point", "shape", "ddp", "victim", "ranks"),
     [
-        ("before_first_epoch", "known", True, 1),
-        ("between_epochs", "known", True, 1),
-        ("between_steps", "windows", False, 1),
+        ("before_first_epoch", "known", True, 1, 2),
+        ("between_epochs", "known", True, 1, 2),
+        ("between_steps", "windows", False, 1, 2),
+        ("last_step", "known", True, 1, 2),
+        # A slow read with no collective of the loop's own: the survivors wait in ddp_even.
+        ("inside_step", "windows", False, 1, 2),
         # Rank 0 hosts the TCP store here: the store goes with it.
-        ("before_first_epoch", "known", True, 0),
-        ("between_epochs", "known", True, 0),
+        ("before_first_epoch", "known", True, 0, 2),
+        ("between_epochs", "known", True, 0, 2),
+        ("last_step", "known", True, 0, 2),
+        # Three ranks: both survivors name the one that died.
+        ("between_steps", "windows", False, 1, 3),
+        ("last_step", "known", True, 2, 3),
+        ("between_epochs", "known", True, 0, 3),
     ],
     ids=str,
 )
 def test_a_killed_rank_is_named_dead_within_the_timeout(
-    point: str, shape: str, ddp: bool, victim: int
+    point: str, shape: str, ddp: bool, victim: int, ranks: int
 ) -> None:
     results, marks = _run(
         Job((Act(point, victim, "kill"),), shape=shape, timeout=TIMEOUT, ddp=ddp),
-        timeout=90,
+        ranks,
+        timeout=120,
         tcp_store=victim == 0,
     )
-    survivor = results[1 - victim]
-    assert isinstance(survivor, dict), survivor  # ddp_even's error, not gloo's RuntimeError
-    assert survivor["error"] == "PeerTimeoutError", survivor
-    assert survivor["missing"] == (victim,), survivor
-    assert survivor["states"] == {victim: "dead"}, survivor
-    assert f"rank {victim}" in survivor["message"] and "dead" in survivor["message"], survivor
-    assert not survivor["late"]
-    assert survivor["at"] - _fault_time(marks, victim, point) <= TIMEOUT + 2, survivor
+    for survivor in (result for rank, result in enumerate(results) if rank != victim):
+        assert isinstance(survivor, dict), survivor  # ddp_even's error, not gloo's RuntimeError
+        assert survivor["error"] == "PeerTimeoutError", survivor
+        assert survivor["missing"] == (victim,), survivor
+        assert survivor["states"] == {victim: "dead"}, survivor
+        assert f"rank {victim}" in survivor["message"] and "dead" in survivor["message"], survivor
+        assert not survivor["late"]
+        assert survivor["at"] - _fault_time(marks, victim, point) <= TIMEOUT + 2, survivor
     died = f"rank {victim} died (signal SIGKILL) without a result"
     assert results[victim] == RankError("ProcessExited", died)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("point", "doing"),
-    [("between_epochs", "outside the loader"), ("before_first_epoch", "not iterating yet")],
+    ("point", "victim", "doing"),
+    [
+        ("between_epochs", 1, "outside the loader"),
+        ("before_first_epoch", 1, "not iterating yet"),
+        ("last_step", 1, "outside the loader"),
+        # Rank 0 hosts the TCP store here: the store freezes with it.
+        ("between_epochs", 0, "outside the loader"),
+    ],
     ids=str,
 )
-def test_a_frozen_rank_is_named_stalled_with_what_it_was_doing(point: str, doing: str) -> None:
+def test_a_frozen_rank_is_named_stalled_with_what_it_was_doing(
+    point: str, victim: int, doing: str
+) -> None:
     frozen_s = TIMEOUT + 8
     results, marks = _run(
-        Job((Act(point, 1, "stop", frozen_s),), timeout=TIMEOUT, ddp=True), timeout=90
+        Job((Act(point, victim, "stop", frozen_s),), timeout=TIMEOUT, ddp=True),
+        timeout=90,
+        tcp_store=victim == 0,
     )
-    survivor = results[0]
+    survivor = results[1 - victim]
     assert isinstance(survivor, dict) and survivor["error"] == "PeerTimeoutError", survivor
-    assert survivor["missing"] == (1,) and survivor["states"] == {1: "stalled"}, survivor
+    assert survivor["missing"] == (victim,), survivor
+    assert survivor["states"] == {victim: "stalled"}, survivor
     message = survivor["message"]
-    assert "rank 1 is stalled" in message and "its process is stopped" in message, message
+    assert f"rank {victim} is stalled" in message and "its process is stopped" in message, message
     assert doing in message, message
     # The timeout the user set, and no other.
     assert "timeout 2 s" in message and "600" not in message and "1800" not in message, message
-    assert survivor["at"] - _fault_time(marks, 1, point) <= TIMEOUT + 2, survivor
+    assert survivor["at"] - _fault_time(marks, victim, point) <= TIMEOUT + 2, survivor
     # Continued after the survivor gave up on it: it raises too, naming itself.
+    late = results[victim]
+    assert isinstance(late, dict) and late["error"] == "PeerTimeoutError", late
+    assert late["late"] and late["missing"] == (victim,), late
+
+
+@pytest.mark.timeout(120)
+def test_a_main_thread_holding_the_gil_is_named_stalled() -> None:
+    results, _ = _run(Job((Act("between_epochs", 1, "hold_gil"),), timeout=TIMEOUT, ddp=True))
+    survivor = results[0]
+    assert isinstance(survivor, dict) and survivor["error"] == "PeerTimeoutError", survivor
+    assert survivor["missing"] == (1,) and survivor["states"] == {1: "stalled"}, survivor
+    assert "its process runs but its heartbeat does not" in survivor["message"], survivor
+    # Its own heartbeat thread did not run either: once the GIL is free, it knows it was late.
     late = results[1]
     assert isinstance(late, dict) and late["error"] == "PeerTimeoutError", late
     assert late["late"] and late["missing"] == (1,), late
+
+
+@pytest.mark.timeout(120)
+def test_a_deadlocked_main_thread_is_named_busy_after_the_training_timeout() -> None:
+    # Blocked with the GIL released (a lock, a collective of its own): its heartbeat goes on,
+    # so it is waited for as DDP would wait, then named with where it stood still.
+    stuck_s, training_timeout_s = 16.0, 5.0
+    results, marks = _run(
+        Job((Act("between_epochs", 1, "pause", stuck_s),), timeout=TIMEOUT, ddp=True),
+        pg_timeout=training_timeout_s,
+    )
+    survivor = results[0]
+    assert isinstance(survivor, dict) and survivor["error"] == "PeerTimeoutError", survivor
+    assert survivor["missing"] == (1,) and survivor["states"] == {1: "busy"}, survivor
+    message = survivor["message"]
+    assert "training group's timeout (5 s)" in message and "outside the loader" in message
+    waited = survivor["at"] - _fault_time(marks, 1, "between_epochs")
+    assert training_timeout_s <= waited <= training_timeout_s + 4, survivor
 
 
 def _never_makes_a_loader(rank: int, world_size: int) -> dict[str, Any]:

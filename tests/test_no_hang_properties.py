@@ -19,6 +19,7 @@ process group). Checked here, for every case:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -106,6 +107,7 @@ def make_case(drawn: Numbers, mode: str, source: str, sync_every: int | None) ->
     )
 
 
+@functools.cache  # derandomized: the same cases every time, so draw them once a run
 def draw_cases(world_size: int, count: int) -> list[Scenario]:
     """``count`` cases, the same on every run (derandomized), drawn here in the parent."""
     drawn: list[Numbers] = []

@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ from ddp_even.agreement.heartbeat import start_heartbeat, waiting
 from ddp_even.agreement.liveness import (
     BUSY,
     UNSEEN,
+    Watch,
     current_watch,
     lost_peers,
     poll_interval,
@@ -284,9 +286,18 @@ def _meet_before_creating(
     others = [rank for rank in ranks if rank != me]
     poll = poll_interval(timeout, len(ranks))
     began = time.monotonic()
+
+    def say_here(store: Any) -> bool:
+        store.set(f"{meeting}{me}", "here")
+        return True
+
+    here = False
     with waiting():
-        watch.store.set(f"{meeting}{me}", "here")
-        while not _all_here(watch.store, keys):
+        while True:
+            # Said again until the store answers: its host may be frozen at this moment.
+            here = here or _answered(watch, say_here)
+            if here and _answered(watch, lambda store: bool(store.check(keys))):
+                return
             verdict = board.read()
             if verdict is None:
                 verdict = _why_not_all_here(
@@ -299,15 +310,20 @@ def _meet_before_creating(
             time.sleep(poll)
 
 
-def _all_here(store: Any, keys: list[str]) -> bool:
+def _holds(store: Any, key: str) -> bool:
+    return bool(store.check([key]))
+
+
+def _answered(watch: Watch, question: Callable[[Any], bool]) -> bool:
+    """Whether the store answered ``question``, and with True."""
     try:
-        return bool(store.check(keys))
+        return watch.ask(question)
     except Exception:  # the store did not answer: the next look says why
         return False
 
 
 def _why_not_all_here(
-    watch: Any,
+    watch: Watch,
     keys: list[str],
     ranks: Sequence[int],
     others: list[int],
@@ -324,7 +340,11 @@ def _why_not_all_here(
         return verdict_on(views, lost, by=me, timeout=timeout, what=_MEETING)
     if time.monotonic() - began < gloo_timeout:
         return None
-    absent = [rank for rank, key in zip(ranks, keys, strict=True) if not watch.store.check([key])]
+    absent = [
+        rank
+        for rank, key in zip(ranks, keys, strict=True)
+        if not _answered(watch, functools.partial(_holds, key=key))
+    ]
     states = {rank: BUSY if views[rank].beat is not None else UNSEEN for rank in absent}
     verdict = verdict_on(views, states, by=me, timeout=gloo_timeout, what=_MEETING)
     return Verdict(

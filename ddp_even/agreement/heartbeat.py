@@ -60,6 +60,7 @@ __all__ = [
     "own_connection",
     "presence",
     "start_heartbeat",
+    "stood_still_since",
     "waiting",
 ]
 
@@ -76,6 +77,8 @@ _MIN_INTERVAL_S = 0.05
 # The thread's store calls give up after this; joined at exit for a little longer.
 _STORE_TIMEOUT_S = 2.0
 _JOIN_AT_EXIT_S = _STORE_TIMEOUT_S + 1.0
+# A wait between beats that overran by this much: the whole process stood still.
+_STOOD_STILL_S = 1.0
 THREAD_NAME = "ddp-even-heartbeat"
 
 
@@ -195,6 +198,8 @@ class _Beater(threading.Thread):
         self._count = 0
         self._state = (presence.doing, presence.progress)
         self._since = time.monotonic()
+        # This process's last standstill: (time.time() when it ended, its seconds).
+        self.stood_still: tuple[float, float] | None = None
         # Its own connection, with its own timeout: the job's store is shared.
         self._store = own_connection(origin, _STORE_TIMEOUT_S)
 
@@ -220,7 +225,15 @@ class _Beater(threading.Thread):
             logger.debug("heartbeat not written: %r", error)
 
     def run(self) -> None:
-        while not self._stopping.wait(self.interval):
+        while True:
+            began = time.monotonic()
+            if self._stopping.wait(self.interval):
+                break
+            # A wait on an event overruns by seconds only when no thread of this process ran:
+            # frozen (SIGSTOP, a debugger) or a main thread holding the GIL.
+            waited = time.monotonic() - began
+            if waited > self.interval + _STOOD_STILL_S:
+                self.stood_still = (time.time(), waited)
             if default_store() is not self.origin:
                 self.beat(LEFT)
                 return
@@ -267,6 +280,17 @@ def start_heartbeat(timeout: float) -> None:
             atexit.register(_stop_at_exit)
             _stop_at_exit_registered = True
     logger.debug("heartbeat every %.2f s into the job's store", interval)
+
+
+def stood_still_since(since: float) -> float:
+    """How long this process last stood still, when that ended after ``since`` (a
+    ``time.time()``): no thread of it ran (frozen by SIGSTOP or a debugger, or its main thread
+    held the GIL), as its heartbeat thread saw from a wait that overran; 0.0 otherwise."""
+    beater = _beater
+    stood_still = None if beater is None else beater.stood_still
+    if stood_still is None or stood_still[0] < since:
+        return 0.0
+    return stood_still[1]
 
 
 def _stop_at_exit() -> None:

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
@@ -57,8 +58,9 @@ UNSEEN = "unseen"
 
 # A silence of this many beats makes a reader ask the kernel about a peer on its host.
 SILENT_BEATS = 2.5
-# The most a read of the store may take (a store whose host is frozen never answers).
+# The most a question to the store may take (a store whose host is frozen never answers).
 _READ_TIMEOUT_S = 1.0
+_Answer = TypeVar("_Answer")
 _MAX_POLL_S = 0.5
 # Gloo's words for a connection whose other end went away.
 _CONNECTION_LOST = ("closed by peer", "reset by peer", "broken pipe", "connection refused")
@@ -97,6 +99,8 @@ class Watch:
         # When the store stopped answering (None while it answers), and how.
         self.store_failing_since: float | None = None
         self.store_error: BaseException | None = None
+        # A question to the store still waiting for its answer (see :meth:`ask`).
+        self._unanswered: threading.Thread | None = None
 
     def connect(self) -> None:
         """Open this watch's own connection to the store, with a short timeout of its own.
@@ -113,19 +117,46 @@ class Watch:
         self.connect()
         return self._store
 
+    def ask(self, question: Callable[[Any], _Answer]) -> _Answer:
+        """``question(store)`` on this watch's own connection, given up after a second.
+
+        A TCPStore client waits for its server's answer without a limit of its own (its
+        timeout bounds waits for keys, not a server that stopped: one whose host process is
+        frozen by SIGSTOP), so the question is asked from a daemon thread. While an earlier
+        question is still unanswered, the next fails at once instead of queueing behind it.
+        Raises ``TimeoutError`` when the store does not answer, or the store's own error.
+        """
+        if self._unanswered is not None and self._unanswered.is_alive():
+            raise TimeoutError("the job's store has not answered an earlier question yet")
+        answers: list[_Answer] = []
+        errors: list[Exception] = []
+
+        def ask_now() -> None:
+            try:
+                answers.append(question(self.store))
+            except Exception as error:
+                errors.append(error)
+
+        thread = threading.Thread(target=ask_now, name="ddp-even-store-question", daemon=True)
+        thread.start()
+        thread.join(_READ_TIMEOUT_S)
+        if thread.is_alive():
+            self._unanswered = thread
+            errors.append(TimeoutError(f"the job's store did not answer in {_READ_TIMEOUT_S:g} s"))
+        if errors:
+            if self.store_failing_since is None:
+                self.store_failing_since, self.store_error = time.monotonic(), errors[0]
+            raise errors[0]
+        self.store_failing_since = self.store_error = None
+        return answers[0]
+
     def look(self, ranks: Sequence[int]) -> dict[int, PeerView] | None:
         """The peers' latest heartbeats; None when the store did not answer."""
         keys = [heartbeat_key(rank) for rank in ranks]
         try:
-            if self.store.check(keys):  # one request, and multi_get would wait for a missing key
-                values: list[bytes | None] = list(self.store.multi_get(keys))
-            else:
-                values = [self.store.get(key) if self.store.check([key]) else None for key in keys]
-        except Exception as error:
-            if self.store_failing_since is None:
-                self.store_failing_since, self.store_error = time.monotonic(), error
+            values = self.ask(lambda store: _read_heartbeats(store, keys))
+        except Exception:  # recorded: store_failing_since
             return None
-        self.store_failing_since = self.store_error = None
         now = time.monotonic()
         views = {}
         for rank, value in zip(ranks, values, strict=True):
@@ -143,6 +174,12 @@ class Watch:
         """The last heartbeat seen of ``rank``, however old."""
         seen = self._seen.get(rank)
         return None if seen is None else Beat.parse(seen[0])
+
+
+def _read_heartbeats(store: Any, keys: list[str]) -> list[bytes | None]:
+    if store.check(keys):  # one request, and multi_get would wait for a missing key
+        return list(store.multi_get(keys))
+    return [store.get(key) if store.check([key]) else None for key in keys]
 
 
 _watch: Watch | None = None

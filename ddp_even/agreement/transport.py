@@ -53,6 +53,7 @@ from ddp_even.agreement.verdict import (
     Board,
     Verdict,
     gloo_words,
+    stood_still,
     store_host_gone,
     store_silence,
     verdict_on,
@@ -295,8 +296,7 @@ class CollectiveAgreer:
 
         The first, short wait costs what a plain ``wait()`` costs; only a wait that outlasts
         it writes this rank's presence to the store and watches the peers' heartbeats
-        (:meth:`_wait_watching`). A collective that fails becomes an
-        :class:`EvenLoaderError`.
+        (:meth:`_wait_watching`). A collective that fails becomes an :class:`EvenLoaderError`.
 
         A wait that gives up does not cancel the collective: it can complete a moment later,
         for every rank, before this rank looks at it again (a busy machine can take that long
@@ -372,6 +372,9 @@ class CollectiveAgreer:
         verdict = self._board.read()
         if verdict is not None:
             return self._decide(verdict)
+        what = WHAT.get(ticket.what, ticket.what)
+        if late := stood_still(ticket, str(error), by=self._me, timeout=self.timeout, what=what):
+            return late
         attendance = self._roll_call.attendance(ticket)
         logger.debug("control collective %s failed: %s (%s)", ticket, error, attendance)
         gloo = f"gloo: {gloo_words(str(error))}"
@@ -384,7 +387,6 @@ class CollectiveAgreer:
                 "leave an epoch early (a break, or an exception caught inside the loop, on "
                 f"some ranks only)? Every rank must stop at the same step. {gloo}"
             )
-        what = WHAT.get(ticket.what, ticket.what)
         if attendance.unknown_because is not None:
             why = (attendance.unknown_because, self.global_ranks, self._me, self.timeout, what)
             lost = store_host_gone(str(error), *why)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ddp_even.agreement.heartbeat import stood_still_since
 from ddp_even.agreement.liveness import (
     BUSY,
     DEAD,
@@ -29,6 +30,7 @@ from ddp_even.agreement.liveness import (
     process_state,
     store_host,
 )
+from ddp_even.agreement.rollcall import Ticket
 from ddp_even.errors import PeerTimeoutError
 
 logger = logging.getLogger("ddp_even")
@@ -97,19 +99,19 @@ class Board:
 
     def read(self) -> Verdict | None:
         """The verdict, if a rank wrote one (None too when the store cannot say)."""
+        key = self._key
         try:
-            store = self._watch.store
-            if not store.check([self._key]):
-                return None
-            return Verdict.decode(store.get(self._key).decode())
+            stored = self._watch.ask(lambda store: store.get(key) if store.check([key]) else None)
         except Exception as error:
             logger.debug("could not read the verdict: %r", error)
             return None
+        return None if stored is None else Verdict.decode(stored.decode())
 
     def publish(self, verdict: Verdict) -> Verdict:
         """Write ``verdict`` unless a rank wrote one first; the one that stands."""
         try:
-            stored = self._watch.store.compare_set(self._key, "", verdict.encode())
+            key, text = self._key, verdict.encode()
+            stored = self._watch.ask(lambda store: store.compare_set(key, "", text))
             return Verdict.decode(stored.decode())
         except Exception as error:  # no store: this rank's own verdict, unshared
             logger.debug("could not publish the verdict: %r", error)
@@ -123,12 +125,13 @@ class Board:
         raising and exiting does not take the store away from them.
         """
         try:
-            count = self._watch.store.add(self._acknowledged, 1)
+            acknowledged = self._acknowledged
+            count = self._watch.ask(lambda store: store.add(acknowledged, 1))
             expected = group_size - len(verdict.missing)
             deadline = time.monotonic() + 1.5
             while self._hosts_store and count < expected and time.monotonic() < deadline:
                 time.sleep(0.05)
-                count = self._watch.store.add(self._acknowledged, 0)
+                count = self._watch.ask(lambda store: store.add(acknowledged, 0))
         except Exception as error:
             logger.debug("could not acknowledge the verdict: %r", error)
         return verdict.error(self._rank)
@@ -148,18 +151,26 @@ def store_silence(watch: Watch, *, by: int, timeout: float, what: str) -> Verdic
     since = watch.store_failing_since
     if since is None or time.monotonic() - since < timeout:
         return None
+    silent_s = time.monotonic() - since
     host = store_host()
     error = watch.store_error
-    gone = error is not None and connection_lost(str(error))
     beat = None if host is None else watch.last_beat(host)
-    if beat is not None and process_state(beat) == "gone":
-        gone = True
-    state = DEAD if gone else STALLED
-    who = "its host" if host is None else f"rank {host}, which hosts it,"
-    detail = (
-        f"the job's store did not answer for {time.monotonic() - since:.1f} s (timeout "
-        f"{timeout:g} s): {who} is {state} ({type(error).__name__}: {error})"
+    gone = (error is not None and connection_lost(str(error))) or (
+        beat is not None and process_state(beat) == "gone"
     )
+    state = DEAD if gone else STALLED
+    silence = (
+        f"the job's store did not answer for {silent_s:.1f} s (timeout {timeout:g} s; "
+        f"{type(error).__name__}: {error})"
+    )
+    if host is None:
+        detail = f"{silence}: its host is {state}"
+    elif beat is None:
+        detail = f"{silence}: rank {host}, which hosts it, is {state}"
+    else:
+        detail = f"{silence}; rank {host} hosts it: " + describe(
+            PeerView(host, beat, silent_s), state, timeout
+        )
     missing = () if host is None or host == by else (host,)
     return Verdict(by, missing, {rank: state for rank in missing}, timeout, what, detail)
 
@@ -222,6 +233,22 @@ def store_host_gone(
         f"({unknown_because}) and gloo's connection to it closed; gloo: {gloo_words(gloo_message)}"
     )
     return Verdict(by, (host,), {host: DEAD}, timeout, what, detail)
+
+
+def stood_still(
+    ticket: Ticket, gloo_message: str, *, by: int, timeout: float, what: str
+) -> PeerTimeoutError | None:
+    """The error of a rank whose own process stood still for ``timeout`` or more since its
+    previous control collective (None otherwise): the others gave up on it, and when it hosts
+    the store their verdict could not reach it."""
+    seconds = stood_still_since(ticket.started - ticket.since_previous)
+    if seconds < timeout:
+        return None
+    detail = (
+        f"this rank's process stood still for {seconds:.1f} s (SIGSTOP, a debugger, or its "
+        f"main thread holding the GIL), longer than the timeout; gloo: {gloo_words(gloo_message)}"
+    )
+    return PeerTimeoutError((by,), timeout, detail, rank=by, late=True, what=what)
 
 
 def gloo_words(message: str) -> str:

@@ -40,23 +40,18 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+# Run as a script: this folder is on sys.path.
+from lightning_resume_data import BATCH_SIZE, BATCHES, EPOCHS
+
 from ddp_even import EvenLoader
 from ddp_even.integrations.lightning import EvenLoaderCheckpoints
 
-EPOCHS = 3
-# Batches per rank; sample ids of rank r are r * 1000 + 0, 1, ... in batches of BATCH_SIZE,
-# the last one short.
-BATCHES = (9, 5)
-BATCH_SIZE = 3
 FEATURES = 4
 LR = 0.1
 # Where the loader states sit in a Lightning 2.x checkpoint.
 LOADER_STATES_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
 # "lightning": Lightning's own checkpointing alone; "recipe": with EvenLoaderCheckpoints.
 VARIANTS = ("lightning", "recipe")
-# The ``parquet`` source's dataset: one file of these row groups, ids 0, 1, ... in order.
-# Round robin over 2 ranks gives rank 0 26 rows (9 batches) and rank 1 14 (5), as BATCHES.
-PARQUET_ROW_GROUPS = [[14, 8, 12, 6]]
 PARQUET_READING = {"seed": 5, "shuffle_rows": True, "workers_count": 3}
 
 

@@ -20,6 +20,7 @@ Shapes: ``known`` (a sized sequence: one agreement per epoch, then checks of the
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -39,8 +40,9 @@ class Act:
 
     point: str
     victim: int
-    # "pause" (sleeps ``seconds``), "kill" (SIGKILL to itself) or "stop" (SIGSTOP to itself,
-    # continued ``seconds`` later by a helper process).
+    # "pause" (sleeps ``seconds``), "kill" (SIGKILL to itself), "stop" (SIGSTOP to itself,
+    # continued ``seconds`` later by a helper process) or "hold_gil" (one call into C that keeps
+    # the GIL for several seconds: no other thread of the process runs meanwhile).
     action: str
     seconds: float = 0.0
 
@@ -105,6 +107,9 @@ def act_now(act: Act, marks: Path) -> None:
         # A stopped process cannot continue itself: a helper in its process group does.
         subprocess.Popen(["sh", "-c", f"sleep {act.seconds}; kill -CONT {os.getpid()}"])
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif act.action == "hold_gil":
+        # A regular expression that backtracks 2**27 times: 5 to 20 s in C, the GIL held.
+        re.match(r"(a+)+$", "a" * 27 + "b")
     else:
         raise ValueError(act.action)
 
