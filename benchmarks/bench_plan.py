@@ -30,7 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ddp_even.modes import MODES
-from ddp_even.planning import ShardPlan, plan_shards, read_row_groups
+from ddp_even.parquet import read_row_groups
+from ddp_even.planning import ShardPlan, plan_shards
 
 
 def lognormal_sizes(count: int, median: int, seed: int) -> npt.NDArray[np.int64]:

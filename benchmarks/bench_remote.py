@@ -40,8 +40,9 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
+from ddp_even.parquet import read_row_groups
 from ddp_even.petastorm.legacy_filesystem import legacy_filesystem
-from ddp_even.planning import plan_shards, read_row_groups
+from ddp_even.planning import plan_shards
 from ddp_even.storage import resolve_dataset
 from tests.helpers.s3_server import RequestLog, S3Server, start_s3_server
 

@@ -251,9 +251,9 @@ def scan_parts(url: str) -> Steps:
     """The scan's parts (see :func:`scan_cost`), and a run that finds the counts cached."""
     from petastorm.predicates import in_lambda
 
+    from ddp_even.parquet.metadata import read_row_groups
+    from ddp_even.parquet.predicate_counts import count_in_columns
     from ddp_even.petastorm.readers import make_shard_factory
-    from ddp_even.planning.metadata import read_row_groups
-    from ddp_even.planning.predicate_counts import count_in_columns
     from ddp_even.storage import resolve_dataset
 
     predicate = in_lambda(["id"], keeps)

@@ -123,7 +123,7 @@ def plan_command(
     from rich.console import Console
 
     from ddp_even import plan_output
-    from ddp_even.planning.metadata import read_row_groups
+    from ddp_even.parquet.metadata import read_row_groups
     from ddp_even.planning.plans import plan_shards
     from ddp_even.planning.sharding import SHARDINGS, sharding_from
 

@@ -207,7 +207,7 @@ class DatasetError(ValueError):
     The message is one line: it names the path or URL and says what to do.
 
     Example:
-        >>> from ddp_even.planning import read_row_groups
+        >>> from ddp_even.parquet import read_row_groups
         >>> try:
         ...     read_row_groups("/no/such/dataset")
         ... except DatasetError as error:

@@ -1,6 +1,6 @@
 """``EvenLoader``: the loader the user already has, with the same number of steps on every rank.
 
-One ``for`` is one epoch: ``_run_epoch`` prepares the source (:mod:`ddp_even.runtime.resume`),
+One ``for`` is one epoch: ``_run_epoch`` prepares the source (:mod:`ddp_even.resume.state`),
 settles the plan (given, from the footers, or none) and runs the epoch in its shape
 (:mod:`ddp_even.runtime.epochs`)."""
 
@@ -19,6 +19,14 @@ from ddp_even.agreement.control_group import start_heartbeat_for
 from ddp_even.agreement.transport import Agreer, agreer_for
 from ddp_even.checks import check_timeout, checked_loader_arguments
 from ddp_even.modes import mode_named
+from ddp_even.resume.state import (
+    PendingResume,
+    ResumedStart,
+    loader_state,
+    pending_resume,
+    refusal,
+    resumed_start,
+)
 from ddp_even.runtime.environment import (
     rank_and_world_size,
     rank_in_plan,
@@ -29,14 +37,6 @@ from ddp_even.runtime.epochs import EpochRun, Settings, run_epoch
 from ddp_even.runtime.feed import ShardFeed
 from ddp_even.runtime.footer_plan import FooterPlan
 from ddp_even.runtime.iteration import Epoch, EpochNumbering, HandedOut, LoaderAccount
-from ddp_even.runtime.resume import (
-    PendingResume,
-    ResumedStart,
-    loader_state,
-    pending_resume,
-    refusal,
-    resumed_start,
-)
 from ddp_even.runtime.stats import EpochStats, RankCounts
 from ddp_even.sources import PlannedSource, as_source, parquet_dataset
 
@@ -83,7 +83,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             frozen) before every rank raises :class:`~ddp_even.PeerTimeoutError` naming it; a
             live peer is waited for up to the training group's timeout (also the default).
         plan: a :class:`~ddp_even.planning.ShardPlan` of the dataset this rank reads (from
-            :func:`~ddp_even.planning.plan_for_dataset`, no row predicate): every rank's batch
+            :func:`~ddp_even.parquet.plan_for_dataset`, no row predicate): every rank's batch
             count is then known up front, ``len()`` answers before the first step, and the
             rows read are checked against the plan after each epoch.
 

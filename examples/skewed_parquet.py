@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ddp_even.planning import DatasetError, read_row_groups
+from ddp_even.parquet import DatasetError, read_row_groups
 
 FEATURES = ("x0", "x1", "x2", "x3")
 LABEL = "label"

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from ddp_even import EvenLoader, PeerSourceError
 from ddp_even.errors import PlanMismatchError
+from ddp_even.parquet.metadata import changed_row_groups, read_row_groups
 from ddp_even.petastorm.readers import make_shard_factory
-from ddp_even.planning.metadata import changed_row_groups, read_row_groups
 from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.spawn import run_ranks

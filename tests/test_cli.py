@@ -22,7 +22,7 @@ from rich.console import Console
 import ddp_even
 from ddp_even import plan_output
 from ddp_even.cli import main
-from ddp_even.planning import plan_for_dataset
+from ddp_even.parquet import plan_for_dataset
 from ddp_even.storage.filesystems import _metadata_server_answers
 from tests.helpers.datasets import write_plain_dataset
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from ddp_even.petastorm.readers import make_shard_factory
 from ddp_even.planning import plan_shards
 from ddp_even.planning.pass_order import PassOrder
-from ddp_even.planning.remainder import plan_own_tails, plan_unread_rows, unread_rows
 from ddp_even.planning.sharding import RowRange
+from ddp_even.resume.remainder import plan_own_tails, plan_unread_rows, unread_rows
 from tests.helpers.datasets import flat_sizes, write_plain_dataset
 from tests.helpers.shard_reads import ShardRead, collect
 

@@ -73,7 +73,7 @@ def test_balanced_readers_read_exactly_their_row_groups(
     tmp_path: Path, make_dataset: Any, options: dict[str, Any]
 ) -> None:
     url = make_dataset(tmp_path / "ds")
-    from ddp_even.planning.metadata import read_row_groups
+    from ddp_even.parquet.metadata import read_row_groups
 
     groups = read_row_groups(url)
     all_ids = ids_of_row_groups(

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from ddp_even.modes import MODES
-from ddp_even.planning import plan_for_dataset, plan_shards
+from ddp_even.parquet import plan_for_dataset
+from ddp_even.planning import plan_shards
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.shard_reads import Layouts, ids_of_row_groups, read_shard, write_summary_metadata
 

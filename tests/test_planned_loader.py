@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ddp_even import EvenLoader
-from ddp_even.planning import plan_for_dataset
+from ddp_even.parquet import plan_for_dataset
 from tests.helpers.collectives import AllReduceCounter, source_checks
 from tests.helpers.datasets import shard_row_groups, write_plain_dataset
 from tests.helpers.spawn import run_ranks

@@ -1,4 +1,4 @@
-"""The predicate scan (``ddp_even.planning.predicate_counts``): counts equal to what
+"""The predicate scan (``ddp_even.parquet.predicate_counts``): counts equal to what
 petastorm's own ``make_batch_reader`` keeps per row group, and the on-disk cache's hits and
 misses.
 
@@ -21,10 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from ddp_even import PeerSourceError
+from ddp_even.parquet import predicate_counts
+from ddp_even.parquet.metadata import read_row_groups
+from ddp_even.parquet.predicate_counts import count_in_columns, matching_rows
 from ddp_even.petastorm.readers import make_shard_factory
-from ddp_even.planning import predicate_counts
-from ddp_even.planning.metadata import read_row_groups
-from ddp_even.planning.predicate_counts import count_in_columns, matching_rows
 from ddp_even.planning.row_groups import RowGroups
 from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import write_plain_dataset

@@ -431,7 +431,7 @@ def _off_plan_worker(rank: int, world_size: int, url: str, mode: str) -> dict[st
     from petastorm.pytorch import BatchedDataLoader
 
     from ddp_even import EvenLoader, OffPlanError
-    from ddp_even.planning import plan_for_dataset
+    from ddp_even.parquet import plan_for_dataset
 
     model, _ = _ddp_model()
     _, balanced = plan_for_dataset(url, world_size, 4, sharding="row_groups")

@@ -28,10 +28,10 @@ from rich.console import Console
 from ddp_even import plan_output
 from ddp_even.cli import main
 from ddp_even.errors import DatasetError
+from ddp_even.parquet import plan_for_dataset
+from ddp_even.parquet.metadata import read_row_groups
 from ddp_even.petastorm.legacy_filesystem import legacy_filesystem
 from ddp_even.petastorm.readers import make_shard_factory
-from ddp_even.planning import plan_for_dataset
-from ddp_even.planning.metadata import read_row_groups
 from ddp_even.planning.plans import ShardPlan
 from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import flat_sizes

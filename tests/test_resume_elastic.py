@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from ddp_even import EvenLoader
 from ddp_even.planning import plan_shards
-from ddp_even.planning.remainder import plan_unread_rows, unread_rows
+from ddp_even.resume.remainder import plan_unread_rows, unread_rows
 from tests.helpers.datasets import flat_sizes, write_plain_dataset
 from tests.helpers.logs import ddp_even_messages
 from tests.helpers.spawn import run_ranks

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ddp_even.errors import DatasetError
-from ddp_even.planning.metadata import read_row_groups
+from ddp_even.parquet.metadata import read_row_groups
 from ddp_even.planning.row_groups import ROW_GROUPS_PER_FILE_KEY
 from tests.helpers.datasets import write_plain_dataset, write_unischema_dataset
 from tests.helpers.shard_reads import write_summary_metadata

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from ddp_even import EvenLoader
 from ddp_even.errors import RowCountMismatchError
+from ddp_even.parquet import plan_for_dataset
 from ddp_even.petastorm.readers import make_shard_factory
-from ddp_even.planning import plan_for_dataset, plan_shards
+from ddp_even.planning import plan_shards
 from tests.helpers.collectives import AllReduceCounter, source_checks
 from tests.helpers.datasets import flat_sizes, write_plain_dataset, write_unischema_dataset
 from tests.helpers.logs import ddp_even_messages

@@ -36,9 +36,9 @@ from click.testing import CliRunner
 from ddp_even import EvenLoader
 from ddp_even.cli import main as cli
 from ddp_even.errors import ConverterDeletedError, TooFewRowGroupsError
+from ddp_even.parquet import plan_for_dataset
 from ddp_even.petastorm.sources import row_groups_read_by
 from ddp_even.petastorm.spark_converter import ConverterSource, converter_files
-from ddp_even.planning import plan_for_dataset
 from tests.helpers.spark import (
     VEC_SIZE,
     materialize_unischema,

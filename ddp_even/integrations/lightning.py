@@ -29,7 +29,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loops.progress import _ProcessedTracker
 
 from ddp_even.loader import EvenLoader
-from ddp_even.runtime.resume import STATE_FORMAT
+from ddp_even.resume.state import STATE_FORMAT
 from ddp_even.runtime.stats import EpochStats
 
 __all__ = ["EvenLoaderCheckpoints", "EvenLoaderStats", "find_even_loaders", "stats_metrics"]

@@ -5,7 +5,7 @@ options, and returns a :class:`PlannedPasses`: each call builds a fresh reader t
 plan (:mod:`ddp_even.petastorm.planned_reader`, which imports petastorm when a reader is built)
 wrapped in petastorm's loader.
 
-A row ``predicate`` is counted before planning (:mod:`ddp_even.planning.predicate_counts`)
+A row ``predicate`` is counted before planning (:mod:`ddp_even.parquet.predicate_counts`)
 and then applied by the readers as petastorm applies it. Reader options the plan cannot honour
 are refused with a ``ValueError``: ``rowgroup_selector`` and ``filters`` change which rows
 exist; ``cur_shard``, ``shard_count``, ``shard_seed`` and ``num_epochs`` are set here; an
@@ -28,6 +28,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ddp_even.errors import PlanMismatchError
 from ddp_even.modes import MODES
+from ddp_even.parquet.metadata import changed_row_groups, read_row_groups
+from ddp_even.parquet.predicate_counts import (
+    check_predicate_fields,
+    count_in_columns,
+    matching_rows,
+)
 from ddp_even.petastorm.planned_reader import build_reader, count_matching
 from ddp_even.petastorm.reader_options import (
     READING_ORDER_OPTIONS,
@@ -36,14 +42,8 @@ from ddp_even.petastorm.reader_options import (
     taken_once,
     why_not_in_plan_order,
 )
-from ddp_even.planning.metadata import changed_row_groups, read_row_groups
 from ddp_even.planning.pass_order import PassOrder, epoch_seed, pass_rows
 from ddp_even.planning.plans import ShardPlan, plan_shards
-from ddp_even.planning.predicate_counts import (
-    check_predicate_fields,
-    count_in_columns,
-    matching_rows,
-)
 from ddp_even.planning.provenance import Provenance
 from ddp_even.planning.sharding import Sharding, sharding_from
 from ddp_even.sources import PlannedSource
@@ -118,7 +118,7 @@ def make_shard_factory(
     ``predicate`` (a petastorm row predicate, also accepted in ``reader_kwargs``) is counted
     before planning: the rows it keeps in each row group are counted by reading its columns
     only, and the plan shares out the matching rows (see
-    :mod:`ddp_even.planning.predicate_counts`, which also caches the counts). ``agreer``, the
+    :mod:`ddp_even.parquet.predicate_counts`, which also caches the counts). ``agreer``, the
     ranks' agreement (:mod:`ddp_even.agreement.transport`), spreads that scan over them (each
     counts ``1/W`` of the row groups, then they all-gather the counts); without it this process
     counts every row group itself. The factory keeps it for the loader to go on with.
@@ -260,7 +260,7 @@ class PlannedPasses(PlannedSource):
     ``passes(epoch=N)`` reads this rank's shard of ``plan`` for epoch ``N`` in the order
     ``order`` gives (the epoch seeds the shuffles); ``passes(epoch=N, shard_plan=rest)`` reads
     this rank's pieces of a re-planned rest of epoch ``N`` (from
-    :mod:`ddp_even.planning.remainder`: the rows not yet read, on as many or on another number
+    :mod:`ddp_even.resume.remainder`: the rows not yet read, on as many or on another number
     of ranks), in the order its ``row_ranges`` list them, with epoch ``N``'s row shuffle.
     """
 

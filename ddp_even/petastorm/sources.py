@@ -230,7 +230,8 @@ def round_robin_plan(
     why_not = _why_rows_unknown(reader)
     said_by_this_rank = rank == 0
     if why_not is None:
-        from ddp_even.planning import DatasetError, plan_shards, read_row_groups
+        from ddp_even.parquet import DatasetError, read_row_groups
+        from ddp_even.planning import plan_shards
 
         try:
             plan = plan_shards(read_row_groups(reader.dataset.paths), world_size, batch_size)

@@ -112,7 +112,7 @@ def converter_files(converter: Any) -> list[str]:
 
     Example, in the process that made the converter::
 
-        from ddp_even.planning import plan_for_dataset
+        from ddp_even.parquet import plan_for_dataset
 
         row_groups, plan = plan_for_dataset(converter_files(converter), world_size=4,
                                             batch_size=64)
@@ -407,7 +407,7 @@ def _storage_for(files: Sequence[str]) -> tuple[Any, tuple[str, ...]] | None:
 def _row_group_rows(files: Sequence[str]) -> list[int] | None:
     """Rows per row group in petastorm's order, or None if the footers cannot be read here."""
     from ddp_even.errors import DatasetError
-    from ddp_even.planning.metadata import read_row_groups
+    from ddp_even.parquet.metadata import read_row_groups
 
     try:
         return [int(rows) for rows in read_row_groups(list(files)).num_rows]

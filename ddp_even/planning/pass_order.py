@@ -1,7 +1,7 @@
 """The order in which a planned reader reads its shard: one pure function, for readers and resumes.
 
 A planned reader (:mod:`ddp_even.petastorm.readers`) ventilates its row groups in the order
-:meth:`PassOrder.rows` gives, and :mod:`ddp_even.planning.remainder` works out from the same
+:meth:`PassOrder.rows` gives, and :mod:`ddp_even.resume.remainder` works out from the same
 order which rows a rank had read after ``step`` steps. The order is the rank's shard in plan
 order, or, with ``shuffle_row_groups`` and a seed, that shard permuted by the epoch's seed
 (:func:`epoch_seed`). Without a seed a shuffle is petastorm's own, unseeded: it has no order

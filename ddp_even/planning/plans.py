@@ -5,13 +5,12 @@ petastorm loader with batch size ``B`` turns ``n`` rows into ``ceil(n / B)`` bat
 one short). So the whole epoch can be predicted from metadata: each mode's arithmetic (steps, rows
 dropped, repeated, idle) lives with the mode, in ``ddp_even/modes.py``.
 
-:func:`plan_for_dataset` reads the metadata and plans; :func:`plan_shards` plans from sizes
-you already have.
+:func:`plan_shards` plans from row-group sizes; :func:`ddp_even.parquet.plan_for_dataset` reads
+them from a dataset's metadata first.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,19 +21,14 @@ import numpy.typing as npt
 from ddp_even.agreement.wire import MAX_COUNT
 from ddp_even.checks import check_positive_int
 from ddp_even.modes import MODES, mode_named
-from ddp_even.planning.metadata import read_row_groups
 from ddp_even.planning.mode_stats import ModeStats
-from ddp_even.planning.row_groups import Progress, RowGroups
+from ddp_even.planning.row_groups import RowGroups
 from ddp_even.planning.sharding import SHARDINGS, RowRange, Sharding, shard_rows, sharding_from
-from ddp_even.storage import DatasetLocation, StorageOptions
 
 __all__ = [
     "ShardPlan",
-    "plan_for_dataset",
     "plan_shards",
 ]
-
-logger = logging.getLogger("ddp_even")
 
 
 @dataclass(frozen=True)
@@ -332,50 +326,6 @@ def plan_shards(
         largest_row_group=int(sizes.max()),
         row_ranges=shards.row_ranges if SHARDINGS[sharding].splits_row_groups else (),
     )
-
-
-def plan_for_dataset(
-    dataset: DatasetLocation,
-    world_size: int,
-    batch_size: int,
-    *,
-    sharding: Sharding = "round_robin",
-    balanced: bool | None = None,
-    storage_options: StorageOptions | None = None,
-    filesystem: Any = None,
-    progress: Progress | None = None,
-) -> tuple[RowGroups, ShardPlan]:
-    """Read a dataset's row groups from metadata (no data) and plan its shards.
-
-    ``dataset`` is a URL (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...), a
-    local path, or a list of Parquet files, as given to petastorm; ``storage_options`` or
-    ``filesystem`` reach remote storage (see :func:`~ddp_even.storage.resolve.resolve_dataset`),
-    ``progress(done, total)`` follows the metadata reads. Raises
-    :class:`~ddp_even.errors.DatasetError` when the dataset cannot be read, and
-    ``ValueError`` for bad arguments.
-
-    Example:
-        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-        >>> root = tempfile.mkdtemp()
-        >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
-        >>> row_groups, plan = plan_for_dataset(root, world_size=2, batch_size=3)
-        >>> plan.shards, plan.rows_per_rank, plan.batches_per_rank
-        (((0, 2), (1,)), (6, 4), (2, 2))
-    """
-    check_positive_int("world_size", world_size)
-    check_positive_int("batch_size", batch_size)
-    row_groups = read_row_groups(
-        dataset, storage_options=storage_options, filesystem=filesystem, progress=progress
-    )
-    logger.debug(
-        "ddp_even: %d row groups, %d rows in %d files (from %s)",
-        len(row_groups),
-        row_groups.total_rows,
-        len(row_groups.files),
-        row_groups.source,
-    )
-    sharding = sharding_from(sharding, balanced)
-    return row_groups, plan_shards(row_groups, world_size, batch_size, sharding=sharding)
 
 
 def _sizes(row_groups: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:

@@ -2,7 +2,7 @@
 
 Petastorm shards, and this package plans, by *global row-group index*: the position of a row
 group in the list petastorm builds when it opens a dataset. :class:`RowGroups` is that list
-(files, rows per row group, footer digests); :mod:`ddp_even.planning.metadata` reads it from
+(files, rows per row group, footer digests); :mod:`ddp_even.parquet.metadata` reads it from
 the dataset's Parquet metadata, without petastorm and without reading any data.
 """
 
@@ -65,7 +65,7 @@ class RowGroups:
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-        >>> from ddp_even.planning import read_row_groups
+        >>> from ddp_even.parquet import read_row_groups
         >>> root = tempfile.mkdtemp()
         >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
         >>> groups = read_row_groups(root)
@@ -133,7 +133,7 @@ class RowGroups:
 
         Example:
             >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-            >>> from ddp_even.planning import read_row_groups
+            >>> from ddp_even.parquet import read_row_groups
             >>> root = tempfile.mkdtemp()
             >>> pq.write_table(pa.table({"x": list(range(7))}), f"{root}/a.parquet")
             >>> read_row_groups(root).total_rows

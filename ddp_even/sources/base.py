@@ -141,11 +141,11 @@ class ShardSource(ABC, Generic[BatchT]):
 class PlannedSource(ABC):
     """A factory that can read any plan of one dataset (what ``EvenLoader.from_parquet`` gives
     the loader): through it an epoch resumes without reading again what was consumed, and on
-    another number of ranks (:mod:`ddp_even.runtime.resume`).
+    another number of ranks (:mod:`ddp_even.resume.state`).
 
     ``source(epoch=N)`` reads this rank's shard of :attr:`plan` for epoch ``N``;
     ``source(epoch=N, shard_plan=rest)`` this rank's pieces of another plan of the same row
-    groups (a re-planned rest of the epoch, :mod:`ddp_even.planning.remainder`).
+    groups (a re-planned rest of the epoch, :mod:`ddp_even.resume.remainder`).
     """
 
     #: The plan of a whole epoch.

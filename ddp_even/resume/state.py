@@ -338,7 +338,7 @@ def _own_tails(
         or (mode.pads_short_shards and step >= plan.batches_per_rank[rank])
     ):
         return None
-    from ddp_even.planning.remainder import plan_own_tails
+    from ddp_even.resume.remainder import plan_own_tails
 
     tails = plan_own_tails(plan, planned.row_group_sizes, step, planned.order, epoch)
     logger.info(
@@ -354,7 +354,7 @@ def _rest_of_epoch(
     planned: PlannedSource, saved_plan: ShardPlan, epoch: int, step: int, world_size: int
 ) -> ShardPlan:
     """The plan of the rows not yet read in ``epoch``, saved on another number of ranks."""
-    from ddp_even.planning.remainder import plan_unread_rows, unread_rows
+    from ddp_even.resume.remainder import plan_unread_rows, unread_rows
 
     sizes = planned.row_group_sizes
     rest = plan_unread_rows(

@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ddp_even.errors import DatasetError
-from ddp_even.planning.layout import DirectoryLayout
+from ddp_even.parquet.layout import DirectoryLayout
 from ddp_even.planning.row_groups import (
     ROW_GROUPS_PER_FILE_KEY,
     MetadataSource,

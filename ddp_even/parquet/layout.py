@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ddp_even.errors import DatasetError
 
 if TYPE_CHECKING:
-    from ddp_even.planning.metadata import MetadataReader
+    from ddp_even.parquet.metadata import MetadataReader
 
 __all__ = ["DirectoryLayout"]
 

@@ -1,0 +1,19 @@
+"""What a Parquet dataset holds, read from its storage: row groups from the files' footers (no
+data), whether they changed, how a dataset directory is laid out, and how many rows a row
+predicate keeps in each row group (counted once, cached). Storage is :mod:`ddp_even.storage`'s;
+what is done with the counts is :mod:`ddp_even.planning`'s.
+
+Example:
+    >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+    >>> from ddp_even.parquet import read_row_groups
+    >>> root = tempfile.mkdtemp()
+    >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
+    >>> read_row_groups(root).num_rows.tolist()
+    [4, 4, 2]
+"""
+
+from ddp_even.errors import DatasetError
+from ddp_even.parquet.dataset_plan import plan_for_dataset
+from ddp_even.parquet.metadata import changed_row_groups, read_row_groups
+
+__all__ = ["DatasetError", "changed_row_groups", "plan_for_dataset", "read_row_groups"]
