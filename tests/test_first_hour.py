@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner, Result
 
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.lightning_and_accelerate import skip_without
@@ -131,45 +132,39 @@ def test_demo_script_keeps_its_dataset_and_ends_with_what_to_try(tmp_path: Path)
     assert "Every rank reads 100 rows" in plan.stdout
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)
 def test_an_example_refuses_a_dataset_it_did_not_write(tmp_path: Path) -> None:
+    # The example's own command, called in this process as click runs it from a shell.
     skip_without("accelerate")
     sys.path.insert(0, str(EXAMPLES))
     try:
-        from skewed_parquet import keep_demo_dataset
         from train import DEMO_ROW_GROUP_SIZES, write_demo_dataset
+        from train_accelerate import main as accelerate_example
     finally:
         sys.path.remove(str(EXAMPLES))
     other = tmp_path / "demo-data"
     write_demo_dataset(other)
     written = (other / "part-00000.parquet").read_bytes()
 
-    def accelerate_demo(data: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, str(EXAMPLES / "train_accelerate.py"), "--demo", "--data", str(data)],
-            env=clean_environment(PYTHONPATH=str(ROOT)),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+    def demo(data: Path) -> Result:
+        return CliRunner().invoke(accelerate_example, ["--demo", "--data", str(data)])
 
-    refused = accelerate_demo(other)
-    assert refused.returncode == 2
+    refused = demo(other)
+    assert refused.exit_code == 2, refused.output
     assert (
         f"{other} holds a dataset of 400 rows in 10 row groups, not this example's demo dataset "
         "(334 rows in 8 row groups); give --data a new or empty directory"
-    ) in " ".join(refused.stderr.split())
+    ) in " ".join(refused.output.split())
     assert (other / "part-00000.parquet").read_bytes() == written, "left as it was"
     assert list(DEMO_ROW_GROUP_SIZES) == TRAIN_DEMO_SIZES
 
     own = tmp_path / "demo-data-2ranks"
-    done = accelerate_demo(own)
-    assert done.returncode == 0, done.stderr
+    done = demo(own)
+    assert done.exit_code == 0, done.output
     assert row_group_sizes(own) == TRAINER_DEMO_SIZES
-    # Found and used again, as the example's next run does (in this process: the same call).
     written_at = (own / "part-00000.parquet").stat().st_mtime_ns
-    keep_demo_dataset(own, tuple(TRAINER_DEMO_SIZES))
+    again = demo(own)  # found and used again, as the example's next run does
+    assert again.exit_code == 0, again.output
     assert (own / "part-00000.parquet").stat().st_mtime_ns == written_at
 
 
