@@ -2,7 +2,8 @@
 # Installs ddp_even with its test tools into .venv (scripts/install.sh: skipped when nothing
 # changed), then tests. README's set-up commands; CI runs it without arguments.
 #   bash scripts/test.sh                  ruff, mypy, a short soak, then every test
-#   bash scripts/test.sh --fast [ARGS]    only the fast tests: no multi-rank jobs, no Spark
+#   bash scripts/test.sh --fast [ARGS]    only the fast tests (no multi-rank jobs, no Spark), in
+#                                         2 processes: the fewest that keep 2 cores busy
 #   bash scripts/test.sh ARGS             ruff, mypy, then pytest ARGS (a selection of tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ bash scripts/install.sh petastorm,dev
 
 if [[ ${1:-} == --fast ]]; then
     shift
-    exec .venv/bin/python -m pytest -m "not multirank and not spark" "$@"
+    exec .venv/bin/python -m pytest -m "not multirank and not spark" -n 2 "$@"
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
