@@ -20,6 +20,12 @@ side in the same process:
   its batch counts follow from the Parquet footers (one agreement per epoch);
 * ``factory, sync_every=1``: the same, agreeing at every step (one all-reduce per step with
   two ranks; with one, the per-step bookkeeping without a collective);
+* ``petastorm, ranks held together`` (two ranks only): petastorm's own loop with the least
+  that holding ranks together costs, written by hand: an asynchronous all-reduce of one int64
+  every ``CHECK_EVERY`` batches, waited for when the next one starts (what ddp_even's checks of
+  the sources do with known lengths). Between it and ``petastorm`` is what any loader that
+  keeps ranks in step pays on this machine; between it and the ddp_even rows, ddp_even's own
+  cost;
 * ``from_parquet <sharding>`` for ``round_robin``, ``row_groups``, ``rows`` and
   ``replicate``: ``EvenLoader.from_parquet(url, batch_size, mode, sharding=...)`` with
   petastorm's default reader options (a thread pool of 10). Its planning (footers, plan) is
@@ -68,6 +74,7 @@ import click
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
@@ -76,6 +83,7 @@ from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, run_on_ranks
 from benchmarks.report import warn_if_loaded, write_results
 from ddp_even import EvenLoader
 from ddp_even.planning.sharding import Sharding
+from ddp_even.runtime.epochs import CHECK_EVERY
 
 ReaderKind = Literal["batch", "row"]
 
@@ -88,6 +96,7 @@ SHARDINGS: tuple[Sharding, ...] = ("round_robin", "row_groups", "rows", "replica
 PETASTORM = "petastorm"
 FOOTER_LENGTHS = "factory, footer lengths"
 PER_STEP = "factory, sync_every=1"
+HELD_TOGETHER = "petastorm, ranks held together"
 FLOAT_COLUMNS = 8
 INT_COLUMNS = 8
 
@@ -209,6 +218,21 @@ def closing_pass(factory: Callable[[], Any]) -> Iterator[Mapping[str, Any]]:
         yield from loader
 
 
+def held_together_pass(factory: Callable[[], Any]) -> Iterator[Mapping[str, Any]]:
+    """:func:`closing_pass` with an asynchronous all-reduce every :data:`CHECK_EVERY` batches,
+    each waited for when the next starts (every rank reads as many batches here)."""
+    flag = torch.zeros(1, dtype=torch.int64)
+    pending = None
+    for count, batch in enumerate(closing_pass(factory), start=1):
+        yield batch
+        if count % CHECK_EVERY == 0:
+            if pending is not None:
+                pending.wait()
+            pending = dist.all_reduce(flag, async_op=True)
+    if pending is not None:
+        pending.wait()
+
+
 def variants_for(
     kind: ReaderKind, url: str, rank: int, world_size: int, config: BenchConfig
 ) -> list[Variant]:
@@ -237,8 +261,14 @@ def variants_for(
         PER_STEP: wrapped(1),
         **{f"from_parquet {sharding}": planned(sharding) for sharding in SHARDINGS},
     }
+    held_together = (
+        [Variant(HELD_TOGETHER, kind, lambda: held_together_pass(one_pass))]
+        if world_size > 1
+        else []
+    )
     return [
         Variant(PETASTORM, kind, lambda: closing_pass(one_pass)),
+        *held_together,
         *(Variant(name, kind, _returning(loader)) for name, loader in loaders.items()),
     ]
 

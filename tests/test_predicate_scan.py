@@ -258,17 +258,35 @@ def test_a_miss_scans_this_ranks_share_and_a_hit_on_every_rank_does_not(
         return counted.num_rows.tolist()
 
     # Miss: rank 0 counts 0, 2, 4; rank 1 sends "no failure" and its counts of 1 and 3
-    # (padded with -1).
-    assert run(0, [[0]], [[0, 10, 30, -1]]) == [0, 10, 20, 30, 40]
+    # (padded with -1); a last round holds every rank until rank 0 has written the cache.
+    written_before_the_last_round: list[bool] = []
+
+    class CheckingRanks(Ranks):
+        def __call__(self, mine: list[int]) -> list[list[int]]:
+            if len(self.others) == 1:
+                written = list(private_cache.glob("predicate-counts-*.npy"))
+                written_before_the_last_round.append(len(written) == 1)
+            return super().__call__(mine)
+
+    counted = matching_rows(
+        groups,
+        predicate,
+        key_parts=[b"batch"],
+        count_share=_counting(calls),
+        rank=0,
+        world_size=2,
+        share=CheckingRanks(0, [[0]], [[0, 10, 30, -1]], [[0]]),
+    )
+    assert counted.num_rows.tolist() == [0, 10, 20, 30, 40]
     assert calls == [[0, 2, 4]]
-    assert len(list(private_cache.glob("predicate-counts-*.npy"))) == 1
+    assert written_before_the_last_round == [True]
     # Hit on every rank: nothing is counted.
     calls.clear()
     assert run(0, [[1]]) == [0, 10, 20, 30, 40]
     assert calls == []
     assert any("from the cache" in message for message in caplog.messages)
     # Another rank lacks the entry: every rank scans again.
-    assert run(1, [[0]], [[0, 0, 20, 40]]) == [0, 10, 20, 30, 40]
+    assert run(1, [[0]], [[0, 0, 20, 40]], [[0]]) == [0, 10, 20, 30, 40]
     assert calls == [[1, 3]]
 
 

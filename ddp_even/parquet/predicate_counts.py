@@ -279,6 +279,9 @@ def matching_rows(
     )
     if rank == 0 and cache_file is not None:
         _write_cache(cache_file, everything)
+    # No rank returns before rank 0 has written the cache: a plan made next, on any rank,
+    # finds it (a rank that looked too early would send every rank counting again).
+    share([0])
     return _with_counts(row_groups, everything)
 
 
