@@ -245,15 +245,15 @@ def test_a_miss_scans_this_ranks_share_and_a_hit_on_every_rank_does_not(
     predicate = in_lambda(["id"], lambda ids: ids % 2 == 0)
     calls: list[list[int]] = []
 
-    def run(rank: int, *others: list[list[int]]) -> list[int]:
+    def run(share: Ranks) -> list[int]:
         counted = matching_rows(
             groups,
             predicate,
             key_parts=[b"batch"],
             count_share=_counting(calls),
-            rank=rank,
+            rank=share.rank,
             world_size=2,
-            share=Ranks(rank, *others),
+            share=share,
         )
         return counted.num_rows.tolist()
 
@@ -268,25 +268,17 @@ def test_a_miss_scans_this_ranks_share_and_a_hit_on_every_rank_does_not(
                 written_before_the_last_round.append(len(written) == 1)
             return super().__call__(mine)
 
-    counted = matching_rows(
-        groups,
-        predicate,
-        key_parts=[b"batch"],
-        count_share=_counting(calls),
-        rank=0,
-        world_size=2,
-        share=CheckingRanks(0, [[0]], [[0, 10, 30, -1]], [[0]]),
-    )
-    assert counted.num_rows.tolist() == [0, 10, 20, 30, 40]
+    assert run(CheckingRanks(0, [[0]], [[0, 10, 30, -1]], [[0]])) == [0, 10, 20, 30, 40]
     assert calls == [[0, 2, 4]]
+    assert len(list(private_cache.glob("predicate-counts-*.npy"))) == 1
     assert written_before_the_last_round == [True]
     # Hit on every rank: nothing is counted.
     calls.clear()
-    assert run(0, [[1]]) == [0, 10, 20, 30, 40]
+    assert run(Ranks(0, [[1]])) == [0, 10, 20, 30, 40]
     assert calls == []
     assert any("from the cache" in message for message in caplog.messages)
     # Another rank lacks the entry: every rank scans again.
-    assert run(1, [[0]], [[0, 0, 20, 40]], [[0]]) == [0, 10, 20, 30, 40]
+    assert run(Ranks(1, [[0]], [[0, 0, 20, 40]], [[0]])) == [0, 10, 20, 30, 40]
     assert calls == [[1, 3]]
 
 
