@@ -2,11 +2,12 @@
 
 Two names to remember: :class:`EvenLoader` wraps the loader a rank already has;
 :class:`EpochStats` says what every rank did in an epoch. The exceptions are raised on every
-rank at the same step, instead of a hang.
+rank at the same step, instead of a hang. A third, :func:`allreduce_hook`, registered on the
+DDP model, names a rank that dies inside DDP's own all-reduce of the gradients.
 
-``EvenLoader`` and ``EpochStats`` are imported on first use (PEP 562): the loader needs torch,
-and ``import ddp_even`` is also the start of the ``ddp-even`` command line, which plans without
-torch and starts in a fraction of a second.
+``EvenLoader``, ``EpochStats`` and ``allreduce_hook`` are imported on first use (PEP 562): they
+need torch, and ``import ddp_even`` is also the start of the ``ddp-even`` command line, which
+plans without torch and starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ddp_even.errors import (
 )
 
 if TYPE_CHECKING:
+    from ddp_even.agreement.gradient_hook import allreduce_hook
     from ddp_even.loader import EvenLoader
     from ddp_even.runtime.stats import EpochStats
 
@@ -39,12 +41,17 @@ __all__ = [
     "PeerTimeoutError",
     "RankMismatchError",
     "SourceEndedEarlyError",
+    "allreduce_hook",
 ]
 # The installed distribution's version: pyproject.toml is the one place it is written.
 __version__ = importlib.metadata.version("ddp_even")
 
 # The public names imported on first use, and the module each comes from.
-_LAZY = {"EvenLoader": "ddp_even.loader", "EpochStats": "ddp_even.runtime.stats"}
+_LAZY = {
+    "EvenLoader": "ddp_even.loader",
+    "EpochStats": "ddp_even.runtime.stats",
+    "allreduce_hook": "ddp_even.agreement.gradient_hook",
+}
 
 
 def __getattr__(name: str) -> object:

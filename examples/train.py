@@ -63,7 +63,7 @@ from rich.table import Table
 from skewed_parquet import DEMO_FILE, FEATURES, LABEL, dataset_url, keep_demo_dataset
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_even import EpochStats, EvenLoader
+from ddp_even import EpochStats, EvenLoader, allreduce_hook
 from ddp_even.modes import MODES
 
 # petastorm 0.12.1 (the release that does not lose row groups, see constraints.txt) drives
@@ -232,6 +232,8 @@ def train_mode(
     model = DistributedDataParallel(
         module, device_ids=[device.index] if device.type == "cuda" else None
     )
+    # DDP's own all-reduce, except that a rank dying in it is named by ddp_even's error.
+    model.register_comm_hook(None, allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
 
     def one_pass() -> BatchedDataLoader:

@@ -58,7 +58,7 @@ from skewed_parquet import FEATURES, LABEL, dataset_url, keep_demo_dataset
 from torch.distributed.algorithms.join import Join
 from torchmetrics.regression import MeanSquaredError
 
-from ddp_even import EvenLoader
+from ddp_even import EvenLoader, allreduce_hook
 
 
 def hide_known_warnings() -> None:
@@ -99,6 +99,9 @@ def train(
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     # With several processes: DistributedDataParallel over accelerate's process group.
     model, optimizer = accelerator.prepare(model, optimizer)
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        # DDP's own all-reduce, except that a rank dying in it is named by ddp_even's error.
+        model.register_comm_hook(None, allreduce_hook)
     reader_options = {"schema_fields": [*FEATURES, LABEL], "workers_count": 2}
 
     def one_pass() -> BatchedDataLoader:

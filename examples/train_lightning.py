@@ -57,7 +57,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics.regression import MeanSquaredError
 
-from ddp_even import EvenLoader, EvenLoaderError
+from ddp_even import EvenLoader, EvenLoaderError, allreduce_hook
 from ddp_even.integrations.lightning import EvenLoaderStats
 
 # petastorm 0.12.1 drives pyarrow 14 through its deprecated legacy API (FutureWarnings), and
@@ -142,6 +142,13 @@ class Regression(pl.LightningModule):
             sync_dist=True,
             batch_size=0 if padding else len(labels),
         )
+
+    def on_fit_start(self) -> None:
+        # DDP's own all-reduce, except that a rank dying in it is named by ddp_even's error.
+        # Lightning registers DDPStrategy(ddp_comm_hook=...) on CUDA only; this works on both.
+        model = self.trainer.strategy.model
+        if isinstance(model, DistributedDataParallel):
+            model.register_comm_hook(None, allreduce_hook)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.settings.lr)

@@ -19,8 +19,8 @@ sign of life):
 * under ``torchrun`` (its agent hosts the store): the pauses at every point, and a frozen rank.
   (A killed rank is torchrun's to handle there: its agent stops the job's other workers.)
 
-A rank killed while the others are inside DDP's own all-reduce is not here: they get gloo's
-error there (README, "Not safe").
+A rank killed while the others are inside DDP's own all-reduce is in
+``tests/test_gradient_hook.py``: named there by ``ddp_even.allreduce_hook``, gloo's error without.
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ __all__ = [
     "beat_interval",
     "default_store",
     "heartbeat_key",
+    "loader_timeout",
     "own_connection",
     "presence",
     "start_heartbeat",
@@ -186,11 +187,13 @@ def own_connection(store: Any, timeout_s: float) -> Any:
 class _Beater(threading.Thread):
     """The thread that beats for this process into one process group's store."""
 
-    def __init__(self, origin: Any, rank: int, interval: float) -> None:
+    def __init__(self, origin: Any, rank: int, timeout: float) -> None:
         super().__init__(name=THREAD_NAME, daemon=True)
         # The default store it beats into: when torch no longer has it, the group is gone.
         self.origin = origin
-        self.interval = interval
+        # The shortest ``timeout`` of the loaders it beats for, and the interval that gives.
+        self.timeout = timeout
+        self.interval = beat_interval(timeout)
         self._key = heartbeat_key(rank)
         self._host = host_token()
         self._stopping = threading.Event()
@@ -264,22 +267,30 @@ def start_heartbeat(timeout: float) -> None:
     store = default_store()
     if store is None or dist.get_world_size() == 1:
         return
-    interval = beat_interval(timeout)
     with _lock:
         beater = _beater
         if beater is not None and beater.origin is store and beater.is_alive():
-            beater.interval = min(beater.interval, interval)
+            beater.timeout = min(beater.timeout, timeout)
+            beater.interval = beat_interval(beater.timeout)
             return
         if beater is not None:
             beater.stop(LEFT, _JOIN_AT_EXIT_S)  # a process group made again: beat into the new one
-        beater = _beater = _Beater(store, dist.get_rank(), interval)
+        beater = _beater = _Beater(store, dist.get_rank(), timeout)
         # The first beat before this returns, so that every rank that reaches the others has one.
         beater.beat()
         beater.start()
         if not _stop_at_exit_registered:
             atexit.register(_stop_at_exit)
             _stop_at_exit_registered = True
-    logger.debug("heartbeat every %.2f s into the job's store", interval)
+    logger.debug("heartbeat every %.2f s into the job's store", beater.interval)
+
+
+def loader_timeout() -> float | None:
+    """The shortest ``timeout`` of this process's loaders, while it beats (None otherwise)."""
+    beater = _beater
+    if beater is None or beater.origin is not default_store() or not beater.is_alive():
+        return None
+    return beater.timeout
 
 
 def stood_still_since(since: float) -> float:

@@ -11,7 +11,9 @@ epochs. The points (:data:`POINTS`):
   step, a checkpoint, an evaluation);
 * ``inside_step``: inside the loader, while its source reads the fourth batch (a slow read);
 * ``last_step``: after the first epoch's last batch was handed out, before the loop asks for
-  the next (when the epoch's statistics are gathered).
+  the next (when the epoch's statistics are gathered);
+* ``inside_backward`` (with ``ddp`` only): in the third step, just before ``backward()``, so that
+  the others wait for it in DDP's own all-reduce of the gradients.
 
 Shapes: ``known`` (a sized sequence: one agreement per epoch, then checks of the sources every
 16 steps and after the last) and ``windows`` (a factory: an agreement before every step).
@@ -29,7 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
 
-POINTS = ("before_first_epoch", "between_epochs", "between_steps", "inside_step", "last_step")
+POINTS = (
+    "before_first_epoch",
+    "between_epochs",
+    "between_steps",
+    "inside_step",
+    "last_step",
+    "inside_backward",
+)
 EPOCHS = 2
 STEPS = 6
 
@@ -55,6 +64,8 @@ class Job:
     shape: str = "known"
     timeout: float = 2.0
     ddp: bool = False
+    # The DDP model averages its gradients through ``ddp_even.allreduce_hook``.
+    hook: bool = False
 
 
 def shard_of(rank: int) -> list[list[int]]:
@@ -148,7 +159,7 @@ def run_job(rank: int, world_size: int, job: Job, marks: str, group: Any = None)
     loader: EvenLoader[Any] = EvenLoader(
         source, "truncate", sync_every=sync_every, group=group, timeout=job.timeout
     )
-    step = _step_function(job.ddp)
+    step = _step_function(job.ddp, job.hook)
     seen: list[list[list[int]]] = []
     began = time.time()
     try:
@@ -158,7 +169,8 @@ def run_job(rank: int, world_size: int, job: Job, marks: str, group: Any = None)
             seen.append([])
             for batch in loader:
                 seen[-1].append(batch)
-                step(torch.tensor(batch, dtype=torch.float32).reshape(-1, 1))
+                inputs = torch.tensor(batch, dtype=torch.float32).reshape(-1, 1)
+                step(inputs, lambda: at("inside_backward") if len(seen[-1]) == 3 else None)
                 if len(seen[-1]) == 2:
                     at("between_steps")
                 if len(seen[-1]) == STEPS:
@@ -178,19 +190,25 @@ def run_job(rank: int, world_size: int, job: Job, marks: str, group: Any = None)
     return {"error": None, "seen": seen, "seconds": time.time() - began}
 
 
-def _step_function(ddp: bool) -> Any:
-    """One training step: a real DDP step, or a short sleep with no collective."""
+def _step_function(ddp: bool, hook: bool) -> Any:
+    """One training step, ``step(inputs, before_backward)``: a real DDP step, or a short sleep
+    with no collective."""
     import torch
 
+    import ddp_even
+
     if not ddp:
-        return lambda inputs: time.sleep(0.002)
+        return lambda inputs, before_backward: time.sleep(0.002)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    if hook:
+        model.register_comm_hook(None, ddp_even.allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
-    def step(inputs: Any) -> None:
+    def step(inputs: Any, before_backward: Any) -> None:
         loss = model(inputs / 1000).pow(2).mean()
         optimizer.zero_grad()
+        before_backward()
         loss.backward()
         optimizer.step()
 

@@ -1,0 +1,206 @@
+"""DDP's gradient all-reduce as a communication hook that names a peer lost in it.
+
+A rank that dies while the others are inside DDP's own all-reduce of the gradients never
+passes through ddp_even's code: the survivors get gloo's ``RuntimeError`` from ``backward()``
+("Connection reset by peer"), which names no rank. Registered on the user's DDP model,
+:func:`allreduce_hook` does what DDP does without a hook (each bucket averaged over the
+group, asynchronously, overlapping the rest of the backward pass) and, when a bucket's
+all-reduce fails, reads the peers' heartbeats (``liveness.py``) until one is found lost, then
+raises :class:`~ddp_even.PeerTimeoutError` naming it, from ``backward()``, on every survivor.
+
+The typed error reaches ``backward()``'s caller because it is raised from a callback queued
+on the autograd engine, which runs on the thread that called ``backward()`` once the whole
+graph has run (every bucket launched): it waits for the buckets' all-reduces itself, since
+DDP's own wait is queued only after it. An exception raised in a bucket's future would reach
+the user only as a ``RuntimeError`` carrying its text. Outside a backward pass (torch
+``Join``'s shadow all-reduces on a rank that ran out of data) nothing can be queued, and the
+bucket's future fails with the same text instead.
+
+Torch internals relied on (torch 2.13): ``torch.autograd.Variable._execution_engine
+.queue_callback``, the engine's "run this when the backward pass ends", which DDP's reducer
+itself uses; outside a backward pass it raises ``RuntimeError``.
+``tests/test_gradient_hook.py`` fails first if it changes.
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
+
+from ddp_even.agreement.heartbeat import loader_timeout
+from ddp_even.agreement.liveness import (
+    Watch,
+    connection_lost,
+    current_watch,
+    judge,
+    poll_interval,
+    store_host,
+)
+from ddp_even.agreement.verdict import (
+    Board,
+    Verdict,
+    gloo_words,
+    store_host_gone,
+    store_silence,
+    verdict_on,
+)
+from ddp_even.errors import EvenLoaderError
+
+__all__ = ["allreduce_hook"]
+
+logger = logging.getLogger("ddp_even")
+
+WHAT = "DDP's gradient all-reduce"
+# This backward pass's bucket all-reduces not yet waited for, and their failures (written by
+# gloo's thread).
+_pending: list[torch.futures.Future[torch.Tensor]] = []
+_failures: list[tuple[RuntimeError, dist.ProcessGroup | None]] = []
+# After a dead peer's heartbeat has had ``timeout`` to stop: the last look at the peers.
+_LAST_LOOK_S = 1.0
+
+
+def allreduce_hook(
+    state: dist.ProcessGroup | None, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP's all-reduce of the gradients; a rank lost in it is named by ddp_even's error.
+
+    Register it on the DDP model (``state``: the process group to average over, ``None`` for
+    the default one, as torch's own ``allreduce_hook`` takes it). The gradients are those of
+    DDP without a hook. If a peer dies while this rank waits in the all-reduce, ``backward()``
+    raises :class:`~ddp_even.PeerTimeoutError` naming it (``states`` ``{rank: "dead"}``),
+    within the loader's ``timeout`` and about 2 s, instead of gloo's error; every survivor
+    names the same rank. A frozen peer (SIGSTOP) is named ``"stalled"`` when gloo gives up on
+    it, after the training group's timeout. The peers are told apart by the heartbeats of
+    ddp_even's loaders: in a process where no ``EvenLoader`` has started, the failure is an
+    :class:`~ddp_even.EvenLoaderError` quoting gloo.
+
+    In Lightning, ``DDPStrategy(ddp_comm_hook=allreduce_hook)``; with accelerate, register it
+    on the model ``accelerator.prepare`` returns.
+
+    Example, on every rank (``tests/test_gradient_hook.py`` runs it on 2 and 3 ranks)::
+
+        model = DistributedDataParallel(net)
+        model.register_comm_hook(None, ddp_even.allreduce_hook)
+
+    In a job of one process::
+
+        >>> import torch, torch.distributed as dist, ddp_even
+        >>> store = dist.HashStore()
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+        >>> model.register_comm_hook(None, ddp_even.allreduce_hook)
+        >>> model(torch.ones(4, 2)).sum().backward()
+        >>> model.module.bias.grad
+        tensor([4.])
+        >>> dist.destroy_process_group()
+    """
+    group = state
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size(group))
+    reduced = dist.all_reduce(buffer, group=group, async_op=True)
+    assert reduced is not None  # async_op=True always returns the work
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(_raise_failure)
+    except RuntimeError:  # outside a backward pass: Join's shadow all-reduce
+        averaged = reduced.get_future().then(lambda done: _value_or_named_failure(done, group))
+    else:
+        averaged = reduced.get_future().then(
+            lambda done: _value_or_failure_kept(done, group, buffer)
+        )
+        _pending.append(averaged)
+    return cast(torch.futures.Future[torch.Tensor], averaged)
+
+
+def _value_or_failure_kept(
+    done: torch.futures.Future[list[torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    buffer: torch.Tensor,
+) -> torch.Tensor:
+    try:
+        return done.value()[0]
+    except RuntimeError as error:
+        # Raised at the end of the backward pass by _raise_failure; the buffer's values never
+        # reach a parameter, since the optimizer step is not taken.
+        _failures.append((error, group))
+        return buffer
+
+
+def _value_or_named_failure(
+    done: torch.futures.Future[list[torch.Tensor]], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    try:
+        return done.value()[0]
+    except RuntimeError as error:
+        raise named_failure(error, group) from error
+
+
+def _raise_failure() -> None:
+    while _pending:
+        _pending.pop().wait()  # never raises: a failure is kept in _failures
+    if _failures:
+        error, group = _failures[0]
+        _failures.clear()
+        raise named_failure(error, group) from error
+
+
+def named_failure(error: RuntimeError, group: dist.ProcessGroup | None) -> EvenLoaderError:
+    """Which peer the failed all-reduce lost: the verdict of the first survivor to find one lost
+    in the heartbeats (looked at until one is, or for the loader's ``timeout`` and a second),
+    written to the store so that every survivor names the same (a survivor that raised and
+    exited is not what the others lost)."""
+    me = dist.get_rank()
+    ranks = _global_ranks(group)
+    peers = [rank for rank in ranks if rank != me]
+    gloo = gloo_words(str(error))
+    timeout = loader_timeout()
+    if timeout is None:
+        return EvenLoaderError(
+            f"rank {me}: {WHAT} failed, and which peer it lost is unknown: no EvenLoader has "
+            f"started in this process, so there are no heartbeats to read; gloo: {gloo}"
+        )
+    watch = current_watch()
+    training_group = group or dist.group.WORLD
+    assert training_group is not None  # a hook runs only in a process group
+    board = Board(watch, f"ddp_even/{training_group.group_name}/gradients/", me, store_host() == me)
+    lost_connection = connection_lost(gloo)
+    give_up = time.monotonic() + timeout + _LAST_LOOK_S
+    while (verdict := board.read()) is None:
+        verdict = _look(watch, peers, str(error), me, timeout, lost_connection)
+        if verdict is None and time.monotonic() >= give_up:
+            detail = f"every peer's heartbeat went on for {timeout:g} s after the failure"
+            verdict = Verdict(me, (), {}, timeout, WHAT, detail)
+        if verdict is not None:
+            verdict = board.publish(replace(verdict, detail=f"{verdict.detail}; gloo: {gloo}"))
+            break
+        time.sleep(poll_interval(timeout, len(ranks)))
+    logger.debug("%s failed: %s", WHAT, verdict)
+    return board.adopt(verdict, len(ranks))
+
+
+def _look(
+    watch: Watch, peers: list[int], gloo_message: str, me: int, timeout: float, lost: bool
+) -> Verdict | None:
+    """The verdict on the peers found lost in their heartbeats now, or None."""
+    views = watch.look(peers)
+    if views is None:
+        unknown = f"the job's store did not answer ({watch.store_error!r})"
+        verdict = store_host_gone(gloo_message, unknown, peers, me, timeout, WHAT)
+        return verdict or store_silence(watch, by=me, timeout=timeout, what=WHAT)
+    states = {}
+    for rank, view in views.items():
+        state = judge(view, timeout, connection_lost=lost)
+        if state is not None:
+            states[rank] = state
+    return verdict_on(views, states, by=me, timeout=timeout, what=WHAT) if states else None
+
+
+def _global_ranks(group: dist.ProcessGroup | None) -> Sequence[int]:
+    if group is None:
+        return range(dist.get_world_size())
+    return dist.get_process_group_ranks(group)
