@@ -18,6 +18,8 @@ process group, every variant under three workloads:
 Variants:
 
 * ``floor``: shards made equal by hand, a plain loop, no wrapper;
+* ``floor, DDP through allreduce_hook`` (the ``ddp model`` workload): the floor with the DDP
+  model averaging through ``ddp_even.allreduce_hook`` instead of DDP's built-in all-reduce;
 * ``blocking flag all_reduce``: a blocking all-reduce of "I have a batch" before every step;
 * ``hand-written overlapped count K=1`` and ``K=16``: a window's batch count all-reduced
   (async) one batch before it is needed, in a few lines: the least an overlapped agreement
@@ -83,7 +85,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, run_on_ranks
 from benchmarks.report import warn_if_loaded, write_results
-from ddp_even import EvenLoader
+from ddp_even import EvenLoader, allreduce_hook
 from ddp_even.runtime import epochs
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -92,6 +94,7 @@ Step = Callable[[Batch], None]
 FLOOR = "floor"
 FLOOR_TINY_DDP = "floor + 1-param DDP"
 JOIN = "torch Join over DDP"
+HOOKED = "floor, DDP through allreduce_hook"
 # The known-lengths variant whose only check of the sources is the one after the last step.
 ONE_CHECK = "(one check, after the last step)"
 OVERLAPPED = "hand-written overlapped count "
@@ -328,22 +331,27 @@ class Workload:
     # What Join is compared with: the floor, or (without a model in the workload) the
     # workload plus the same one-parameter DDP step on equal shards.
     join_reference: Step | None = None
+    # The step with a DDP model of its own that averages through ddp_even.allreduce_hook.
+    hooked_step: Step | None = None
 
 
 def make_workloads(step_s: float, config: BenchConfig) -> list[Workload]:
-    def mlp() -> DistributedDataParallel:
+    def mlp(hook: bool = False) -> DistributedDataParallel:
         torch.manual_seed(0)  # the same initial weights everywhere (DDP broadcasts them too)
-        return DistributedDataParallel(
+        ddp_model = DistributedDataParallel(
             nn.Sequential(
                 nn.Linear(config.features, 128), nn.ReLU(), nn.Linear(128, config.outputs)
             )
         )
+        if hook:
+            ddp_model.register_comm_hook(None, allreduce_hook)
+        return ddp_model
 
     def one_parameter() -> DistributedDataParallel:
         torch.manual_seed(0)
         return DistributedDataParallel(nn.Linear(1, 1, bias=False))
 
-    model, join_model = mlp(), mlp()
+    model, join_model, hooked_model = mlp(), mlp(), mlp(hook=True)
     tiny, join_tiny = one_parameter(), one_parameter()
     tiny_step, join_tiny_step = training_step(tiny, 1, 1), training_step(join_tiny, 1, 1)
     spinning, sleeping = busy_wait(step_s), idle_wait(step_s)
@@ -354,6 +362,7 @@ def make_workloads(step_s: float, config: BenchConfig) -> list[Workload]:
             training_step(model, config.features, config.outputs),
             join_model,
             training_step(join_model, config.features, config.outputs),
+            hooked_step=training_step(hooked_model, config.features, config.outputs),
         ),
         *(
             Workload(name, wait, join_tiny, both(wait, join_tiny_step), both(wait, tiny_step))
@@ -382,6 +391,8 @@ def variants_for(workload: Workload, shard: list[Batch], equal: int, window: int
         variants.append(
             Variant(FLOOR_TINY_DDP, FLOOR_TINY_DDP, lambda: shard[:equal], workload.join_reference)
         )
+    if workload.hooked_step is not None:
+        variants.append(Variant(HOOKED, FLOOR, lambda: shard[:equal], workload.hooked_step))
     variants += [
         Variant("blocking flag all_reduce", FLOOR, lambda: flag_before_every_step(shard), step),
         Variant(OVERLAPPED + "K=1", FLOOR, lambda: count_overlapped(shard, 1), step),

@@ -4,6 +4,8 @@
   all-reduce of the gradients (rank 1 of 2; rank 0 of 2, whose process hosts the TCP store;
   rank 2 of 3): every survivor's ``backward()`` raises ``PeerTimeoutError`` naming it as dead
   within ``timeout`` + 2 s, instead of gloo's ``RuntimeError``;
+* SIGSTOP there: named as stalled when gloo gives up on it, at the training group's timeout;
+  continued, it raises too (``late``);
 * a pause there of 2x the timeout is waited for, as DDP waits: no error, the same batches;
 * the gradients are DDP's own: a model trained through the hook ends with the parameters of
   one trained without it, in truncate mode and in join mode (where the ranks that ran out
@@ -51,6 +53,27 @@ def test_a_rank_killed_in_ddps_all_reduce_is_named_dead(victim: int, ranks: int)
         assert [len(epoch) for epoch in survivor["seen"]] == [3], survivor
     died = f"rank {victim} died (signal SIGKILL) without a result"
     assert results[victim] == RankError("ProcessExited", died)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(150)
+def test_a_rank_frozen_in_ddps_all_reduce_is_named_stalled_at_the_training_timeout() -> None:
+    training_timeout = 6.0
+    job = Job(
+        (Act("inside_backward", 1, "stop", training_timeout + 8),), "known", TIMEOUT, True, True
+    )
+    results, marks = _run(job, 2, timeout=120, pg_timeout=training_timeout)
+    frozen_at = float((marks / "fault-1-inside_backward").read_text())
+    survivor, woken = results
+    assert isinstance(survivor, dict) and survivor["error"] == "PeerTimeoutError", survivor
+    assert survivor["missing"] == (1,) and survivor["states"] == {1: "stalled"}, survivor
+    assert "rank 1" in survivor["message"] and "stalled" in survivor["message"], survivor
+    assert not survivor["late"], survivor
+    # Gloo gives up at the training group's timeout; the heartbeat has been silent since.
+    assert training_timeout <= survivor["at"] - frozen_at <= training_timeout + 3, survivor
+    # Continued, the frozen rank raises too, naming itself.
+    assert isinstance(woken, dict) and woken["error"] == "PeerTimeoutError", woken
+    assert woken["late"] and woken["missing"] == (1,), woken
 
 
 @pytest.mark.multirank

@@ -16,7 +16,8 @@ sign of life):
   group's timeout with where it stood still;
 * a peer that never makes an ``EvenLoader`` is waited for up to the training group's timeout,
   and the error quotes that timeout, never another;
-* under ``torchrun`` (its agent hosts the store): the pauses at every point, and a frozen rank.
+* under ``torchrun`` (its agent hosts the store): the pauses at every point (one inside
+  ``backward()``, through ``ddp_even.allreduce_hook``), and a frozen rank.
   (A killed rank is torchrun's to handle there: its agent stops the job's other workers.)
 
 A rank killed while the others are inside DDP's own all-reduce is in
@@ -237,12 +238,21 @@ def _torchrun(out: Path, job: dict[str, Any]) -> subprocess.CompletedProcess[str
 @pytest.mark.timeout(200)
 def test_under_torchrun_pauses_are_waited_for_and_a_frozen_rank_is_named(tmp_path: Path) -> None:
     seconds = 3 * TIMEOUT
-    points = ("before_first_epoch", "inside_step", "between_steps", "last_step", "between_epochs")
+    points = (
+        "before_first_epoch",
+        "inside_step",
+        "between_steps",
+        "last_step",
+        "between_epochs",
+        "inside_backward",
+    )
     acts = [
         {"point": point, "victim": index % 2, "action": "pause", "seconds": seconds}
         for index, point in enumerate(points)
     ]
-    paused = _torchrun(tmp_path, {"acts": acts, "timeout": TIMEOUT, "ddp": True})
+    # The DDP model averages through ddp_even's hook: the pause inside backward is waited for.
+    job = {"acts": acts, "timeout": TIMEOUT, "ddp": True, "hook": True}
+    paused = _torchrun(tmp_path, job)
     assert paused.returncode == 0, paused.stderr[-3000:]
     for rank in range(2):
         result = json.loads((tmp_path / f"result-{rank}.json").read_text())
