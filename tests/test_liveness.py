@@ -17,8 +17,9 @@ sign of life):
 * a peer that never makes an ``EvenLoader`` is waited for up to the training group's timeout,
   and the error quotes that timeout, never another;
 * under ``torchrun`` (its agent hosts the store): the pauses at every point (one inside
-  ``backward()``, through ``ddp_even.allreduce_hook``), and a frozen rank.
-  (A killed rank is torchrun's to handle there: its agent stops the job's other workers.)
+  ``backward()``, through ``ddp_even.allreduce_hook``), a frozen rank, and a killed rank
+  between epochs and inside ``backward()`` (the agent looking every 10 s: at its usual pace it
+  stops the other workers itself as soon as one dies).
 
 A rank killed while the others are inside DDP's own all-reduce is in
 ``tests/test_gradient_hook.py``: named there by ``ddp_even.allreduce_hook``, gloo's error without.
@@ -218,13 +219,15 @@ def test_a_rank_with_no_loader_is_waited_for_up_to_the_training_timeout() -> Non
     assert 6 <= result["waited"] < 6 + 4, result
 
 
-def _torchrun(out: Path, job: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+def _torchrun(
+    out: Path, job: dict[str, Any], monitor_s: float = 0.2
+) -> subprocess.CompletedProcess[str]:
     root = Path(__file__).parent.parent
     command = [
         str(Path(sys.executable).with_name("torchrun")),
         "--standalone",
         "--nproc-per-node=2",
-        "--monitor-interval=0.2",
+        f"--monitor-interval={monitor_s}",
         str(root / "tests" / "helpers" / "liveness_job.py"),
         str(out),
         json.dumps(job),
@@ -268,3 +271,19 @@ def test_under_torchrun_pauses_are_waited_for_and_a_frozen_rank_is_named(tmp_pat
     assert "outside the loader" in survivor["message"], survivor
     began = float((frozen / "fault-1-between_epochs").read_text())
     assert survivor["at"] - began <= TIMEOUT + 2, survivor
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("point", ["between_epochs", "inside_backward"])
+def test_under_torchrun_a_killed_rank_is_named_dead(tmp_path: Path, point: str) -> None:
+    # torchrun's agent stops the other workers once it sees one die: looking every 10 s here,
+    # it lets the survivor show what it raises first. The agent hosts the store, which lives on.
+    kill = {"point": point, "victim": 1, "action": "kill"}
+    job = {"acts": [kill], "timeout": TIMEOUT, "ddp": True, "hook": True}
+    done = _torchrun(tmp_path, job, monitor_s=10)
+    assert done.returncode != 0  # the agent reports the dead worker
+    survivor = json.loads((tmp_path / "result-0.json").read_text())
+    assert survivor["error"] == "PeerTimeoutError", survivor
+    assert survivor["missing"] == [1] and survivor["states"] == {"1": "dead"}, survivor
+    assert "rank 1 is dead" in survivor["message"], survivor
+    assert survivor["at"] - float((tmp_path / f"fault-1-{point}").read_text()) <= TIMEOUT + 2
