@@ -16,10 +16,10 @@ sign of life):
   group's timeout with where it stood still;
 * a peer that never makes an ``EvenLoader`` is waited for up to the training group's timeout,
   and the error quotes that timeout, never another;
-* under ``torchrun`` (its agent hosts the store): the pauses at every point (one inside
-  ``backward()``, through ``ddp_even.allreduce_hook``), a frozen rank, and a killed rank
-  between epochs and inside ``backward()`` (the agent looking every 10 s: at its usual pace it
-  stops the other workers itself as soon as one dies).
+* under ``torchrun`` (its agent hosts the store): at every point, ranks 0 and 1 in turn, a pause
+  and a kill (one inside ``backward()``, through ``ddp_even.allreduce_hook``; the agent looking
+  every 10 s: at its usual pace it stops the other workers itself as soon as one dies), and a
+  frozen rank at each point where the others wait in ddp_even.
 
 A rank killed while the others are inside DDP's own all-reduce is in
 ``tests/test_gradient_hook.py``: named there by ``ddp_even.allreduce_hook``, gloo's error without.
@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.liveness_job import Act, Job, expected_epochs, run_job
+from tests.helpers.liveness_job import POINTS, Act, Job, expected_epochs, run_job
 from tests.helpers.spawn import RankError, run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -238,20 +238,15 @@ def _torchrun(
     )
 
 
+# Every point of tests/helpers/liveness_job.py, and the rank that acts there under torchrun.
+TORCHRUN_CASES = [(point, index % 2) for index, point in enumerate(POINTS)]
+
+
 @pytest.mark.timeout(200)
-def test_under_torchrun_pauses_are_waited_for_and_a_frozen_rank_is_named(tmp_path: Path) -> None:
-    seconds = 3 * TIMEOUT
-    points = (
-        "before_first_epoch",
-        "inside_step",
-        "between_steps",
-        "last_step",
-        "between_epochs",
-        "inside_backward",
-    )
+def test_under_torchrun_pauses_are_waited_for(tmp_path: Path) -> None:
     acts = [
-        {"point": point, "victim": index % 2, "action": "pause", "seconds": seconds}
-        for index, point in enumerate(points)
+        {"point": point, "victim": victim, "action": "pause", "seconds": 3 * TIMEOUT}
+        for point, victim in TORCHRUN_CASES
     ]
     # The DDP model averages through ddp_even's hook: the pause inside backward is waited for.
     job = {"acts": acts, "timeout": TIMEOUT, "ddp": True, "hook": True}
@@ -261,29 +256,46 @@ def test_under_torchrun_pauses_are_waited_for_and_a_frozen_rank_is_named(tmp_pat
         result = json.loads((tmp_path / f"result-{rank}.json").read_text())
         assert result["error"] is None and result["seen"] == expected_epochs(rank), result
 
-    frozen = tmp_path / "frozen"
-    frozen.mkdir()
-    stop = {"point": "between_epochs", "victim": 1, "action": "stop", "seconds": TIMEOUT + 5}
-    _torchrun(frozen, {"acts": [stop], "timeout": TIMEOUT, "ddp": True})
-    survivor = json.loads((frozen / "result-0.json").read_text())
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("point", "doing"),
+    [
+        ("before_first_epoch", "not iterating yet"),
+        ("between_epochs", "outside the loader"),
+        ("last_step", "outside the loader"),
+    ],
+)
+def test_under_torchrun_a_frozen_rank_is_named_stalled(
+    tmp_path: Path, point: str, doing: str
+) -> None:
+    # Where the others then wait in ddp_even: a rank frozen where they wait in DDP's own
+    # all-reduce is named at the training group's timeout (tests/test_gradient_hook.py).
+    stop = {"point": point, "victim": 1, "action": "stop", "seconds": TIMEOUT + 5}
+    _torchrun(tmp_path, {"acts": [stop], "timeout": TIMEOUT, "ddp": True})
+    survivor = json.loads((tmp_path / "result-0.json").read_text())
     assert survivor["error"] == "PeerTimeoutError", survivor
     assert survivor["missing"] == [1] and survivor["states"] == {"1": "stalled"}, survivor
-    assert "outside the loader" in survivor["message"], survivor
-    began = float((frozen / "fault-1-between_epochs").read_text())
+    assert doing in survivor["message"], survivor
+    began = float((tmp_path / f"fault-1-{point}").read_text())
     assert survivor["at"] - began <= TIMEOUT + 2, survivor
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("point", ["between_epochs", "inside_backward"])
-def test_under_torchrun_a_killed_rank_is_named_dead(tmp_path: Path, point: str) -> None:
+@pytest.mark.parametrize(("point", "victim"), TORCHRUN_CASES, ids=str)
+def test_under_torchrun_a_killed_rank_is_named_dead(
+    tmp_path: Path, point: str, victim: int
+) -> None:
     # torchrun's agent stops the other workers once it sees one die: looking every 10 s here,
     # it lets the survivor show what it raises first. The agent hosts the store, which lives on.
-    kill = {"point": point, "victim": 1, "action": "kill"}
+    kill = {"point": point, "victim": victim, "action": "kill"}
     job = {"acts": [kill], "timeout": TIMEOUT, "ddp": True, "hook": True}
     done = _torchrun(tmp_path, job, monitor_s=10)
     assert done.returncode != 0  # the agent reports the dead worker
-    survivor = json.loads((tmp_path / "result-0.json").read_text())
+    survivor = json.loads((tmp_path / f"result-{1 - victim}.json").read_text())
     assert survivor["error"] == "PeerTimeoutError", survivor
-    assert survivor["missing"] == [1] and survivor["states"] == {"1": "dead"}, survivor
-    assert "rank 1 is dead" in survivor["message"], survivor
-    assert survivor["at"] - float((tmp_path / f"fault-1-{point}").read_text()) <= TIMEOUT + 2
+    assert survivor["missing"] == [victim], survivor
+    assert survivor["states"] == {str(victim): "dead"}, survivor
+    assert f"rank {victim} is dead" in survivor["message"], survivor
+    killed_at = float((tmp_path / f"fault-{victim}-{point}").read_text())
+    assert survivor["at"] - killed_at <= TIMEOUT + 2, survivor
