@@ -16,10 +16,14 @@ the user only as a ``RuntimeError`` carrying its text. Outside a backward pass (
 ``Join``'s shadow all-reduces on a rank that ran out of data) nothing can be queued, and the
 bucket's future fails with the same text instead.
 
-Torch internals relied on (torch 2.13): ``torch.autograd.Variable._execution_engine
-.queue_callback``, the engine's "run this when the backward pass ends", which DDP's reducer
-itself uses; outside a backward pass it raises ``RuntimeError``.
-``tests/test_gradient_hook.py`` fails first if it changes.
+Torch internals relied on (torch 2.13):
+
+* ``torch.autograd.Variable._execution_engine.queue_callback``: the engine's "run this when
+  the backward pass ends", which DDP's reducer itself uses; outside a backward pass it raises
+  ``RuntimeError``. ``tests/test_gradient_hook.py`` fails first if it changes.
+* ``torch._C._distributed_c10d.GradBucket``: the class ``torch.distributed`` re-exports as
+  ``GradBucket``, imported from where its type information is; DDP refuses a hook whose
+  ``bucket`` annotation is anything else.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
