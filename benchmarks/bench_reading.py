@@ -24,8 +24,8 @@ side in the same process:
   that holding ranks together costs, written by hand: an asynchronous all-reduce of one int64
   every ``CHECK_EVERY`` batches, waited for when the next one starts (what ddp_even's checks of
   the sources do with known lengths). Between it and ``petastorm`` is what any loader that
-  keeps ranks in step pays on this machine; between it and the ddp_even rows, ddp_even's own
-  cost;
+  keeps ranks in step pays on the machine it runs on; between it and the ddp_even rows,
+  ddp_even's own cost;
 * ``from_parquet <sharding>`` for ``round_robin``, ``row_groups``, ``rows`` and
   ``replicate``: ``EvenLoader.from_parquet(url, batch_size, mode, sharding=...)`` with
   petastorm's default reader options (a thread pool of 10). Its planning (footers, plan) is

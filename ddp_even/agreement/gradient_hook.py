@@ -42,7 +42,7 @@ from ddp_even.agreement.liveness import (
     Watch,
     connection_lost,
     current_watch,
-    judge,
+    lost_peers,
     poll_interval,
     store_host,
 )
@@ -196,11 +196,7 @@ def _look(
         unknown = f"the job's store did not answer ({watch.store_error!r})"
         verdict = store_host_gone(gloo_message, unknown, peers, me, timeout, WHAT)
         return verdict or store_silence(watch, by=me, timeout=timeout, what=WHAT)
-    states = {}
-    for rank, view in views.items():
-        state = judge(view, timeout, connection_lost=lost)
-        if state is not None:
-            states[rank] = state
+    states = lost_peers(views, timeout, connection_lost=lost)
     return verdict_on(views, states, by=me, timeout=timeout, what=WHAT) if states else None
 
 

@@ -303,11 +303,13 @@ def store_host() -> int | None:
     return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
 
 
-def lost_peers(views: Mapping[int, PeerView], timeout: float) -> dict[int, str]:
+def lost_peers(
+    views: Mapping[int, PeerView], timeout: float, *, connection_lost: bool = False
+) -> dict[int, str]:
     """The peers :func:`judge` finds lost, with their state."""
     lost = {}
     for rank, view in views.items():
-        state = judge(view, timeout)
+        state = judge(view, timeout, connection_lost=connection_lost)
         if state is not None:
             lost[rank] = state
     return lost
