@@ -60,29 +60,36 @@ def train(converter: Any, options: dict[str, Any]) -> dict[str, Any]:
     # its DataLoader hands torch read-only arrays, which this function never writes into.
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+    def fit() -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Linear(1, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        joinables = [model] if options["mode"] == "join" else []
+        if options["petastorm_defaults"]:
+            # converter.make_torch_dataloader's defaults: batch_size=32, four reader threads.
+            loader = EvenLoader(converter, options["mode"], joinables=joinables)
+        else:
+            source = ConverterSource(converter, batch_size=options["batch_size"], workers_count=2)
+            loader = EvenLoader(source, options["mode"], joinables=joinables)
+        for _ in range(options["epochs"]):
+            for batch in loader:
+                x, y = batch["x"].float().unsqueeze(1), batch["y"].float().unsqueeze(1)
+                # batch_weight: 1.0 but in pad mode, where padding weighs 0 and real rows count
+                # alike.
+                loss = torch.nn.functional.mse_loss(model(x), y) * loader.batch_weight
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        weight, bias = (param.item() for param in model.module.parameters())
+        # EpochStats are equal on every rank, and DDP keeps the replicas equal.
+        return {"history": loader.history, "weight": weight, "bias": bias}
+
     dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR/PORT: TorchDistributor's
-    torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Linear(1, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    joinables = [model] if options["mode"] == "join" else []
-    if options["petastorm_defaults"]:
-        # converter.make_torch_dataloader's defaults: batch_size=32, four reader threads.
-        loader = EvenLoader(converter, options["mode"], joinables=joinables)
-    else:
-        source = ConverterSource(converter, batch_size=options["batch_size"], workers_count=2)
-        loader = EvenLoader(source, options["mode"], joinables=joinables)
-    for _ in range(options["epochs"]):
-        for batch in loader:
-            x, y = batch["x"].float().unsqueeze(1), batch["y"].float().unsqueeze(1)
-            # batch_weight: 1.0 but in pad mode, where padding weighs 0 and real rows count alike.
-            loss = torch.nn.functional.mse_loss(model(x), y) * loader.batch_weight
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    weight, bias = (param.item() for param in model.module.parameters())
-    dist.destroy_process_group()
-    # EpochStats are equal on every rank, and DDP keeps the replicas equal.
-    return {"history": loader.history, "weight": weight, "bias": bias}
+    try:
+        return fit()
+    finally:  # fit's model is freed by now (docs/using.md, "Ending a job")
+        dist.destroy_process_group()
 
 
 @click.command()

@@ -74,6 +74,13 @@ def train(rank: int, world_size: int, port: int, converter: Any, options: dict[s
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fit(rank, converter, options)
+    finally:  # fit's model is freed by now (docs/using.md, "Ending a job")
+        dist.destroy_process_group()
+
+
+def fit(rank: int, converter: Any, options: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -104,7 +111,6 @@ def train(rank: int, world_size: int, port: int, converter: Any, options: dict[s
     if rank == 0:
         weight, bias = (param.item() for param in model.module.parameters())
         print(f"learned y = {weight:.2f}x + {bias:.2f} (the data: y = 3x + 1)")
-    dist.destroy_process_group()
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

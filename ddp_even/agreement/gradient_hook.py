@@ -102,6 +102,7 @@ def allreduce_hook(
         >>> model(torch.ones(4, 2)).sum().backward()
         >>> model.module.bias.grad
         tensor([4.])
+        >>> del model  # before the group: see "Ending a job" in docs/using.md
         >>> dist.destroy_process_group()
     """
     group = state

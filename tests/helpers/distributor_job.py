@@ -35,37 +35,47 @@ def train_every_mode(converter: Any, modes: list[str], batch_size: int) -> list[
     # read-only arrays: a dozen warnings per reader in the job's output.
     warnings.simplefilter("ignore", FutureWarning)
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-    dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
-    report: dict[str, Any] = {
-        "rank": dist.get_rank(),
-        "world_size": dist.get_world_size(),
-        "env": {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
-        "pid": os.getpid(),
-        "modes": {},
-    }
-    for mode in modes:
-        source = ConverterSource(converter, batch_size=batch_size, workers_count=2)
-        loader = EvenLoader(source, mode, joinables=[model] if mode == "join" else (), timeout=60)
-        batches: list[list[int]] = []
-        padding: list[bool] = []
-        for batch in loader:
-            # batch_weight is 1.0 but in pad mode, where padding weighs 0.
-            loss = model(batch["value"].float().reshape(-1, 1)).pow(2).mean() * loader.batch_weight
-            padding.append(loader.padding)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            batches.append([int(i) for i in batch["id"]])
-        report["modes"][mode] = {
-            "batches": batches,
-            "padding": padding,
-            "stats": loader.stats.as_dict(),
-            "weights": [param.item() for param in model.module.parameters()],
+
+    def fit() -> list[Any]:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+        report: dict[str, Any] = {
+            "rank": dist.get_rank(),
+            "world_size": dist.get_world_size(),
+            "env": {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+            "pid": os.getpid(),
+            "modes": {},
         }
-    reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    dist.destroy_process_group()
-    return reports
+        for mode in modes:
+            source = ConverterSource(converter, batch_size=batch_size, workers_count=2)
+            loader = EvenLoader(
+                source, mode, joinables=[model] if mode == "join" else (), timeout=60
+            )
+            batches: list[list[int]] = []
+            padding: list[bool] = []
+            for batch in loader:
+                # batch_weight is 1.0 but in pad mode, where padding weighs 0.
+                loss = (
+                    model(batch["value"].float().reshape(-1, 1)).pow(2).mean() * loader.batch_weight
+                )
+                padding.append(loader.padding)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                batches.append([int(i) for i in batch["id"]])
+            report["modes"][mode] = {
+                "batches": batches,
+                "padding": padding,
+                "stats": loader.stats.as_dict(),
+                "weights": [param.item() for param in model.module.parameters()],
+            }
+        reports: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+        return reports
+
+    dist.init_process_group("gloo")
+    try:
+        return fit()
+    finally:  # fit's model is freed by now (docs/using.md, "Ending a job")
+        dist.destroy_process_group()
