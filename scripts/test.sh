@@ -3,16 +3,22 @@
 # changed), then tests. README's set-up commands; CI runs it without arguments.
 #   bash scripts/test.sh                  ruff, mypy, a short soak, then every test
 #   bash scripts/test.sh --fast [ARGS]    only the fast tests (no multi-rank jobs, no Spark), in
-#                                         2 processes: the fewest that keep 2 cores busy
+#                                         3 processes (on 2 cores: many tests wait on a server
+#                                         or a subprocess; benchmarks/bench_suite.py)
 #   bash scripts/test.sh ARGS             ruff, mypy, then pytest ARGS (a selection of tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/install.sh petastorm,dev
+# Python's default, even where PYTHONDONTWRITEBYTECODE is set: bytecode written beside the
+# sources (ignored by git). pytest rewrites the asserts of every test module, about 3 s of each
+# test process's start, and would otherwise do it again on every run.
+unset PYTHONDONTWRITEBYTECODE
 
 if [[ ${1:-} == --fast ]]; then
     shift
-    exec .venv/bin/python -m pytest -m "not multirank and not spark" -n 2 "$@"
+    # loadgroup: the tests of the local S3 server share one process, and so one server.
+    exec .venv/bin/python -m pytest -m "not multirank and not spark" -n 3 --dist loadgroup "$@"
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -7,7 +7,9 @@ where a missing Java is a failure: CI must run them.
 
 ``s3``: one local S3-compatible server for the whole run (moto's, as a subprocess), with its
 credentials in the standard AWS variables while it runs. Every test that uses it is marked
-``s3`` here, so that ``-m s3`` selects the remote-storage tests and none is forgotten.
+``s3`` here, so that ``-m s3`` selects the remote-storage tests and none is forgotten, and put
+in one ``xdist_group``, so that ``-n 3 --dist loadgroup`` (``scripts/test.sh --fast``) starts
+one server, not one per process.
 """
 
 from __future__ import annotations
@@ -46,10 +48,12 @@ _AWS_VARIABLES = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "s3" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
+            item.add_marker(pytest.mark.xdist_group("s3"))
 
 
 @pytest.fixture(scope="session")

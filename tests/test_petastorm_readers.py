@@ -79,7 +79,7 @@ def test_balanced_readers_read_exactly_their_row_groups(
     all_ids = ids_of_row_groups(
         groups.files, groups.file_of, groups.index_in_file, range(len(groups))
     )
-    for world_size in (1, 2, 3, 4, 5):
+    for world_size in (1, 2, 3, 5):  # 5: more ranks than files
         plan, ids_per_rank, batches_per_rank = read_all_ranks(
             url, world_size, reader_kwargs=DUMMY, **options
         )

@@ -1,0 +1,136 @@
+"""How long the fast tests take, per number of pytest-xdist workers.
+
+    .venv/bin/python -m benchmarks.bench_suite      # a table, and bench-results/suite.json
+
+Each variant runs ``pytest -m "not multirank and not spark" -n WORKERS --dist loadgroup`` (what
+``scripts/test.sh --fast`` runs, with its environment: bytecode written beside the sources) as
+a fresh process, ``--rounds`` times, the variants taken in turn within each round so that the
+machine's noise falls on all of them alike. One untimed run first fills the bytecode and page
+caches, as a developer's earlier run has. The table gives the median wall time, the CPU time
+of pytest and everything it started, and the ratio to the first variant; the target is the
+fast tier under 30 s.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.report import warn_if_loaded, write_results
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_S = 30.0
+FAST_TIER = ("-m", "not multirank and not spark")
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    rounds: int
+    workers: tuple[int, ...]
+    tests: tuple[str, ...]
+
+
+def environment() -> dict[str, str]:
+    """This environment as ``scripts/test.sh`` leaves it: Python writes bytecode."""
+    return {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+
+
+def run_once(workers: int, tests: tuple[str, ...]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of pytest and its children) of one run."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_TIER]
+    command += ["-n", str(workers), "--dist", "loadgroup", *tests]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    done = subprocess.run(
+        command, cwd=ROOT, env=environment(), capture_output=True, text=True, check=False
+    )
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise click.ClickException(f"-n {workers}: pytest failed:\n{done.stdout[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
+
+
+@click.command()
+@click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
+@click.option(
+    "--workers",
+    type=click.IntRange(1),
+    multiple=True,
+    default=(2, 3),
+    show_default=True,
+    help="pytest-xdist workers of a variant; repeat for several (the first is the baseline).",
+)
+@click.option(
+    "--tests",
+    multiple=True,
+    help="Test files or folders to run instead of the whole fast tier (to try the benchmark).",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("bench-results/suite.json"),
+    show_default=True,
+)
+def main(rounds: int, workers: tuple[int, ...], tests: tuple[str, ...], out: Path) -> None:
+    """Median wall time of the fast tests per number of pytest-xdist workers."""
+    console = Console() if sys.stdout.isatty() else Console(width=120)
+    config = SuiteConfig(rounds, workers, tests)
+    console.print("one untimed run fills the bytecode and page caches")
+    run_once(workers[0], tests)
+    load_before = os.getloadavg()[0]
+    times: dict[int, list[tuple[float, float]]] = {count: [] for count in workers}
+    for round_number in range(1, rounds + 1):
+        for count in workers:
+            wall, cpu = run_once(count, tests)
+            console.print(f"round {round_number}/{rounds}, -n {count}: {wall:.1f} s")
+            times[count].append((wall, cpu))
+    load_after = os.getloadavg()[0]
+    baseline = statistics.median(wall for wall, _ in times[workers[0]])
+    runs = []
+    for count in workers:
+        walls = [wall for wall, _ in times[count]]
+        runs.append(
+            {
+                "workers": count,
+                "median_s": statistics.median(walls),
+                "min_s": min(walls),
+                "max_s": max(walls),
+                "cpu_median_s": statistics.median(cpu for _, cpu in times[count]),
+                "ratio_to_first": statistics.median(walls) / baseline,
+                "wall_s": walls,
+            }
+        )
+    table = Table(title=f"the fast tests, median of {rounds} interleaved rounds")
+    columns = ("workers", "median s", "min s", "max s", "CPU s", "ratio to first", "under 30 s")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for run in runs:
+        table.add_row(
+            f"-n {run['workers']}",
+            f"{run['median_s']:.1f}",
+            f"{run['min_s']:.1f}",
+            f"{run['max_s']:.1f}",
+            f"{run['cpu_median_s']:.1f}",
+            f"{run['ratio_to_first']:.2f}",
+            "[green]yes[/]" if run["median_s"] < TARGET_S else "[red]no[/]",
+        )
+    table.caption = f"load average before/after: {load_before:.1f}/{load_after:.1f}"
+    console.print(table)
+    warn_if_loaded(console, max(load_before, load_after), "the times include waiting for a CPU")
+    write_results(console, out, config, runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The test-suite benchmark runs end to end on a test file of its own (no timings asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from benchmarks.bench_suite import main
+
+
+@pytest.mark.timeout(120)
+def test_it_times_each_worker_count_and_writes_json(tmp_path: Path) -> None:
+    # Two trivial tests, so that this checks the benchmark in seconds, not the suite.
+    tests = tmp_path / "test_tiny.py"
+    tests.write_text("def test_one():\n    assert 1 + 1 == 2\n\n\ndef test_two():\n    pass\n")
+    out = tmp_path / "suite.json"
+    arguments = ["--rounds", "1", "--workers", "1", "--workers", "2"]
+    done = CliRunner().invoke(main, [*arguments, "--tests", str(tests), "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["workers"] for run in runs] == [1, 2]
+    for run in runs:
+        assert len(run["wall_s"]) == 1 and run["median_s"] == run["wall_s"][0] > 0
+        assert run["cpu_median_s"] > 0
+    assert runs[0]["ratio_to_first"] == 1.0
+    assert "-n 2" in done.output
+
+
+def test_a_failing_run_is_reported_with_pytest_s_output(tmp_path: Path) -> None:
+    tests = tmp_path / "test_failing.py"
+    tests.write_text("def test_wrong():\n    assert 1 + 1 == 3\n")
+    done = CliRunner().invoke(main, ["--workers", "1", "--tests", str(tests)])
+    assert done.exit_code == 1
+    assert "-n 1: pytest failed" in done.output and "test_wrong" in done.output

@@ -1,0 +1,47 @@
+"""``scripts/test.sh --fast`` keeps the tests of one ``xdist_group`` in one worker process.
+
+The local S3 server is started once per process that asks for it (``tests/conftest.py``), so
+the fast tests start one server only while pytest-xdist honours the groups. It stopped doing so,
+silently, under pytest 9 (constraints.txt pins pytest 8 for that): this fails first if it does
+again.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GROUPED_TESTS = """
+import os
+
+import pytest
+
+
+@pytest.mark.xdist_group("together")
+@pytest.mark.parametrize("case", range(6))
+def test_grouped(case):
+    with open(f"{case}.worker", "w") as out:
+        out.write(os.environ["PYTEST_XDIST_WORKER"])
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_group_runs_in_one_worker(tmp_path: Path) -> None:
+    (tmp_path / "test_grouped.py").write_text(GROUPED_TESTS)
+    pytest_command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    done = subprocess.run(
+        [*pytest_command, "-n", "3", "--dist", "loadgroup", "test_grouped.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    written = list(tmp_path.glob("*.worker"))
+    assert len(written) == 6, done.stdout[-3000:]
+    workers = {path.read_text() for path in written}
+    assert len(workers) == 1, f"the group ran in workers {sorted(workers)}: see constraints.txt"
