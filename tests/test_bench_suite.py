@@ -11,6 +11,13 @@ from click.testing import CliRunner
 from benchmarks.bench_suite import main
 
 
+@pytest.fixture(autouse=True)
+def _only_xdist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runs load xdist alone: the other installed plugins would only slow their start."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("PYTEST_PLUGINS", "xdist.plugin")
+
+
 @pytest.mark.timeout(120)
 def test_it_times_each_worker_count_and_writes_json(tmp_path: Path) -> None:
     # Two trivial tests, so that this checks the benchmark in seconds, not the suite.

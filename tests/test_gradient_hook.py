@@ -15,23 +15,13 @@
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-from typing import Any
-
 import pytest
 import torch
 
-from tests.helpers.liveness_job import Act, Job, expected_epochs, run_job
+from tests.helpers.liveness_job import Act, Job, expected_epochs, run_on_ranks
 from tests.helpers.spawn import RankError, run_ranks
 
 TIMEOUT = 2.0
-
-
-def _run(job: Job, world_size: int, **kwargs: Any) -> tuple[list[Any], Path]:
-    marks = Path(tempfile.mkdtemp(prefix="ddp-even-gradient-hook-"))
-    results = run_ranks(run_job, world_size, job, str(marks), capture_exceptions=True, **kwargs)
-    return results, marks
 
 
 @pytest.mark.multirank
@@ -39,8 +29,8 @@ def _run(job: Job, world_size: int, **kwargs: Any) -> tuple[list[Any], Path]:
 @pytest.mark.parametrize(("victim", "ranks"), [(1, 2), (0, 2), (2, 3)], ids=str)
 def test_a_rank_killed_in_ddps_all_reduce_is_named_dead(victim: int, ranks: int) -> None:
     job = Job((Act("inside_backward", victim, "kill"),), "known", TIMEOUT, ddp=True, hook=True)
-    results, marks = _run(job, ranks, timeout=120, tcp_store=victim == 0)
-    killed_at = float((marks / f"fault-{victim}-inside_backward").read_text())
+    results, faults = run_on_ranks(job, ranks, timeout=120, tcp_store=victim == 0)
+    killed_at = faults[victim, "inside_backward"]
     for survivor in (result for rank, result in enumerate(results) if rank != victim):
         assert isinstance(survivor, dict), survivor  # ddp_even's error, not gloo's RuntimeError
         assert survivor["error"] == "PeerTimeoutError", survivor
@@ -62,8 +52,8 @@ def test_a_rank_frozen_in_ddps_all_reduce_is_named_stalled_at_the_training_timeo
     job = Job(
         (Act("inside_backward", 1, "stop", training_timeout + 8),), "known", TIMEOUT, True, True
     )
-    results, marks = _run(job, 2, timeout=120, pg_timeout=training_timeout)
-    frozen_at = float((marks / "fault-1-inside_backward").read_text())
+    results, faults = run_on_ranks(job, 2, timeout=120, pg_timeout=training_timeout)
+    frozen_at = faults[1, "inside_backward"]
     survivor, woken = results
     assert isinstance(survivor, dict) and survivor["error"] == "PeerTimeoutError", survivor
     assert survivor["missing"] == (1,) and survivor["states"] == {1: "stalled"}, survivor
@@ -82,7 +72,7 @@ def test_a_pause_before_backward_is_waited_for() -> None:
     job = Job(
         (Act("inside_backward", 1, "pause", 2 * TIMEOUT),), "known", TIMEOUT, ddp=True, hook=True
     )
-    results, _ = _run(job, 2, timeout=120)
+    results, _ = run_on_ranks(job, 2, timeout=120)
     for rank, result in enumerate(results):
         assert isinstance(result, dict) and result["error"] is None, (rank, result)
         assert result["seen"] == expected_epochs(rank), (rank, result)

@@ -31,29 +31,18 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers.liveness_job import POINTS, Act, Job, expected_epochs, run_job
+from tests.helpers.liveness_job import POINTS, Act, Job, expected_epochs, run_on_ranks
 from tests.helpers.spawn import RankError, run_ranks
 
 pytestmark = pytest.mark.multirank
 
 TIMEOUT = 2.0
-
-
-def _run(job: Job, world_size: int = 2, **kwargs: Any) -> tuple[list[Any], Path]:
-    marks = Path(tempfile.mkdtemp(prefix="ddp-even-liveness-"))
-    results = run_ranks(run_job, world_size, job, str(marks), capture_exceptions=True, **kwargs)
-    return results, marks
-
-
-def _fault_time(marks: Path, victim: int, point: str) -> float:
-    return float((marks / f"fault-{victim}-{point}").read_text())
 
 
 @pytest.mark.timeout(150)
@@ -69,7 +58,7 @@ def test_a_live_rank_that_pauses_anywhere_is_waited_for(shape: str, ddp: bool, f
         Act("last_step", 0, "pause", seconds),
         Act("between_epochs", 1, "pause", seconds),
     )
-    results, _ = _run(Job(acts, shape=shape, timeout=TIMEOUT, ddp=ddp), timeout=120)
+    results, _ = run_on_ranks(Job(acts, shape=shape, timeout=TIMEOUT, ddp=ddp), 2, timeout=120)
     for rank, result in enumerate(results):
         assert isinstance(result, dict) and result["error"] is None, (rank, result)
         assert result["seen"] == expected_epochs(rank), (rank, result)
@@ -99,7 +88,7 @@ def test_a_live_rank_that_pauses_anywhere_is_waited_for(shape: str, ddp: bool, f
 def test_a_killed_rank_is_named_dead_within_the_timeout(
     point: str, shape: str, ddp: bool, victim: int, ranks: int
 ) -> None:
-    results, marks = _run(
+    results, faults = run_on_ranks(
         Job((Act(point, victim, "kill"),), shape=shape, timeout=TIMEOUT, ddp=ddp),
         ranks,
         timeout=120,
@@ -112,7 +101,7 @@ def test_a_killed_rank_is_named_dead_within_the_timeout(
         assert survivor["states"] == {victim: "dead"}, survivor
         assert f"rank {victim}" in survivor["message"] and "dead" in survivor["message"], survivor
         assert not survivor["late"]
-        assert survivor["at"] - _fault_time(marks, victim, point) <= TIMEOUT + 2, survivor
+        assert survivor["at"] - faults[victim, point] <= TIMEOUT + 2, survivor
     died = f"rank {victim} died (signal SIGKILL) without a result"
     assert results[victim] == RankError("ProcessExited", died)
 
@@ -138,7 +127,7 @@ def test_a_frozen_rank_is_named_stalled_with_what_it_was_doing(
     # With known lengths a DDP step is the loop's own collective; in windows, none (the
     # others would wait in DDP's all-reduce, not in ddp_even, for a rank frozen in its read).
     job = Job((Act(point, victim, "stop", frozen_s),), shape, TIMEOUT, ddp=shape == "known")
-    results, marks = _run(
+    results, faults = run_on_ranks(
         job,
         timeout=90,
         tcp_store=victim == 0,
@@ -152,7 +141,7 @@ def test_a_frozen_rank_is_named_stalled_with_what_it_was_doing(
     assert doing in message, message
     # The timeout the user set, and no other.
     assert "timeout 2 s" in message and "600" not in message and "1800" not in message, message
-    assert survivor["at"] - _fault_time(marks, victim, point) <= TIMEOUT + 2, survivor
+    assert survivor["at"] - faults[victim, point] <= TIMEOUT + 2, survivor
     # Continued after the survivor gave up on it: it raises too, naming itself.
     late = results[victim]
     assert isinstance(late, dict) and late["error"] == "PeerTimeoutError", late
@@ -161,7 +150,9 @@ def test_a_frozen_rank_is_named_stalled_with_what_it_was_doing(
 
 @pytest.mark.timeout(120)
 def test_a_main_thread_holding_the_gil_is_named_stalled() -> None:
-    results, _ = _run(Job((Act("between_epochs", 1, "hold_gil"),), timeout=TIMEOUT, ddp=True))
+    results, _ = run_on_ranks(
+        Job((Act("between_epochs", 1, "hold_gil"),), timeout=TIMEOUT, ddp=True), 2
+    )
     survivor = results[0]
     assert isinstance(survivor, dict) and survivor["error"] == "PeerTimeoutError", survivor
     assert survivor["missing"] == (1,) and survivor["states"] == {1: "stalled"}, survivor
@@ -177,7 +168,7 @@ def test_a_deadlocked_main_thread_is_named_busy_after_the_training_timeout() -> 
     # Blocked with the GIL released (a lock, a collective of its own): its heartbeat goes on,
     # so it is waited for as DDP would wait, then named with where it stood still.
     stuck_s, training_timeout_s = 16.0, 5.0
-    results, marks = _run(
+    results, faults = run_on_ranks(
         Job((Act("between_epochs", 1, "pause", stuck_s),), timeout=TIMEOUT, ddp=True),
         pg_timeout=training_timeout_s,
     )
@@ -186,7 +177,7 @@ def test_a_deadlocked_main_thread_is_named_busy_after_the_training_timeout() -> 
     assert survivor["missing"] == (1,) and survivor["states"] == {1: "busy"}, survivor
     message = survivor["message"]
     assert "training group's timeout (5 s)" in message and "outside the loader" in message
-    waited = survivor["at"] - _fault_time(marks, 1, "between_epochs")
+    waited = survivor["at"] - faults[1, "between_epochs"]
     assert training_timeout_s <= waited <= training_timeout_s + 4, survivor
 
 

@@ -8,6 +8,7 @@ again.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,9 +33,12 @@ def test_grouped(case):
 def test_a_group_runs_in_one_worker(tmp_path: Path) -> None:
     (tmp_path / "test_grouped.py").write_text(GROUPED_TESTS)
     pytest_command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    # xdist alone: the other installed plugins would only slow each process's start.
+    only_xdist = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTEST_PLUGINS": "xdist.plugin"}
     done = subprocess.run(
-        [*pytest_command, "-n", "3", "--dist", "loadgroup", "test_grouped.py"],
+        [*pytest_command, "-n", "2", "--dist", "loadgroup", "test_grouped.py"],
         cwd=tmp_path,
+        env={**os.environ, **only_xdist},
         capture_output=True,
         text=True,
         timeout=100,

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -188,6 +190,28 @@ def run_job(rank: int, world_size: int, job: Job, marks: str, group: Any = None)
             "seen": seen,
         }
     return {"error": None, "seen": seen, "seconds": time.time() - began}
+
+
+def run_on_ranks(
+    job: Job, world_size: int = 2, **kwargs: Any
+) -> tuple[list[Any], dict[tuple[int, str], float]]:
+    """``job`` on ``world_size`` spawned ranks (``run_ranks``' keywords, exceptions captured):
+    each rank's result, and when each fault began, by (victim, point), on the victim's clock.
+
+    The fault times go through a temporary folder, removed before this returns.
+    """
+    from tests.helpers.spawn import run_ranks
+
+    marks = Path(tempfile.mkdtemp(prefix="ddp-even-faults-"))
+    try:
+        results = run_ranks(run_job, world_size, job, str(marks), capture_exceptions=True, **kwargs)
+        faults = {}
+        for mark in marks.glob("fault-*"):
+            _, victim, point = mark.name.split("-", 2)
+            faults[int(victim), point] = float(mark.read_text())
+        return results, faults
+    finally:
+        shutil.rmtree(marks, ignore_errors=True)
 
 
 def _step_function(ddp: bool, hook: bool) -> Any:
