@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -200,18 +199,16 @@ def run_on_ranks(
 
     The fault times go through a temporary folder, removed before this returns.
     """
+    # Here, not at the top: torchrun runs this file as a script, where ``tests`` is no package.
     from tests.helpers.spawn import run_ranks
 
-    marks = Path(tempfile.mkdtemp(prefix="ddp-even-faults-"))
-    try:
-        results = run_ranks(run_job, world_size, job, str(marks), capture_exceptions=True, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="ddp-even-faults-") as marks:
+        results = run_ranks(run_job, world_size, job, marks, capture_exceptions=True, **kwargs)
         faults = {}
-        for mark in marks.glob("fault-*"):
+        for mark in Path(marks).glob("fault-*"):
             _, victim, point = mark.name.split("-", 2)
             faults[int(victim), point] = float(mark.read_text())
-        return results, faults
-    finally:
-        shutil.rmtree(marks, ignore_errors=True)
+    return results, faults
 
 
 def _step_function(ddp: bool, hook: bool) -> Any:
