@@ -66,11 +66,12 @@ def run_once(workers: int, tests: tuple[str, ...]) -> tuple[float, float]:
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
 @click.option(
     "--workers",
-    type=click.IntRange(1),
+    type=click.IntRange(0),
     multiple=True,
     default=(2, 3),
     show_default=True,
-    help="pytest-xdist workers of a variant; repeat for several (the first is the baseline).",
+    help="pytest-xdist workers of a variant (0: none, the tests run in pytest's process); "
+    "repeat for several (the first is the baseline).",
 )
 @click.option(
     "--tests",

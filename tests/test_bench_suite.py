@@ -24,21 +24,21 @@ def test_it_times_each_worker_count_and_writes_json(tmp_path: Path) -> None:
     tests = tmp_path / "test_tiny.py"
     tests.write_text("def test_one():\n    assert 1 + 1 == 2\n\n\ndef test_two():\n    pass\n")
     out = tmp_path / "suite.json"
-    arguments = ["--rounds", "1", "--workers", "1", "--workers", "2"]
+    arguments = ["--rounds", "1", "--workers", "0", "--workers", "1"]
     done = CliRunner().invoke(main, [*arguments, "--tests", str(tests), "--out", str(out)])
     assert done.exit_code == 0, done.output
     runs = json.loads(out.read_text())["runs"]
-    assert [run["workers"] for run in runs] == [1, 2]
+    assert [run["workers"] for run in runs] == [0, 1]
     for run in runs:
         assert len(run["wall_s"]) == 1 and run["median_s"] == run["wall_s"][0] > 0
         assert run["cpu_median_s"] > 0
     assert runs[0]["ratio_to_first"] == 1.0
-    assert "-n 2" in done.output
+    assert "-n 1" in done.output
 
 
 def test_a_failing_run_is_reported_with_pytest_s_output(tmp_path: Path) -> None:
     tests = tmp_path / "test_failing.py"
     tests.write_text("def test_wrong():\n    assert 1 + 1 == 3\n")
-    done = CliRunner().invoke(main, ["--workers", "1", "--tests", str(tests)])
+    done = CliRunner().invoke(main, ["--workers", "0", "--tests", str(tests)])
     assert done.exit_code == 1
-    assert "-n 1: pytest failed" in done.output and "test_wrong" in done.output
+    assert "-n 0: pytest failed" in done.output and "test_wrong" in done.output

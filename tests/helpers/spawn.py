@@ -1,7 +1,7 @@
 """Run a function on N gloo ranks in spawned processes, with a hard timeout.
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (spawn start method), joins
-them into a gloo process group (``file://`` rendezvous in a fresh temporary directory), calls
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, joins them into a gloo
+process group (``file://`` rendezvous in a fresh temporary directory), calls
 ``fn(rank, world_size, *args)`` on each and returns the return values in rank order.
 
 - ``fn`` and ``args`` must pickle: define ``fn`` at module level in an importable module
@@ -17,9 +17,16 @@ them into a gloo process group (``file://`` rendezvous in a fresh temporary dire
   extra installs it), the native stacks too:
   what a process stuck in C++ (a gloo thread, a destructor) waits for.
 
+The ranks start from torch.multiprocessing's fork server (the ``forkserver`` start method),
+which has imported torch, ``torch._dynamo`` (the first optimizer of a process imports it) and
+ddp_even once: a spawned rank spent about 5 s of CPU importing them, most of a short test's time.
+The fork server starts with ``OMP_NUM_THREADS=1`` (``tests/conftest.py``); pyarrow and petastorm
+are not preloaded, since pyarrow starts a thread (jemalloc's) that a fork would not copy. Each
+rank takes this process's environment as it is at ``run_ranks``, plus ``env``, as a spawned
+one would; a variable read only when torch is imported is therefore the fork server's.
+
 Each rank runs in its own process group, so processes a rank started are killed with it, and
-dies with SIGKILL if the parent dies (Linux). ``torch`` is imported in the child only after
-``OMP_NUM_THREADS=1`` and ``env`` are in ``os.environ``.
+dies with SIGKILL if the fork server dies, which it does when this process dies (Linux).
 """
 
 from __future__ import annotations
@@ -57,6 +64,15 @@ _RESULT = "result-{rank}.pickle"
 _STACKS = "stacks-{rank}.txt"
 _LOG = "ddp-even-log-{rank}.txt"
 _NATIVE = "native-stacks-{rank}.txt"
+# What the fork server imports once for every rank (see the module's docstring).
+_PRELOADED = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.nn.parallel",
+    "ddp_even",
+    __name__,
+]
 # Lines of each rank's ddp_even log a timeout shows.
 _LOG_TAIL_LINES = 40
 # How long a hung rank gets to write its stacks before it is killed.
@@ -121,9 +137,11 @@ def _child(
     """Body of one rank's process."""
     os.setpgid(0, 0)
     _set_parent_death_signal()
-    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+    try:
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:  # run_ranks's process died before the death signal was armed
         os._exit(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.clear()
     os.environ.update(env)
     # Kept open for the life of the process: faulthandler writes to its file descriptor.
     stacks = Path(workdir, _STACKS.format(rank=rank)).open("w")  # noqa: SIM115
@@ -191,35 +209,19 @@ def _rank_error(exc: BaseException, prefix: str = "") -> RankError:
     return RankError(type(exc).__name__, prefix + str(exc), traceback.format_exc())
 
 
-def _exited(proc: Any) -> bool:
-    """Whether ``proc`` has exited, without reaping it (its pid stays reserved)."""
-    if hasattr(os, "waitid"):
-        try:
-            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:  # already reaped
-            return True
-        return info is not None
-    return not proc.is_alive()
-
-
 def _kill_group(proc: Any) -> None:
-    """SIGKILL the rank and everything left in its process group, unless it was reaped already.
+    """SIGKILL the rank and everything left in its process group.
 
-    While a child is not reaped its pid (and so its process group id) cannot be reused.
+    The group outlives the rank while a process it started runs, and Linux gives no new process
+    a pid still in use as a process group id.
     """
     if proc.pid is None:
         return
-    if hasattr(os, "waitid"):
-        try:
-            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:  # reaped: the pid may belong to someone else now
-            return
-    elif proc.exitcode is not None:
-        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGKILL)  # not yet in its own group, or killpg refused
+    if proc.exitcode is None:  # the fork server reaps an exited rank: its pid may be reused
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)  # not yet in its own group, or killpg refused
 
 
 def _outcome(workdir: Path, rank: int, exitcode: int | None) -> tuple[str, Any, float]:
@@ -290,7 +292,10 @@ def run_ranks(
 
     import torch.multiprocessing as torch_mp
 
-    ctx = torch_mp.get_context("spawn")
+    ctx = torch_mp.get_context("forkserver")
+    # Taken when this process's fork server starts, that is at its first run_ranks.
+    ctx.set_forkserver_preload(_PRELOADED)
+    rank_environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     workdir = Path(tempfile.mkdtemp(prefix="ddp-even-ranks-"))
     init_method = Path(workdir, "rendezvous").as_uri()
     if tcp_store:
@@ -309,7 +314,7 @@ def run_ranks(
                     payload,
                     str(workdir),
                     init_method,
-                    dict(env or {}),
+                    rank_environment,
                     pg_timeout,
                     os.getpid(),
                 ),
@@ -342,7 +347,7 @@ def _collect(
     def reap_exited() -> None:
         for rank in sorted(pending):
             proc = procs[rank]
-            if _exited(proc):
+            if proc.exitcode is not None:  # read from the fork server, without waiting
                 _kill_group(proc)  # whatever it left running; its pid is still reserved
                 proc.join()
                 pending.discard(rank)
