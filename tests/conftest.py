@@ -10,6 +10,10 @@ credentials in the standard AWS variables while it runs. Every test that uses it
 ``s3`` here, so that ``-m s3`` selects the remote-storage tests and none is forgotten, and put
 in one ``xdist_group``, so that ``-n 3 --dist loadgroup`` (``scripts/test.sh --fast``) starts
 one server, not one per process.
+
+Predicate counts (``DDP_EVEN_CACHE_DIR``) and the temporary files of the processes the tests
+start (``TMPDIR``) go to the run's temporary folder: the tests leave nothing in the user's
+``~/.cache/ddp_even`` or in ``/tmp``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,18 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     session = start_spark(tmp_path_factory.mktemp("spark-converter-cache"))
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _files_stay_in_the_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What the tests and the processes they start write goes to this run's temporary folder,
+    which pytest clears away with older runs: predicate counts, not into the user's
+    ~/.cache/ddp_even (tests about the cache set their own), and the temporary files of
+    started processes (torchrun leaves a torchelastic_* folder per job), not into /tmp."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DDP_EVEN_CACHE_DIR", str(tmp_path_factory.mktemp("predicate-counts")))
+        patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmp")))
+        yield
 
 
 _AWS_VARIABLES = (

@@ -5,6 +5,8 @@ from __future__ import annotations
 import doctest
 import importlib
 import pkgutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +22,12 @@ MODULE_NAMES = [
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("module_name", MODULE_NAMES)
-def test_docstring_examples_run(module_name: str) -> None:
+def test_docstring_examples_run(
+    module_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The examples write their datasets into tempfile.mkdtemp(), as a reader would: here into
+    # this test's folder, which pytest clears away, instead of a new folder in /tmp each run.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     flags = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
     result = doctest.testmod(importlib.import_module(module_name), optionflags=flags)
     assert result.failed == 0

@@ -4,10 +4,11 @@
   are this interpreter's (a ``.pth`` file): its install step installs only ddp_even itself,
   editable, into the copy's ``.venv``. It must keep its dataset in ``demo-data/`` and end with
   the commands to try next; the next install must be skipped.
-* The examples refuse a dataset they did not write, and stop on a missing one with one line
-  per rank.
+* The examples refuse a dataset they did not write, and stop on a missing one with one line,
+  not a traceback.
 * Reading with ddp_even (the footers of the usual petastorm loop, a planned ``from_parquet``
-  reader) raises no FutureWarning from ddp_even's own modules.
+  reader) raises no FutureWarning from ddp_even's own modules (nor does any test: the suite
+  makes them errors).
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ import subprocess
 import sys
 import sysconfig
 import time
+import warnings
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch.distributed as dist
 from click.testing import CliRunner, Result
+from petastorm import make_batch_reader
+from petastorm.pytorch import BatchedDataLoader
 
+from ddp_even import EvenLoader
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.lightning_and_accelerate import skip_without
 
@@ -170,7 +176,7 @@ def test_an_example_refuses_a_dataset_it_did_not_write(tmp_path: Path) -> None:
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-def test_a_missing_dataset_is_one_line_per_rank(tmp_path: Path) -> None:
+def test_a_missing_dataset_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     missing = tmp_path / "no" / "such" / "dir"
     done = subprocess.run(
         [TORCHRUN, "--nproc-per-node", "2", str(EXAMPLES / "train.py"), "--data", str(missing)],
@@ -183,52 +189,43 @@ def test_a_missing_dataset_is_one_line_per_rank(tmp_path: Path) -> None:
     output = done.stdout + done.stderr
     assert done.returncode != 0
     line = f"Error: {missing} does not exist: check the path or URL"
-    assert output.splitlines().count(line) == 2, output
+    errors = [said for said in output.splitlines() if said.startswith("Error:")]
+    # Each rank finds the path missing and says so; torchrun ends the other rank as soon as one
+    # exits, so the second rank's line is there only if it got that far first.
+    assert errors and set(errors) == {line} and len(errors) <= 2, output
     # What is left is torchrun's own report of the failed ranks; no rank's traceback.
     assert 'examples/train.py", line' not in output, output
 
 
-# Reads a dataset the two ways ddp_even reads petastorm (the footers of the usual loop, and a
-# planned reader) in one rank of gloo; a FutureWarning attributed to a ddp_even module raises.
-# (-W error::FutureWarning:ddp_even matches the package's top module only, so the filter is set
-# here, as a regular expression over every module of the package.)
-_READ_WITHOUT_WARNINGS = """
-import sys, warnings
-warnings.filterwarnings("error", category=FutureWarning, module=r"ddp_even(\\.|$)")
-import torch.distributed as dist
-from petastorm import make_batch_reader
-from petastorm.pytorch import BatchedDataLoader
-from ddp_even import EvenLoader
-
-url, store = sys.argv[1:]
-dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-def one_pass():
-    return BatchedDataLoader(make_batch_reader(url, num_epochs=1, workers_count=1), batch_size=4)
-footers = EvenLoader(one_pass, mode="cycle")
-planned = EvenLoader.from_parquet(url, batch_size=4, mode="truncate", sharding="rows")
-for loader in (footers, planned):
-    for epoch in range(2):
-        steps = sum(1 for _ in loader)
-print(footers.stats.sharding, planned.stats.sharding, steps)
-dist.destroy_process_group()
-"""
-
-
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(120)
 def test_no_future_warning_from_ddp_even(tmp_path: Path) -> None:
+    # Reads a dataset the two ways ddp_even reads petastorm (the footers of the usual loop, a
+    # planned reader) in one rank of gloo. pyproject.toml's filterwarnings makes a FutureWarning
+    # attributed to a ddp_even module an error in every test; it is set here as well, so that
+    # this test says what it checks (and checks it under any configuration).
     url = write_plain_dataset(tmp_path / "ds", [[5, 7], [3]])
-    done = subprocess.run(
-        [
-            sys.executable,
-            *("-W", "error::FutureWarning:ddp_even", "-c", _READ_WITHOUT_WARNINGS),
-            *(url, str(tmp_path / "store")),
-        ],
-        env=clean_environment(PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=False,
+
+    def one_pass() -> BatchedDataLoader:
+        return BatchedDataLoader(make_batch_reader(url, num_epochs=1, workers_count=1), 4)
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", category=FutureWarning, module=r"ddp_even(\.|$)")
+            footers = EvenLoader(one_pass, mode="cycle")
+            planned = EvenLoader.from_parquet(url, batch_size=4, mode="truncate", sharding="rows")
+            steps = [sum(1 for _ in loader) for loader in (footers, planned) for _epoch in (0, 1)]
+    finally:
+        dist.destroy_process_group()
     # Both ways were taken: the loop's batches from the footers, the planned reader's rows.
-    assert done.stdout.split() == ["round_robin", "rows", "4"]
+    assert (footers.stats.sharding, planned.stats.sharding) == ("round_robin", "rows")
+    assert steps == [4, 4, 4, 4]
+
+
+def test_a_future_warning_from_ddp_even_fails_any_test() -> None:
+    with pytest.raises(FutureWarning):
+        warnings.warn_explicit("deprecated", FutureWarning, "feed.py", 1, "ddp_even.runtime.feed")
+    # petastorm's own, on pyarrow 14's legacy API, are expected (pyproject.toml says why).
+    warnings.warn_explicit("deprecated", FutureWarning, "reader.py", 1, "petastorm.reader")

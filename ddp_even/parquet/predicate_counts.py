@@ -73,8 +73,10 @@ def cache_directory() -> Path:
     """Where predicate counts are cached: ``$DDP_EVEN_CACHE_DIR`` or ``~/.cache/ddp_even``.
 
     Example:
-        >>> cache_directory().name in ("ddp_even", os.environ.get("DDP_EVEN_CACHE_DIR", ""))
-        True
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, {"DDP_EVEN_CACHE_DIR": "/data/ddp-even-counts"}):
+        ...     print(cache_directory())
+        /data/ddp-even-counts
     """
     configured = os.environ.get("DDP_EVEN_CACHE_DIR")
     return Path(configured) if configured else Path.home() / ".cache" / "ddp_even"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -128,6 +129,7 @@ class S3Server:
             )
 
     def stop(self) -> None:
+        """Stop the server and remove its folder (its log and recordings)."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -135,6 +137,7 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _post(self, path: str, data: bytes = b"") -> None:
         request = urllib.request.Request(
