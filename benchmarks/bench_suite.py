@@ -1,14 +1,18 @@
-"""How long the fast tests take, per number of pytest-xdist workers.
+"""How long the tests take, per number of pytest-xdist workers.
 
-    .venv/bin/python -m benchmarks.bench_suite      # a table, and bench-results/suite.json
+    .venv/bin/python -m benchmarks.bench_suite                # the fast tests: a table, and
+                                                              # bench-results/suite.json
+    .venv/bin/python -m benchmarks.bench_suite --tier ranks --rounds 1   # the multi-rank and
+                                                              # Spark tests (about 15 min a run)
 
-Each variant runs ``pytest -m "not multirank and not spark" -n WORKERS --dist loadgroup`` (what
-``scripts/test.sh --fast`` runs, with its environment: bytecode written beside the sources) as
-a fresh process, ``--rounds`` times, the variants taken in turn within each round so that the
-machine's noise falls on all of them alike. One untimed run first fills the bytecode and page
-caches, as a developer's earlier run has. The table gives the median wall time, the CPU time
-of pytest and everything it started, and the ratio to the first variant; the target is the
-fast tier under 30 s.
+Each variant runs the tier's tests as ``scripts/test.sh`` does: ``pytest -m MARKERS -n WORKERS
+--dist loadgroup`` with its environment (bytecode written beside the sources), as a fresh
+process, ``--rounds`` times, the variants taken in turn within each round so that the machine's
+noise falls on all of them alike. For the fast tier, one untimed run first fills the bytecode
+and page caches, as a developer's earlier run has (the multi-rank tier's minutes dwarf that).
+The table gives the median wall time, the CPU time of pytest and everything it started and
+reaped, and the ratio to the first variant; the targets: the fast tier under 30 s, the whole
+suite, and so this tier, within 10 minutes.
 """
 
 from __future__ import annotations
@@ -29,12 +33,26 @@ from rich.table import Table
 from benchmarks.report import warn_if_loaded, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGET_S = 30.0
-FAST_TIER = ("-m", "not multirank and not spark")
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A part of the suite as ``scripts/test.sh`` runs it."""
+
+    markers: str
+    target_s: float
+    warm_up: bool
+
+
+TIERS = {
+    "fast": Tier("not multirank and not spark", target_s=30.0, warm_up=True),
+    "ranks": Tier("multirank or spark", target_s=600.0, warm_up=False),
+}
 
 
 @dataclass(frozen=True)
 class SuiteConfig:
+    tier: str
     rounds: int
     workers: tuple[int, ...]
     tests: tuple[str, ...]
@@ -45,9 +63,9 @@ def environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
 
 
-def run_once(workers: int, tests: tuple[str, ...]) -> tuple[float, float]:
+def run_once(tier: Tier, workers: int, tests: tuple[str, ...]) -> tuple[float, float]:
     """(wall seconds, CPU seconds of pytest and its children) of one run."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST_TIER]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", tier.markers]
     command += ["-n", str(workers), "--dist", "loadgroup", *tests]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
@@ -63,6 +81,14 @@ def run_once(workers: int, tests: tuple[str, ...]) -> tuple[float, float]:
 
 
 @click.command()
+@click.option(
+    "--tier",
+    type=click.Choice(sorted(TIERS)),
+    default="fast",
+    show_default=True,
+    help="fast: -m 'not multirank and not spark' (scripts/test.sh --fast); ranks: -m "
+    "'multirank or spark', the second part of scripts/test.sh.",
+)
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
 @click.option(
     "--workers",
@@ -76,7 +102,7 @@ def run_once(workers: int, tests: tuple[str, ...]) -> tuple[float, float]:
 @click.option(
     "--tests",
     multiple=True,
-    help="Test files or folders to run instead of the whole fast tier (to try the benchmark).",
+    help="Test files or folders to run instead of the whole tier (to try the benchmark).",
 )
 @click.option(
     "--out",
@@ -84,17 +110,21 @@ def run_once(workers: int, tests: tuple[str, ...]) -> tuple[float, float]:
     default=Path("bench-results/suite.json"),
     show_default=True,
 )
-def main(rounds: int, workers: tuple[int, ...], tests: tuple[str, ...], out: Path) -> None:
-    """Median wall time of the fast tests per number of pytest-xdist workers."""
+def main(
+    tier: str, rounds: int, workers: tuple[int, ...], tests: tuple[str, ...], out: Path
+) -> None:
+    """Median wall time of a tier of the tests per number of pytest-xdist workers."""
     console = Console() if sys.stdout.isatty() else Console(width=120)
-    config = SuiteConfig(rounds, workers, tests)
-    console.print("one untimed run fills the bytecode and page caches")
-    run_once(workers[0], tests)
+    config = SuiteConfig(tier, rounds, workers, tests)
+    chosen = TIERS[tier]
+    if chosen.warm_up:
+        console.print("one untimed run fills the bytecode and page caches")
+        run_once(chosen, workers[0], tests)
     load_before = os.getloadavg()[0]
     times: dict[int, list[tuple[float, float]]] = {count: [] for count in workers}
     for round_number in range(1, rounds + 1):
         for count in workers:
-            wall, cpu = run_once(count, tests)
+            wall, cpu = run_once(chosen, count, tests)
             console.print(f"round {round_number}/{rounds}, -n {count}: {wall:.1f} s")
             times[count].append((wall, cpu))
     load_after = os.getloadavg()[0]
@@ -113,8 +143,10 @@ def main(rounds: int, workers: tuple[int, ...], tests: tuple[str, ...], out: Pat
                 "wall_s": walls,
             }
         )
-    table = Table(title=f"the fast tests, median of {rounds} interleaved rounds")
-    columns = ("workers", "median s", "min s", "max s", "CPU s", "ratio to first", "under 30 s")
+    title = f"-m {chosen.markers!r}, median of {rounds} interleaved rounds"
+    table = Table(title=title)
+    under = f"under {chosen.target_s:.0f} s"
+    columns = ("workers", "median s", "min s", "max s", "CPU s", "ratio to first", under)
     for column in columns:
         table.add_column(column, justify="right")
     for run in runs:
@@ -125,7 +157,7 @@ def main(rounds: int, workers: tuple[int, ...], tests: tuple[str, ...], out: Pat
             f"{run['max_s']:.1f}",
             f"{run['cpu_median_s']:.1f}",
             f"{run['ratio_to_first']:.2f}",
-            "[green]yes[/]" if run["median_s"] < TARGET_S else "[red]no[/]",
+            "[green]yes[/]" if run["median_s"] < chosen.target_s else "[red]no[/]",
         )
     table.caption = f"load average before/after: {load_before:.1f}/{load_after:.1f}"
     console.print(table)

@@ -3,7 +3,7 @@
 # changed), then tests. README's set-up commands; CI runs it without arguments.
 #   bash scripts/test.sh                  ruff, mypy, a short soak, then every test: the fast
 #                                         ones as --fast runs them, then the multi-rank and
-#                                         Spark ones in one process
+#                                         Spark ones, also in 3 processes
 #   bash scripts/test.sh --fast [ARGS]    only the fast tests (no multi-rank jobs, no Spark), in
 #                                         3 processes (on 2 cores: many tests wait on a server
 #                                         or a subprocess; benchmarks/bench_suite.py)
@@ -17,9 +17,13 @@ bash scripts/install.sh petastorm,dev
 # test process's start, and would otherwise do it again on every run.
 unset PYTHONDONTWRITEBYTECODE
 
+in_three_processes() {
+    # loadgroup: the tests of the local S3 server share one process, and so one server; so do
+    # those of the local Spark session.
+    .venv/bin/python -m pytest -n 3 --dist loadgroup "$@"
+}
 fast_tests() {
-    # loadgroup: the tests of the local S3 server share one process, and so one server.
-    .venv/bin/python -m pytest -m "not multirank and not spark" -n 3 --dist loadgroup "$@"
+    in_three_processes -m "not multirank and not spark" "$@"
 }
 if [[ ${1:-} == --fast ]]; then
     shift
@@ -36,11 +40,12 @@ if [[ $# -gt 0 ]]; then
     exec .venv/bin/python -m pytest "$@"
 fi
 .venv/bin/python scripts/soak.py --minutes 3 --suite every-mode --hogs 1 --io-hogs 1
-# Every test, in two runs: the fast ones in 3 processes (73 s in one process, 42 s in 3, the
-# same hour: docs/performance.md), then those that start ranks or use Spark one at a time,
-# since several gloo jobs at once on 2 cores would measure the machine's contention and
-# stretch the liveness tests' timeouts. Both run even if the first fails.
+# Every test, in two runs, each in 3 processes: the fast ones (73 s in one process, 42 s in 3,
+# the same hour), then those that start ranks or use Spark (about 1,250 s in one process, 961 s
+# in 2, 880 s in 3: most of their time is waiting, on pauses and timeouts the tests make on
+# purpose and on ranks starting; docs/performance.md, "The test suite"). Both run even if the
+# first fails.
 fast_status=0
 fast_tests || fast_status=$?
-.venv/bin/python -m pytest -m "multirank or spark"
+in_three_processes -m "multirank or spark"
 exit "$fast_status"

@@ -2,8 +2,10 @@
 
 ``spark``: one real local Spark session for the whole run (``local[2]``, UI off, a small
 driver), started by the first test that asks for it and stopped at the end. Tests that use it
-are marked ``spark``. Without a Java runtime they are skipped, except under CI (``CI`` set),
-where a missing Java is a failure: CI must run them.
+are marked ``spark`` (by their modules) and put in one ``xdist_group`` here, so that
+``scripts/test.sh`` (``-n 3 --dist loadgroup``) starts one session, not one per process.
+Without a Java runtime they are skipped, except under CI (``CI`` set), where a missing Java is
+a failure: CI must run them.
 
 ``s3``: one local S3-compatible server for the whole run (moto's, as a subprocess), with its
 credentials in the standard AWS variables while it runs. Every test that uses it is marked
@@ -73,9 +75,12 @@ _AWS_VARIABLES = (
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "s3" in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if "s3" in fixtures:
             item.add_marker(pytest.mark.s3)
             item.add_marker(pytest.mark.xdist_group("s3"))
+        if "spark" in fixtures:
+            item.add_marker(pytest.mark.xdist_group("spark"))
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,35 @@ def test_it_times_each_worker_count_and_writes_json(tmp_path: Path) -> None:
     assert "-n 1" in done.output
 
 
+MARKED_TESTS = """
+from pathlib import Path
+
+import pytest
+
+
+def test_fast():
+    (Path(__file__).parent / "fast.ran").touch()
+
+
+@pytest.mark.multirank
+def test_ranks():
+    (Path(__file__).parent / "ranks.ran").touch()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tier", ["fast", "ranks"])
+def test_a_tier_runs_only_its_tests(tmp_path: Path, tier: str) -> None:
+    tests = tmp_path / "test_marked.py"
+    tests.write_text(MARKED_TESTS)
+    out = tmp_path / "suite.json"
+    arguments = ["--tier", tier, "--rounds", "1", "--workers", "0", "--tests", str(tests)]
+    done = CliRunner().invoke(main, [*arguments, "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    assert json.loads(out.read_text())["config"]["tier"] == tier
+    assert sorted(path.name for path in tmp_path.glob("*.ran")) == [f"{tier}.ran"]
+
+
 def test_a_failing_run_is_reported_with_pytest_s_output(tmp_path: Path) -> None:
     tests = tmp_path / "test_failing.py"
     tests.write_text("def test_wrong():\n    assert 1 + 1 == 3\n")
