@@ -12,7 +12,8 @@ noise falls on all of them alike. For the fast tier, one untimed run first fills
 and page caches, as a developer's earlier run has (the multi-rank tier's minutes dwarf that).
 The table gives the median wall time, the CPU time of pytest and everything it started and
 reaped, and the ratio to the first variant; the targets: the fast tier under 30 s, the whole
-suite, and so this tier, within 10 minutes.
+suite, and so this tier, within 10 minutes. The timing tests (``-m timing``), which
+``scripts/test.sh`` runs last in one process, are in neither tier.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Tier:
 
 TIERS = {
     "fast": Tier("not multirank and not spark", target_s=30.0, warm_up=True),
-    "ranks": Tier("multirank or spark", target_s=600.0, warm_up=False),
+    "ranks": Tier("(multirank or spark) and not timing", target_s=600.0, warm_up=False),
 }
 
 
@@ -87,7 +88,8 @@ def run_once(tier: Tier, workers: int, tests: tuple[str, ...]) -> tuple[float, f
     default="fast",
     show_default=True,
     help="fast: -m 'not multirank and not spark' (scripts/test.sh --fast); ranks: -m "
-    "'multirank or spark', the second part of scripts/test.sh.",
+    "'(multirank or spark) and not timing', the second part of scripts/test.sh (the timing "
+    "tests, the third, run in one process).",
 )
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
 @click.option(

@@ -25,6 +25,7 @@ TIMEOUT = 2.0
 
 
 @pytest.mark.multirank
+@pytest.mark.timing
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("victim", "ranks"), [(1, 2), (0, 2), (2, 3)], ids=str)
 def test_a_rank_killed_in_ddps_all_reduce_is_named_dead(victim: int, ranks: int) -> None:
@@ -46,6 +47,7 @@ def test_a_rank_killed_in_ddps_all_reduce_is_named_dead(victim: int, ranks: int)
 
 
 @pytest.mark.multirank
+@pytest.mark.timing
 @pytest.mark.timeout(150)
 def test_a_rank_frozen_in_ddps_all_reduce_is_named_stalled_at_the_training_timeout() -> None:
     training_timeout = 6.0
@@ -67,6 +69,7 @@ def test_a_rank_frozen_in_ddps_all_reduce_is_named_stalled_at_the_training_timeo
 
 
 @pytest.mark.multirank
+@pytest.mark.timing
 @pytest.mark.timeout(150)
 def test_a_pause_before_backward_is_waited_for() -> None:
     job = Job(

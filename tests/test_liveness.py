@@ -40,7 +40,8 @@ import pytest
 from tests.helpers.liveness_job import POINTS, Act, Job, expected_epochs, run_on_ranks
 from tests.helpers.spawn import RankError, run_ranks
 
-pytestmark = pytest.mark.multirank
+# timing: these tests bound how soon a fault is named, in seconds (pyproject.toml's markers).
+pytestmark = [pytest.mark.multirank, pytest.mark.timing]
 
 TIMEOUT = 2.0
 
