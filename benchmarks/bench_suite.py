@@ -87,9 +87,8 @@ def run_once(tier: Tier, workers: int, tests: tuple[str, ...]) -> tuple[float, f
     type=click.Choice(sorted(TIERS)),
     default="fast",
     show_default=True,
-    help="fast: -m 'not multirank and not spark' (scripts/test.sh --fast); ranks: -m "
-    "'(multirank or spark) and not timing', the second part of scripts/test.sh (the timing "
-    "tests, the third, run in one process).",
+    help="; ".join(f"{name}: -m {tier.markers!r}" for name, tier in TIERS.items())
+    + " (scripts/test.sh --fast, and the second part of scripts/test.sh).",
 )
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
 @click.option(
