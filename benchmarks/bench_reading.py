@@ -22,10 +22,10 @@ side in the same process:
   two ranks; with one, the per-step bookkeeping without a collective);
 * ``petastorm, ranks held together`` (two ranks only): petastorm's own loop with the least
   that holding ranks together costs, written by hand: an asynchronous all-reduce of one int64
-  every ``CHECK_EVERY`` batches, waited for when the next one starts (what ddp_even's checks of
-  the sources do with known lengths). Between it and ``petastorm`` is what any loader that
-  keeps ranks in step pays on the machine it runs on; between it and the ddp_even rows,
-  ddp_even's own cost;
+  every ``CHECK_EVERY`` batches, waited for when the next one starts (ddp_even's checks of the
+  sources with known lengths, at their most frequent). Between it and ``petastorm`` is what
+  any loader that keeps ranks in step pays on the machine it runs on; between it and the
+  ddp_even rows, ddp_even's own cost;
 * ``from_parquet <sharding>`` for ``round_robin``, ``row_groups``, ``rows`` and
   ``replicate``: ``EvenLoader.from_parquet(url, batch_size, mode, sharding=...)`` with
   petastorm's default reader options (a thread pool of 10). Its planning (footers, plan) is
@@ -83,7 +83,7 @@ from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, run_on_ranks
 from benchmarks.report import warn_if_loaded, write_results
 from ddp_even import EvenLoader
 from ddp_even.planning.sharding import Sharding
-from ddp_even.runtime.epochs import CHECK_EVERY
+from ddp_even.runtime.source_checks import CHECK_EVERY
 
 ReaderKind = Literal["batch", "row"]
 

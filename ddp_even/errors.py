@@ -64,8 +64,9 @@ class SourceEndedEarlyError(EvenLoaderError):
     ``EpochStats.lost_rows`` counts what it lost, unless the pass was empty), the rank raises
     it and every other rank raises :class:`PeerSourceError` naming it, together: before the
     first step when the source has nothing at all, else where the check of the sources that
-    heard of it is settled, at most 32 steps later (ranks check every 16 steps, without
-    waiting; until then the short rank hands out its last batch again).
+    heard of it is settled, at most 32 steps or about 0.1 s later (ranks check every 16 steps,
+    or 50 ms of shorter steps, without waiting; until then the short rank hands out its last
+    batch again).
 
     Example::
 

@@ -6,9 +6,9 @@
   sum of the window's real rows: :mod:`ddp_even.runtime.padding`).
 * ``run_known_lengths``: truncate/cycle/pad when every rank knows its batch count (pad: from a
   plan), or cycle with a fixed ``steps_per_epoch``; one agreement at the start of the epoch,
-  then only a check every :data:`CHECK_EVERY` steps that no rank's source failed or ran short,
-  started after a step's batch is taken and waited when the next one starts, so the steps
-  between hide it.
+  then only a check now and then (``source_checks.py``: every 16 steps, or about 50 ms of
+  steps) that no rank's source failed or ran short, started after a step's batch is taken and
+  waited when the next one starts, so the steps between hide it.
 * ``run_join`` (``join.py``): join; each rank hands out all its batches inside ``torch``'s
   ``Join``, and the loader itself is the first joinable so that ranks that have joined still
   take part in every window's agreement (errors and mismatches reach them too).
@@ -41,6 +41,7 @@ from ddp_even.runtime.padding import (
     share_padding,
     summed_rows,
 )
+from ddp_even.runtime.source_checks import CheckSchedule
 from ddp_even.runtime.stats import EpochStats, RankCounts, gather_epoch_stats
 
 if TYPE_CHECKING:
@@ -286,21 +287,24 @@ class EpochRun(Generic[BatchT]):
         )
         raise error
 
-    def start_check(self) -> None:
-        """Tell every rank, without waiting, whether this rank's source failed or ran short."""
+    def start_check(self, spacing: int) -> None:
+        """Tell every rank, without waiting, whether this rank's source failed or ran short, and
+        this rank's ``spacing`` for a later check (:mod:`ddp_even.runtime.source_checks`)."""
         report = dataclasses.replace(
-            self.report(0, 0, shard_is_empty=False),
+            self.report(spacing, 0, shard_is_empty=False),
             fingerprint=self.settings.fingerprint ^ _CHECKING,
             settings=f"{self.settings.description}, checking the sources",
         )
         self.pending_check = (report, self.agreer.start(report))
 
-    def settle_check(self) -> None:
-        """Wait for the check started last, raising on every rank what it found."""
-        if self.pending_check is not None:
-            report, pending = self.pending_check
-            self.pending_check = None
-            self.check(report, pending.wait())
+    def settle_check(self) -> int | None:
+        """Wait for the check started last, raising on every rank what it found; the smallest
+        spacing the ranks proposed with it, or None when no check was in flight."""
+        if self.pending_check is None:
+            return None
+        report, pending = self.pending_check
+        self.pending_check = None
+        return self.check(report, pending.wait()).min_available
 
     def decide(self, agreement: Agreement, window: int | None) -> WindowDecision:
         return self.settings.mode.decide(
@@ -357,7 +361,7 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
 
 
 def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterator[BatchT]:
-    """One agreement, then the whole epoch, checking the sources every :data:`CHECK_EVERY` steps.
+    """One agreement, then the whole epoch, checking the sources on a :class:`CheckSchedule`.
 
     ``own_batches`` is None when only the step count is fixed (cycle with ``steps_per_epoch``).
     The first batch is read before the agreement, so that a source that fails or has nothing
@@ -389,15 +393,17 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
         # A pass that ended early (a reader losing rows) was not cut by the epoch.
         return not run.feed.own_ended and own_batches > run.counts.own_batches
 
+    schedule = CheckSchedule.after(run.steps_done)
     try:
         for step in range(run.steps_done + 1, decision.steps + 1):
             run.steps_done += 1
             batch = run.hand_out(run.feed.take_or_repeat())
-            if step % CHECK_EVERY == 0 or step == decision.steps:
-                # The previous check has had CHECK_EVERY steps to complete: its wait is free,
+            if step == schedule.next_step or step == decision.steps:
+                # The previous check has had the steps since to complete: its wait is free,
                 # and every rank settles it at this same step.
-                run.settle_check()
-                run.start_check()
+                agreed = run.settle_check()
+                run.start_check(schedule.proposal(step))
+                schedule.checked(step, agreed)
             if step == decision.steps:
                 yield from _last_batch(run, batch, had_more_own_data)
                 return
@@ -410,12 +416,6 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
             run.pending_check = None
 
 
-#: Steps between two checks of the sources in an epoch with known lengths (plus one after the
-#: last step). Each check is waited for when the next one starts (or the epoch ends), so its
-#: cost is an asynchronous all-reduce's start and a wait with nothing left to wait for
-#: (docs/performance.md); a source that fails or runs short is heard of by every rank, at the
-#: same step, at most twice this many steps later.
-CHECK_EVERY = 16
 # Marks the checks of the sources, so that they never pair with an ordinary agreement.
 _CHECKING = 0x3C3C_3C3C_3C3C
 

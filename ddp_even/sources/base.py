@@ -193,6 +193,10 @@ class ContinuingStream(Generic[BatchT]):
             yield batch
 
 
+_ARRAYS = (torch.Tensor, np.ndarray)
+_LISTS = (list, tuple)
+
+
 def count_rows(batch: Any) -> int | None:
     """Rows in a batch, or None when they cannot be told; never a wrong number.
 
@@ -212,15 +216,16 @@ def count_rows(batch: Any) -> int | None:
         >>> count_rows([[1, 2, 3], [4]]), count_rows([[1, 2], [3, 4]]), count_rows([7, 8])
         (2, None, 2)
     """
-    if isinstance(batch, torch.Tensor | np.ndarray):
+    if isinstance(batch, _ARRAYS):
         return int(batch.shape[0]) if batch.ndim > 0 else None
-    if isinstance(batch, Mapping):
+    # Counted at every step: the usual types first, before the slower checks of the ABCs.
+    if type(batch) is dict or (type(batch) not in _LISTS and isinstance(batch, Mapping)):
         return _agreed_length(list(batch.values()))
     if not _is_list(batch):
         return None
     if not batch:
         return 0
-    if any(isinstance(item, torch.Tensor | np.ndarray) for item in batch):
+    if any(isinstance(item, _ARRAYS) for item in batch):
         return _agreed_length(list(batch))
     lengths = [len(item) if _is_list(item) else None for item in batch]
     if all(length is None for length in lengths):
@@ -233,14 +238,16 @@ def count_rows(batch: Any) -> int | None:
 
 
 def _is_list(item: Any) -> bool:
-    return isinstance(item, Sequence) and not isinstance(item, str | bytes)
+    return type(item) in _LISTS or (
+        isinstance(item, Sequence) and not isinstance(item, str | bytes)
+    )
 
 
 def _agreed_length(fields: list[Any]) -> int | None:
     """The leading length every field shares (scalars aside), or None."""
     lengths = set()
     for field in fields:
-        if isinstance(field, torch.Tensor | np.ndarray):
+        if isinstance(field, _ARRAYS):
             if field.ndim > 0:
                 lengths.add(int(field.shape[0]))
         elif _is_list(field):

@@ -32,8 +32,13 @@ class AllReduceCounter:
 def source_checks(steps: int, counted_from: int = 2) -> int:
     """All-reduces an epoch of ``steps`` steps with known lengths starts from step
     ``counted_from`` on: a check of the sources every ``CHECK_EVERY`` steps and one at the last
-    step (``AllReduceCounter`` started after the first batch counts from step 2)."""
-    from ddp_even.runtime.epochs import CHECK_EVERY
+    step (``AllReduceCounter`` started after the first batch counts from step 2).
 
+    Exact up to ``3 * CHECK_EVERY`` steps: the first two checks are ``CHECK_EVERY`` apart, and
+    the spacing after them follows the pace of the steps (``runtime/source_checks.py``).
+    """
+    from ddp_even.runtime.source_checks import CHECK_EVERY
+
+    assert steps <= 3 * CHECK_EVERY, f"{steps} steps: the checks after step 48 follow the pace"
     checked = {step for step in range(1, steps + 1) if step % CHECK_EVERY == 0 or step == steps}
     return sum(1 for step in checked if step >= counted_from)

@@ -1,0 +1,81 @@
+"""When an epoch with known lengths checks its sources: the same steps on every rank.
+
+With known lengths the ranks agree once per epoch; after that they only check, now and then,
+that no rank's source failed or ran short (``runtime/epochs.py``). Each check is an
+asynchronous all-reduce waited for when the next one starts, so it is free only when the steps
+between two checks outlast it. Short steps (a small model on CPU, a loader timed alone) would
+wait for it: every :data:`CHECK_EVERY` steps, a check of a few hundred microseconds is 10 % of
+steps of half a millisecond.
+
+So checks are :data:`CHECK_EVERY` steps apart, or as many more as take about
+:data:`CHECK_PERIOD_S` at the pace of the steps so far, up to :data:`MOST_STEPS_BETWEEN_CHECKS`.
+Every rank needs the same spacing, and paces differ between ranks: each check carries every
+rank's proposal (in its report's ``available``, which a check does not otherwise use), and the
+reduction gives every rank the smallest, which spaces the check after the next one. The first
+two checks are :data:`CHECK_EVERY` steps apart.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+#: The fewest steps between two checks of the sources. A source that fails or runs short is
+#: heard of by every rank, at the same step, at most two spacings later (the check after it
+#: fails is waited for at the next one).
+CHECK_EVERY = 16
+#: The time the steps between two checks take at least, where :data:`CHECK_EVERY` steps take
+#: less: a check then costs about 1 % of the time or less (docs/performance.md).
+CHECK_PERIOD_S = 0.05
+#: The most steps between two checks: bounds the batches a rank whose source failed hands out
+#: again before every rank hears of it.
+MOST_STEPS_BETWEEN_CHECKS = 1024
+
+
+@dataclass
+class CheckSchedule:
+    """The steps of one epoch at which every rank checks its sources (besides its last step).
+
+    Example::
+
+        >>> schedule = CheckSchedule.after(0)
+        >>> schedule.next_step
+        16
+        >>> proposal = schedule.proposal(16)  # carried by the check started at step 16
+        >>> schedule.checked(16, agreed=None)  # no check settled yet: the first spacing
+        >>> schedule.next_step
+        32
+        >>> schedule.checked(32, agreed=100)  # the smallest proposal the check of step 16 carried
+        >>> schedule.next_step
+        132
+    """
+
+    next_step: int
+    # Where the pace is measured from: the last check (or the epoch's first step).
+    _from_step: int
+    _from_s: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def after(cls, steps_done: int) -> CheckSchedule:
+        """The schedule of an epoch that starts (or resumes) after ``steps_done`` steps; the
+        first check falls on a multiple of :data:`CHECK_EVERY`, as in an uninterrupted run."""
+        return cls(next_step=(steps_done // CHECK_EVERY + 1) * CHECK_EVERY, _from_step=steps_done)
+
+    def proposal(self, step: int) -> int:
+        """This rank's spacing for a later check: the steps that take :data:`CHECK_PERIOD_S` at
+        the pace since the last check, within the bounds."""
+        now = time.monotonic()
+        elapsed_s = now - self._from_s
+        steps = step - self._from_step
+        self._from_step, self._from_s = step, now
+        if elapsed_s <= 0:
+            return MOST_STEPS_BETWEEN_CHECKS
+        wanted = math.ceil(CHECK_PERIOD_S * steps / elapsed_s)
+        return min(max(wanted, CHECK_EVERY), MOST_STEPS_BETWEEN_CHECKS)
+
+    def checked(self, step: int, agreed: int | None) -> None:
+        """Schedule the next check after the one started at ``step``: ``agreed`` steps on, the
+        spacing the check settled at ``step`` carried (every rank's smallest proposal), or
+        :data:`CHECK_EVERY` when none was settled."""
+        self.next_step = step + (CHECK_EVERY if agreed is None else agreed)

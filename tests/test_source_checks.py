@@ -1,0 +1,154 @@
+"""How often an epoch with known lengths checks its sources (``runtime/source_checks.py``).
+
+Every ``CHECK_EVERY`` steps while steps are long; further apart, the same on every rank, when
+``CHECK_EVERY`` steps take less than ``CHECK_PERIOD_S``; and a source that fails deep in such an
+epoch still stops every rank at the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from ddp_even.runtime.source_checks import (
+    CHECK_EVERY,
+    CHECK_PERIOD_S,
+    MOST_STEPS_BETWEEN_CHECKS,
+    CheckSchedule,
+)
+from tests.helpers.scenarios import shard
+from tests.helpers.spawn import run_ranks
+
+
+def _paced(steps: int, seconds: float) -> CheckSchedule:
+    """A schedule whose last ``steps`` steps took ``seconds``."""
+    return CheckSchedule(next_step=steps, _from_step=0, _from_s=time.monotonic() - seconds)
+
+
+def test_long_steps_keep_the_fewest_steps_between_checks() -> None:
+    assert _paced(CHECK_EVERY, seconds=10 * CHECK_PERIOD_S).proposal(CHECK_EVERY) == CHECK_EVERY
+
+
+def test_short_steps_propose_the_steps_of_one_period() -> None:
+    # 100 steps in two periods: 50 steps a period (the clock moves on a little meanwhile).
+    proposal = _paced(100, seconds=2 * CHECK_PERIOD_S).proposal(100)
+    assert 48 <= proposal <= 50
+
+
+def test_very_short_steps_are_bounded_by_the_most_steps_between_checks() -> None:
+    assert _paced(CHECK_EVERY, seconds=1e-6).proposal(CHECK_EVERY) == MOST_STEPS_BETWEEN_CHECKS
+
+
+def test_the_pace_is_measured_since_the_last_check() -> None:
+    schedule = _paced(CHECK_EVERY, seconds=10 * CHECK_PERIOD_S)
+    assert schedule.proposal(CHECK_EVERY) == CHECK_EVERY
+    # The next CHECK_EVERY steps took no time at all: the slow ones before do not count.
+    assert schedule.proposal(2 * CHECK_EVERY) > CHECK_EVERY
+
+
+def test_a_resumed_epoch_checks_on_the_uninterrupted_runs_first_multiple() -> None:
+    assert CheckSchedule.after(0).next_step == CHECK_EVERY
+    assert CheckSchedule.after(CHECK_EVERY + 3).next_step == 2 * CHECK_EVERY
+    assert CheckSchedule.after(2 * CHECK_EVERY).next_step == 3 * CHECK_EVERY
+
+
+def test_the_spacing_after_a_check_is_the_one_every_rank_agreed() -> None:
+    schedule = CheckSchedule.after(0)
+    schedule.checked(CHECK_EVERY, agreed=None)
+    assert schedule.next_step == 2 * CHECK_EVERY
+    schedule.checked(2 * CHECK_EVERY, agreed=300)
+    assert schedule.next_step == 2 * CHECK_EVERY + 300
+
+
+FAST_STEPS = 6000
+SLOW_STEPS = 5 * CHECK_EVERY
+# Steps of an eighth of a period: CHECK_EVERY of them take twice a period, so the spacing stays
+# CHECK_EVERY (a loaded machine only makes a sleep longer).
+SLOW_STEP_S = CHECK_PERIOD_S / 8
+
+
+def _checks_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """A fast epoch and a slow one over lists (known lengths); the all-reduces between steps."""
+    from ddp_even import EvenLoader
+    from tests.helpers.collectives import AllReduceCounter
+
+    def epoch(batches: list[list[int]], step_s: float) -> tuple[list[list[int]], int]:
+        loader: EvenLoader[list[int]] = EvenLoader(batches, "truncate", timeout=30)
+        counter = AllReduceCounter()
+        seen: list[list[int]] = []
+        try:
+            for batch in loader:
+                if not seen:
+                    counter.start()  # after the epoch's agreement: the checks only
+                seen.append(batch)
+                if step_s:
+                    time.sleep(step_s)
+        finally:
+            counter.stop()
+        return seen, counter.calls
+
+    fast, fast_checks = epoch(shard(rank, FAST_STEPS + rank), 0.0)
+    slow, slow_checks = epoch(shard(rank, SLOW_STEPS + rank), SLOW_STEP_S)
+    return {"fast": fast, "fast_checks": fast_checks, "slow": slow, "slow_checks": slow_checks}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_short_steps_are_checked_further_apart_and_long_ones_every_16() -> None:
+    results = run_ranks(_checks_worker, 2, timeout=90)
+    for rank, result in enumerate(results):
+        assert result["fast"] == shard(rank, FAST_STEPS)
+        assert result["slow"] == shard(rank, SLOW_STEPS)
+        # Slow steps: a check every CHECK_EVERY steps, the last at the last step.
+        assert result["slow_checks"] == SLOW_STEPS // CHECK_EVERY, result["slow_checks"]
+    # Fast steps: the same checks on both ranks, far fewer than one every CHECK_EVERY steps
+    # (the first two are CHECK_EVERY apart, then at most MOST_STEPS_BETWEEN_CHECKS).
+    assert results[0]["fast_checks"] == results[1]["fast_checks"]
+    fewest = 2 + FAST_STEPS // MOST_STEPS_BETWEEN_CHECKS
+    assert fewest <= results[0]["fast_checks"] < FAST_STEPS // CHECK_EVERY // 4, results[0]
+
+
+FAILS_AFTER = 2000
+
+
+def _failing_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """A fast epoch of FAST_STEPS batches over lists; rank 1's raises after FAILS_AFTER of them."""
+    from ddp_even import EvenLoader, PeerSourceError
+    from tests.helpers.scenarios import Scenario, _source
+
+    scenario = Scenario((FAST_STEPS,) * world_size, "truncate", source="list")
+    if rank == 1:
+        scenario = Scenario(scenario.lengths, "truncate", source="list", failing=(1, FAILS_AFTER))
+    loader: EvenLoader[list[int]] = EvenLoader(_source(scenario, rank), "truncate", timeout=30)
+    seen: list[list[int]] = []
+    try:
+        for batch in loader:
+            seen.append(batch)
+    except PeerSourceError as error:
+        return {"seen": seen, "error": "PeerSourceError", "peer": (error.failed_rank, error.step)}
+    except OSError as error:
+        return {"seen": seen, "error": "OSError", "message": str(error)}
+    return {"seen": seen, "error": None}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_source_failing_deep_in_a_fast_epoch_stops_every_rank_at_the_same_step() -> None:
+    results = run_ranks(_failing_worker, 2, timeout=90)
+    stopped = len(results[0]["seen"])
+    assert len(results[1]["seen"]) == stopped, [len(result["seen"]) for result in results]
+    # Heard of at most two spacings after the failure, long before the epoch's last step.
+    assert FAILS_AFTER + 2 * MOST_STEPS_BETWEEN_CHECKS < FAST_STEPS
+    assert FAILS_AFTER < stopped <= FAILS_AFTER + 2 * MOST_STEPS_BETWEEN_CHECKS
+    assert results[0]["seen"] == shard(0, stopped)
+    assert results[0]["error"] == "PeerSourceError" and results[0]["peer"][0] == 1, results[0]
+    own = shard(1, FAILS_AFTER)
+    # Until every rank heard of it, rank 1 handed out its last batch again.
+    assert results[1]["seen"] == own + [own[-1]] * (stopped - FAILS_AFTER)
+    assert results[1] == {
+        "seen": results[1]["seen"],
+        "error": "OSError",
+        "message": f"corrupt row group after {FAILS_AFTER} batches",
+    }
