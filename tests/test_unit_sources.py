@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -156,6 +158,11 @@ def test_wrapping_a_dataloader_with_workers_starts_no_worker() -> None:
 # --- count_rows -----------------------------------------------------------------------------
 
 
+class _Pair(NamedTuple):
+    x: Any
+    y: Any
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("batch", "rows"),
@@ -170,6 +177,10 @@ def test_wrapping_a_dataloader_with_workers_starts_no_worker() -> None:
         ({"x": np.zeros(3), "scale": 2.0, "name": "abc"}, 3),
         ({"ids": [1, 2, 3], "x": torch.zeros(3, 2)}, 3),
         ({}, None),
+        (OrderedDict(x=torch.zeros(2, 3), y=torch.zeros(2)), 2),
+        (MappingProxyType({"x": np.zeros(5)}), 5),
+        (_Pair(torch.zeros(3, 2), torch.zeros(3)), 3),
+        ((torch.tensor(1.0), torch.zeros(3)), 3),
         ((["a", "b", "c"], torch.tensor([0, 1, 1])), 3),
         ([torch.zeros(5, 2), torch.zeros(5)], 5),
         ([torch.zeros(5, 2), torch.zeros(4)], None),
@@ -189,7 +200,9 @@ def test_wrapping_a_dataloader_with_workers_starts_no_worker() -> None:
     ids=repr,
 )
 def test_count_rows(batch: Any, rows: int | None) -> None:
-    assert count_rows(batch) == rows
+    counted = count_rows(batch)
+    assert counted == rows
+    assert counted is None or type(counted) is int
 
 
 @pytest.mark.timeout(30)

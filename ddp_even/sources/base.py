@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
@@ -216,17 +216,23 @@ def count_rows(batch: Any) -> int | None:
         >>> count_rows([[1, 2, 3], [4]]), count_rows([[1, 2], [3, 4]]), count_rows([7, 8])
         (2, None, 2)
     """
-    if isinstance(batch, _ARRAYS):
-        return int(batch.shape[0]) if batch.ndim > 0 else None
-    # Counted at every step: the usual types first, before the slower checks of the ABCs.
-    if type(batch) is dict or (type(batch) not in _LISTS and isinstance(batch, Mapping)):
-        return _agreed_length(list(batch.values()))
-    if not _is_list(batch):
-        return None
+    # Counted at every step: the usual types by identity first, the slower checks after.
+    kind = type(batch)
+    if kind is dict:
+        return _agreed_length(batch.values())
+    if kind not in _LISTS:
+        if isinstance(batch, _ARRAYS):
+            shape = batch.shape
+            return shape[0] if shape else None
+        if isinstance(batch, Mapping):
+            return _agreed_length(batch.values())
+        if not _is_list(batch):
+            return None
     if not batch:
         return 0
-    if any(isinstance(item, _ARRAYS) for item in batch):
-        return _agreed_length(list(batch))
+    for item in batch:
+        if isinstance(item, _ARRAYS):
+            return _agreed_length(batch)
     lengths = [len(item) if _is_list(item) else None for item in batch]
     if all(length is None for length in lengths):
         return len(batch)
@@ -243,16 +249,25 @@ def _is_list(item: Any) -> bool:
     )
 
 
-def _agreed_length(fields: list[Any]) -> int | None:
+def _agreed_length(fields: Iterable[Any]) -> int | None:
     """The leading length every field shares (scalars aside), or None."""
-    lengths = set()
+    agreed: int | None = None
     for field in fields:
         if isinstance(field, _ARRAYS):
-            if field.ndim > 0:
-                lengths.add(int(field.shape[0]))
+            # One read of the shape: a tensor builds a new torch.Size at each.
+            shape = field.shape
+            if not shape:
+                continue
+            length = shape[0]
         elif _is_list(field):
-            lengths.add(len(field))
-    return lengths.pop() if len(lengths) == 1 else None
+            length = len(field)
+        else:
+            continue
+        if agreed is None:
+            agreed = length
+        elif length != agreed:
+            return None
+    return agreed
 
 
 # Kinds whose module wraps a library of its own: the qualified name of a class (matched
