@@ -3,7 +3,8 @@
     .venv/bin/python -m benchmarks.bench_suite                # the fast tests: a table, and
                                                               # bench-results/suite.json
     .venv/bin/python -m benchmarks.bench_suite --tier ranks --rounds 1   # the multi-rank and
-                                                              # Spark tests (about 15 min a run)
+                                                              # Spark tests (about 10 min a run)
+    .venv/bin/python -m benchmarks.bench_suite --tier timing --rounds 1 --workers 0 --workers 3
 
 Each variant runs the tier's tests as ``scripts/test.sh`` does: ``pytest -m MARKERS -n WORKERS
 --dist loadgroup`` with its environment (bytecode written beside the sources), as a fresh
@@ -12,8 +13,8 @@ noise falls on all of them alike. For the fast tier, one untimed run first fills
 and page caches, as a developer's earlier run has (the multi-rank tier's minutes dwarf that).
 The table gives the median wall time, the CPU time of pytest and everything it started and
 reaped, and the ratio to the first variant; the targets: the fast tier under 30 s, the whole
-suite, and so this tier, within 10 minutes. The timing tests (``-m timing``), which
-``scripts/test.sh`` runs last in one process, are in neither tier.
+suite, and so each other tier, within 10 minutes. The three tiers are the three runs of
+``scripts/test.sh``: the timing tests (``-m timing``) run last, by themselves.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Tier:
 TIERS = {
     "fast": Tier("not multirank and not spark", target_s=30.0, warm_up=True),
     "ranks": Tier("(multirank or spark) and not timing", target_s=600.0, warm_up=False),
+    "timing": Tier("timing and (multirank or spark)", target_s=600.0, warm_up=False),
 }
 
 
@@ -88,7 +90,7 @@ def run_once(tier: Tier, workers: int, tests: tuple[str, ...]) -> tuple[float, f
     default="fast",
     show_default=True,
     help="; ".join(f"{name}: -m {tier.markers!r}" for name, tier in TIERS.items())
-    + " (scripts/test.sh --fast, and the second part of scripts/test.sh).",
+    + " (scripts/test.sh --fast, and the second and third runs of scripts/test.sh).",
 )
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True)
 @click.option(

@@ -49,11 +49,17 @@ def test_fast():
 @pytest.mark.multirank
 def test_ranks():
     (Path(__file__).parent / "ranks.ran").touch()
+
+
+@pytest.mark.multirank
+@pytest.mark.timing
+def test_timing():
+    (Path(__file__).parent / "timing.ran").touch()
 """
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tier", ["fast", "ranks"])
+@pytest.mark.parametrize("tier", ["fast", "ranks", "timing"])
 def test_a_tier_runs_only_its_tests(tmp_path: Path, tier: str) -> None:
     tests = tmp_path / "test_marked.py"
     tests.write_text(MARKED_TESTS)
