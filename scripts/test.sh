@@ -3,7 +3,8 @@
 # changed), then tests. README's set-up commands; CI runs it without arguments.
 #   bash scripts/test.sh                  ruff, mypy, a short soak, then every test: the fast
 #                                         ones as --fast runs them, the multi-rank and Spark
-#                                         ones also in 3 processes, then the timing ones apart
+#                                         ones also in 3 processes, then the timing ones apart,
+#                                         in 4
 #   bash scripts/test.sh --fast [ARGS]    only the fast tests (no multi-rank jobs, no Spark), in
 #                                         3 processes (on 2 cores: many tests wait on a server
 #                                         or a subprocess; benchmarks/bench_suite.py)
@@ -17,13 +18,15 @@ bash scripts/install.sh petastorm,dev
 # test process's start, and would otherwise do it again on every run.
 unset PYTHONDONTWRITEBYTECODE
 
-in_three_processes() {
+in_processes() {
     # loadgroup: the tests of the local S3 server share one process, and so one server; so do
     # those of the local Spark session.
-    .venv/bin/python -m pytest -n 3 --dist loadgroup "$@"
+    local workers=$1
+    shift
+    .venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@"
 }
 fast_tests() {
-    in_three_processes -m "not multirank and not spark" "$@"
+    in_processes 3 -m "not multirank and not spark" "$@"
 }
 if [[ ${1:-} == --fast ]]; then
     shift
@@ -41,16 +44,16 @@ if [[ $# -gt 0 ]]; then
 fi
 .venv/bin/python scripts/soak.py --minutes 3 --suite every-mode --hogs 1 --io-hogs 1
 # Every test, in three runs. The fast ones in 3 processes (73 s in one process, 42 s in 3, the
-# same hour). Those that start ranks or use Spark also in 3 (about 1,250 s in one process, 880 s
-# in 3: most of their time is waiting, on pauses and timeouts the tests make on purpose and on
-# ranks starting; docs/performance.md, "The test suite"), but for the timing ones, which bound
+# same hour). Those that start ranks or use Spark also in 3 (667 s in one process, 508 s in 3,
+# the same morning: both cores busy, with the processes the tests start, much of it importing
+# torch; docs/performance.md, "The test suite"), but for the timing ones, which bound
 # in seconds how soon a fault is named: beside the other jobs on 2 cores the machine's
 # contention would set that time, so they run last, by themselves. There they wait rather than
-# compute (a third of a core), so they too run in 3 processes: each test's time and each
-# fault's margin to its bound measured the same as in one (357 s, 136 s in 3). All three run
-# even if one fails.
+# compute (a quarter of the machine in 4 processes), so they run in 4: each test's time and
+# each fault's margin to its bound measured the same as in one (357 s; 136 s in 3, 112 s in 4).
+# All three run even if one fails.
 status=0
 fast_tests || status=$?
-in_three_processes -m "(multirank or spark) and not timing" || status=$?
-in_three_processes -m "timing and (multirank or spark)" || status=$?
+in_processes 3 -m "(multirank or spark) and not timing" || status=$?
+in_processes 4 -m "timing and (multirank or spark)" || status=$?
 exit "$status"

@@ -6,21 +6,27 @@ after the interpreter had begun finalizing aborted the finished process (SIGABRT
 called without an active exception"): about one 4-rank job in four on a 2-core machine. No
 ``os._exit`` here: every process leaves the ordinary way.
 
-* real 2-node torchrun jobs of ``examples/train.py`` (2 agents x 2 workers on loopback), two
+* real 2-node torchrun jobs of ``examples/train.py`` (2 agents x 2 workers on loopback), one
   in each mode (``benchmarks/clean_exit_runs.py`` runs more of them): both agents exit 0;
 * ``torch.multiprocessing.spawn`` of 4 ranks whose last collective before the exit is
-  ddp_even's statistics gather (the shape that aborted most often), two in each mode: every
-  process exits 0;
+  ddp_even's statistics gather (the shape that aborted most often), one in each mode: every
+  process exits 0, and when it begins to finalize no gloo thread is left (truncate, cycle), or
+  only the DDP model's group's (join: torch keeps that group alive past
+  ``destroy_process_group`` with or without ddp_even). This catches the cause every time: with
+  ddp_even's releases switched off, both groups' threads are still running there;
 * the end of a job docs/using.md asks for (the DDP model freed before ``destroy_process_group``)
   repeated right after a step through ``allreduce_hook``: no hang in 300 rounds (the other
   order hangs within that many on the 2-core machine: ``benchmarks/teardown_order.py``).
 
-Each try can only catch the abort some of the time (before the fix: about one spawn in ten,
+An exit code can only show the abort some of the time (before the fix: about one spawn in ten,
 one 2-node job of that shape in four); ``benchmarks/clean_exit_runs.py`` repeats the jobs.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import re
 import sys
 from pathlib import Path
 
@@ -31,9 +37,13 @@ from benchmarks.teardown_order import one_try
 
 pytestmark = [pytest.mark.multirank, pytest.mark.skipif(sys.platform != "linux", reason="Linux")]
 
-JOBS_PER_MODE = 2
-SPAWNS_PER_MODE = 2
+JOBS_PER_MODE = 1
 SPAWN_RANKS = 4
+# How torch and gloo name their threads: a group's workers, and its transport's event loop.
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+# A gloo group's threads, torch's default: two workers and one event loop.
+THREADS_PER_GROUP = 3
+AT_EXIT = re.compile(r"^rank (\d+) gloo threads at exit: (\d+)$", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +63,29 @@ def test_two_node_torchrun_jobs_exit_cleanly(data_url: str, mode: str, tmp_path:
         assert "epoch 0" in outcome.output, outcome.output[-4000:]
 
 
+def _gloo_threads() -> int:
+    """How many of this process's threads are gloo's."""
+    count = 0
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            count += (task / "comm").read_text().strip() in GLOO_THREADS
+    return count
+
+
+def _report_gloo_threads(rank: int) -> None:
+    sys.stdout.write(f"rank {rank} gloo threads at exit: {_gloo_threads()}\n")
+    sys.stdout.flush()
+
+
 def _spawned_rank(rank: int, world_size: int, port: int, mode: str) -> None:
     """One rank: an epoch in ``mode`` over an uneven list, then the ordinary way out.
 
     ddp_even's statistics gather is the last collective before the exit, as in the script
     that showed the abort (about one 4-rank spawn in ten aborted before the fix).
     """
+    # Registered before ddp_even registers its own exit hook, so run after it (last in, first
+    # out): what is left when the interpreter begins to finalize.
+    atexit.register(_report_gloo_threads, rank)
     import torch
     import torch.distributed as dist
 
@@ -89,11 +116,15 @@ def test_spawned_ranks_exit_cleanly(
     import torch.multiprocessing as mp
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 4 ranks on 2 cores
-    for _ in range(SPAWNS_PER_MODE):
-        # join=True raises ProcessExitedException for a rank that exits with anything but 0
-        # (an abort is -6).
-        mp.spawn(_spawned_rank, args=(SPAWN_RANKS, free_port(), mode), nprocs=SPAWN_RANKS)
-    assert "terminate called" not in capfd.readouterr().err
+    # join=True raises ProcessExitedException for a rank that exits with anything but 0 (an
+    # abort is -6).
+    mp.spawn(_spawned_rank, args=(SPAWN_RANKS, free_port(), mode), nprocs=SPAWN_RANKS)
+    output = capfd.readouterr()
+    assert "terminate called" not in output.err
+    left = {int(rank): int(count) for rank, count in AT_EXIT.findall(output.out)}
+    # join's DDP model keeps the world's group.
+    expected = THREADS_PER_GROUP if mode == "join" else 0
+    assert left == dict.fromkeys(range(SPAWN_RANKS), expected), output.out
 
 
 @pytest.mark.timeout(120)

@@ -20,6 +20,8 @@ process group (``file://`` rendezvous in a fresh temporary directory), calls
 The ranks start from torch.multiprocessing's fork server (the ``forkserver`` start method),
 which has imported torch, ``torch._dynamo`` (the first optimizer of a process imports it) and
 ddp_even once: a spawned rank spent about 5 s of CPU importing them, most of a short test's time.
+Then it freezes its heap (``tests/helpers/frozen_heap.py``), so that no rank's garbage collector
+walks those imports' objects again.
 The fork server starts with ``OMP_NUM_THREADS=1`` (``tests/conftest.py``); pyarrow and petastorm
 are not preloaded, since pyarrow starts a thread (jemalloc's) that a fork would not copy. Each
 rank takes this process's environment as it is at ``run_ranks``, plus ``env``, as a spawned
@@ -64,7 +66,8 @@ _RESULT = "result-{rank}.pickle"
 _STACKS = "stacks-{rank}.txt"
 _LOG = "ddp-even-log-{rank}.txt"
 _NATIVE = "native-stacks-{rank}.txt"
-# What the fork server imports once for every rank (see the module's docstring).
+# What the fork server imports once for every rank (see the module's docstring); the last
+# takes all of it out of the garbage collector's walks.
 _PRELOADED = [
     "torch",
     "torch.distributed",
@@ -72,6 +75,7 @@ _PRELOADED = [
     "torch.nn.parallel",
     "ddp_even",
     __name__,
+    "tests.helpers.frozen_heap",
 ]
 # Lines of each rank's ddp_even log a timeout shows.
 _LOG_TAIL_LINES = 40
