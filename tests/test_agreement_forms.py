@@ -64,3 +64,47 @@ def test_a_rank_that_sent_the_short_form_joins_the_long_one_another_rank_needs()
     for heard, all_reduces in results:
         assert heard == [(3, 40, False), (2, 2, False), (4, 4, True)]
         assert all_reduces == 2 + 1 + 2
+
+
+def _mismatched_worker(
+    rank: int, world_size: int, settings: list[tuple[str, int | None]]
+) -> dict[str, Any]:
+    from ddp_even import EvenLoader, RankMismatchError
+
+    mode, sync_every = settings[rank]
+    batches = [[rank, step] for step in range(40)]
+    loader: EvenLoader[list[int]] = EvenLoader(batches, mode, sync_every=sync_every, timeout=20)
+    began = time.monotonic()
+    seen = 0
+    try:
+        for _ in loader:
+            seen += 1
+    except RankMismatchError as error:
+        return {
+            "error": "RankMismatchError",
+            "message": str(error),
+            "seen": seen,
+            "seconds": time.monotonic() - began,
+        }
+    return {"error": None, "seen": seen}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        [("truncate", 1), ("truncate", None)],  # windows (short form) against known lengths
+        [("truncate", 4), ("cycle", 4)],  # both in windows of the short form
+        [("truncate", 32), ("truncate", 1)],  # windows of the long form against the short
+    ],
+    ids=["window-against-known-lengths", "other-mode", "long-windows-against-short"],
+)
+def test_ranks_with_other_settings_raise_the_same_error_before_the_first_step(
+    settings: list[tuple[str, int | None]],
+) -> None:
+    # Every epoch opens with the long form: its full key meets the other rank's there.
+    results = run_ranks(_mismatched_worker, 2, settings, timeout=90)
+    for result in results:
+        assert result["error"] == "RankMismatchError", result
+        assert "not running the same loop" in result["message"]
+        assert result["seen"] == 0 and result["seconds"] < 10, result
