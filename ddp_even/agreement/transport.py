@@ -64,6 +64,7 @@ from ddp_even.agreement.wire import (
     Agreement,
     Report,
     agree_alone,
+    asks_for_long,
     decode,
     decode_short,
     encode,
@@ -187,12 +188,10 @@ class CollectiveAgreer:
     def start(self, report: Report) -> PendingAgreement:
         word = encode_short(report)
         short = self._all_reduce(
-            torch.tensor([word], dtype=torch.int64),
-            dist.ReduceOp.BOR,
-            lambda reduced: decode_short(reduced[0]),
+            torch.tensor([word], dtype=torch.int64), dist.ReduceOp.BOR, _decode_one_word
         )
         start_long = functools.partial(self._start_long, report)
-        return TwoForms(short, start_long() if decode_short(word) is None else None, start_long)
+        return TwoForms(short, start_long() if asks_for_long(word) else None, start_long)
 
     def _start_long(self, report: Report) -> Pending[Agreement]:
         return self._all_reduce(torch.from_numpy(encode(report)), dist.ReduceOp.MAX, decode)
@@ -392,6 +391,10 @@ class CollectiveAgreer:
             what=what,
         )
         return self._decide(verdict)
+
+
+def _decode_one_word(reduced: list[int]) -> Agreement | None:
+    return decode_short(reduced[0])
 
 
 def _succeeded(work: Any) -> bool:

@@ -59,6 +59,7 @@ __all__ = [
     "Agreement",
     "Report",
     "agree_alone",
+    "asks_for_long",
     "decode",
     "decode_short",
     "encode",
@@ -209,10 +210,15 @@ def short_key_of(report: Report) -> int:
     return key_of(report) >> (_KEY_BITS - _SHORT_KEY_BITS)
 
 
+def asks_for_long(word: int) -> bool:
+    """Whether this short form (one rank's, or the OR of every rank's) asks for the long one."""
+    return bool(word & _SHORT_LONG)
+
+
 def decode_short(reduced: int) -> Agreement | None:
     """What the bitwise OR of every rank's :func:`encode_short` says; None when some rank
     needs the long form (:func:`encode`), which every rank then sends."""
-    if reduced & _SHORT_LONG:
+    if asks_for_long(reduced):
         return None
     at_most = reduced & _ROW_MASK
     # The lowest ``available <= i`` any rank set is the fewest; none set: every rank had all.
