@@ -35,17 +35,12 @@ Variants:
   every ``CHECK_EVERY`` steps, further apart where steps are short (``runtime/source_checks.py``),
   and after the last), the same with a check every ``CHECK_EVERY`` steps whatever the steps
   take (0.2's spacing), and with only the check after the last step (the spacing set
-  out of reach): the differences are what the spacing saves and what the checks cost;
-* ``ddp_even truncate K=1 (two int64s, as 0.2)``: every agreement in the long form only (one
-  ``all_reduce(MAX)`` of two int64s, 0.2's wire), beside ``ddp_even truncate K=1``, whose
-  windows go in the short form (one int64, ``all_reduce(BOR)``): what the short form saves.
+  out of reach): the differences are what the spacing saves and what the checks cost.
 
 Shards are uneven: rank r has ``steps * (1 - 0.1 r)`` batches. The floor takes, on every rank,
 as many steps as truncate does, so per-step times compare. One epoch of every variant runs per
-round, the variants interleaved and their order turned by one each round (A B C, B C A, C A
-B, ...), so that no variant always runs after the same one (the first ddp_even variant after
-Join was slower in every round of a run that kept one order); round 0 is a warm-up and is
-discarded (it creates ddp_even's gloo group).
+round, the variants interleaved (A B C A B C ...); round 0 is a warm-up and is discarded (it
+creates ddp_even's gloo group).
 
 Reading the table (all times per step, measured on rank 0):
 
@@ -92,9 +87,6 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, run_on_ranks
 from benchmarks.report import warn_if_loaded, write_results
 from ddp_even import EvenLoader, allreduce_hook
-from ddp_even.agreement.pending import PendingAgreement
-from ddp_even.agreement.transport import CollectiveAgreer
-from ddp_even.agreement.wire import Report
 from ddp_even.runtime import source_checks
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -108,7 +100,6 @@ HOOKED = "floor, DDP through allreduce_hook"
 # and whose checks are every CHECK_EVERY steps whatever the steps take (as in 0.2).
 ONE_CHECK = "(one check, after the last step)"
 EVERY_16 = f"(a check every {source_checks.CHECK_EVERY} steps)"
-LONG_ONLY = "ddp_even truncate K=1 (two int64s, as 0.2)"
 OVERLAPPED = "hand-written overlapped count "
 ELEMENT_COUNTS = (1, 2, 9)
 BUSY_WAIT = "busy wait"
@@ -227,18 +218,6 @@ def allreduce_times_s(samples: int, elements: int = 1) -> list[float]:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         times.append(time.perf_counter() - start)
     return times
-
-
-def allreduce_means_by_elements_s(samples: int, rounds: int = 5) -> dict[str, float]:
-    """Why ddp_even's agreement is one or two packed int64s, not a readable vector: the mean
-    time of an all-reduce of each of :data:`ELEMENT_COUNTS` int64s, the counts taken in turn
-    for ``rounds`` rounds (the machine's pace drifts). The mean, not the median: larger
-    messages mostly add slow calls, and a loop pays for every call."""
-    times: dict[int, list[float]] = {elements: [] for elements in ELEMENT_COUNTS}
-    for _ in range(rounds):
-        for elements in ELEMENT_COUNTS:
-            times[elements] += allreduce_times_s(samples // rounds, elements)
-    return {str(elements): statistics.fmean(taken) for elements, taken in times.items()}
 
 
 def rank_0s(value: float) -> float:
@@ -444,24 +423,8 @@ def variants_for(workload: Workload, shard: list[Batch], equal: int, window: int
             step,
             functools.partial(_check_spacing, 1 << 30),
         ),
-        Variant(LONG_ONLY, FLOOR, even("truncate", 1), step, _long_form_only),
     ]
     return variants
-
-
-@contextlib.contextmanager
-def _long_form_only() -> Iterator[None]:
-    """Every agreement in the long form alone, one all-reduce of two int64s, as in 0.2."""
-
-    def start_long(agreer: CollectiveAgreer, report: Report) -> PendingAgreement:
-        return agreer._start_long(report)
-
-    saved = CollectiveAgreer.start
-    CollectiveAgreer.start = start_long  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        CollectiveAgreer.start = saved  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -479,7 +442,12 @@ def _check_spacing(steps: int) -> Iterator[None]:
 def measure_on_rank(rank: int, world_size: int, config: BenchConfig) -> dict[str, Any]:
     """Everything one rank runs; rank 0's timings are the result."""
     latency_s = rank_0s(statistics.median(allreduce_times_s(config.latency_samples)))
-    mean_by_elements_s = allreduce_means_by_elements_s(config.latency_samples)
+    # Why ddp_even's agreement is two packed int64s and not a readable vector. The mean, not
+    # the median: larger messages mostly add slow calls, and a loop pays for every call.
+    mean_by_elements_s = {
+        str(elements): statistics.fmean(allreduce_times_s(config.latency_samples, elements))
+        for elements in ELEMENT_COUNTS
+    }
     counter = CollectiveCounter()
     counter.install()
     lengths = shard_lengths(config.steps, world_size)
@@ -491,8 +459,7 @@ def measure_on_rank(rank: int, world_size: int, config: BenchConfig) -> dict[str
     load_before = os.getloadavg()
     for round_index in range(config.repeats + 1):
         for variants in table.values():
-            turn = round_index % len(variants)
-            for variant in variants[turn:] + variants[:turn]:
+            for variant in variants:
                 dist.barrier()  # every variant starts with the ranks together
                 with variant.context():
                     timing = timed_epoch(variant.batches(), variant.step, counter)
@@ -551,11 +518,7 @@ def evaluate_targets(result: dict[str, Any], window: int) -> list[dict[str, Any]
     latency_s = result["allreduce_latency_s"]
     targets = []
     for (workload, variant), row in rows.items():
-        if (
-            workload in (BUSY_WAIT, IDLE_WAIT)
-            and variant.startswith("ddp_even")
-            and variant != LONG_ONLY
-        ):
+        if workload in (BUSY_WAIT, IDLE_WAIT) and variant.startswith("ddp_even"):
             join_added = rows[(workload, JOIN)]["added_s"]
             added = row["added_s"]
             detail = (
