@@ -57,3 +57,15 @@ def test_two_ranks_report_every_variant_and_target() -> None:
         "loader",
         "known lengths",
     }
+    # Issue 26's targets, each workload but the DDP model's, both modes.
+    for workload in WORKLOADS - {"ddp model"}:
+        kinds = {
+            target["target"].split(": ", 1)[1]
+            for target in result["targets"]
+            if target["target"].startswith(f"{workload}: ")
+        }
+        assert {
+            "K=1 <= 1.2x the hand-written minimum",
+            "K=16 <= 1.2x the hand-written minimum + 10 us",
+            "known lengths <= 10 us a step",
+        } <= kinds, (workload, kinds)
