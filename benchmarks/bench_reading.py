@@ -33,9 +33,12 @@ side in the same process:
   ``replicate`` every rank reads the whole dataset (2x the rows of the others on two ranks);
   its rows/s compare all the same.
 
-One epoch of every variant per round, the variants interleaved (A B C A B C ...), the ranks
-starting each variant together; round 0 is a warm-up and is discarded (page cache, imports,
-the factory's footer plan, ddp_even's gloo group). The loops only take batches: no training.
+One epoch of every variant per round, the variants interleaved and their order turned by one
+each round (A B C, B C A, ...), the ranks starting each variant together; round 0 is a warm-up
+and is discarded (page cache, imports, the factory's footer plan, ddp_even's gloo group). The
+loops only take batches: no training. The run ends with issue 26's target as PASS/FAIL lines:
+every ddp_even row at least 0.97 of petastorm's rows/s; with two ranks each line also gives
+the held-together row's share and the row's share of that.
 
 Per epoch: wall time from the first batch requested (for ``petastorm``, from the call that
 builds its reader, as an EvenLoader's factory does at its first batch) to the last batch
@@ -312,7 +315,9 @@ def measure_on_rank(
     ]
     load_before = os.getloadavg()
     for round_index in range(config.repeats + 1):
-        for variant in variants:
+        # Each round starts one variant later, so that no variant always follows the same one.
+        turn = round_index % len(variants)
+        for variant in variants[turn:] + variants[:turn]:
             if grouped:
                 dist.barrier()  # every variant starts with the ranks together
             timing = timed_epoch(variant.epoch)
@@ -373,7 +378,55 @@ def measure_world(world_size: int, config: BenchConfig, urls: dict[str, str]) ->
     """Run every variant on ``world_size`` spawned ranks over the datasets ``urls`` names (by
     reader kind, from :func:`write_datasets`); rank 0's numbers."""
     result: dict[str, Any] = run_on_ranks(measure_on_rank, world_size, config, urls)
+    result["targets"] = evaluate_targets(result)
     return result
+
+
+#: Issue 26's target: every ddp_even path reads at least this share of petastorm's own loop.
+TARGET_RATIO = 0.97
+
+
+def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every ddp_even row against :data:`TARGET_RATIO`; with two ranks or more, each also
+    against the hand-written loop that holds its ranks together (what any loader that keeps
+    ranks in step pays), so that a miss says whose cost it is."""
+    rows = {(row["reader"], row["variant"]): row for row in result["results"]}
+    targets = []
+    for (kind, variant), row in rows.items():
+        if variant in (PETASTORM, HELD_TOGETHER):
+            continue
+        paired = row["vs_petastorm_paired"]
+        detail = (
+            f"{row['vs_petastorm']:.3f} of petastorm's rows/s (paired {paired:.3f}), "
+            f"loop CPU {row['loop_cpu_per_batch_s'] * 1e6:.1f} us a batch against "
+            f"{rows[(kind, PETASTORM)]['loop_cpu_per_batch_s'] * 1e6:.1f}"
+        )
+        held = rows.get((kind, HELD_TOGETHER))
+        if held is not None:
+            of_held = row["rows_per_s"] / held["rows_per_s"]
+            detail += (
+                f"; petastorm with its ranks held together by hand reads "
+                f"{held['vs_petastorm']:.3f} of it, this path {of_held:.3f} of that"
+            )
+        targets.append(
+            {
+                "target": f"{READER_TITLES[kind]}: >= {TARGET_RATIO} of petastorm's own loop",
+                "variant": variant,
+                "passed": row["vs_petastorm"] >= TARGET_RATIO,
+                "detail": detail,
+            }
+        )
+    return targets
+
+
+def print_targets(console: Console, result: dict[str, Any]) -> None:
+    ranks = f"{result['world_size']} rank{'s' if result['world_size'] > 1 else ''}"
+    for target in result["targets"]:
+        verdict = "[green]PASS[/]" if target["passed"] else "[red]FAIL[/]"
+        console.print(
+            f"{verdict} {ranks}, {target['target']}: {target['variant']}: {target['detail']}",
+            highlight=False,
+        )
 
 
 def results_table(result: dict[str, Any], config: BenchConfig) -> Table:
@@ -488,6 +541,7 @@ def main(
             started = time.perf_counter()
             result = measure_world(world_size, config, urls)
             console.print(results_table(result, config))
+            print_targets(console, result)
             warn_if_loaded(
                 console, result["load_average"][0], "differences of a few percent are noise"
             )

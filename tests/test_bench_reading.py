@@ -13,7 +13,9 @@ from benchmarks.bench_reading import (
     PETASTORM,
     QUICK,
     READER_KINDS,
+    READER_TITLES,
     SHARDINGS,
+    TARGET_RATIO,
     BenchConfig,
     DatasetShape,
     measure_world,
@@ -61,3 +63,14 @@ def test_one_and_two_ranks_read_every_variant(tmp_path: Path) -> None:
             assert row["vs_petastorm_paired"] > 0
             if variant == PETASTORM:
                 assert row["vs_petastorm"] == 1
+        # The target's lines: every ddp_even row, each reader, with the held-together share
+        # where ranks are held together.
+        judged = {(target["target"], target["variant"]) for target in result["targets"]}
+        assert judged == {
+            (f"{READER_TITLES[kind]}: >= {TARGET_RATIO} of petastorm's own loop", variant)
+            for kind in READER_KINDS
+            for variant in VARIANTS - {PETASTORM}
+        }
+        for target in result["targets"]:
+            assert isinstance(target["passed"], bool)
+            assert ("held together" in target["detail"]) == (world_size > 1), target
