@@ -1,11 +1,12 @@
 """A local S3-compatible server for tests and benchmarks: moto's, as a subprocess.
 
-``start_s3_server()`` runs ``python -m moto.server`` on a free port of 127.0.0.1, waits until it
-answers, creates an IAM user allowed everything on S3 and then switches IAM authentication on,
-so that wrong credentials are refused as AWS refuses them. The returned :class:`S3Server`
-gives the endpoint, the (fake, moto-made) credentials, an environment with them, a pyarrow
-filesystem for writing test data, and :meth:`S3Server.recording`, which counts the requests
-the server received (moto's own recorder, so the counts come from the server side).
+``start_s3_server()`` runs moto's server (``tests/helpers/s3_server_main.py``) on a free port
+of 127.0.0.1, waits until it answers, creates an IAM user allowed everything on S3 and then
+switches IAM authentication on, so that wrong credentials are refused as AWS refuses them. The
+returned :class:`S3Server` gives the endpoint, the (fake, moto-made) credentials, an
+environment with them, a pyarrow filesystem for writing test data, and
+:meth:`S3Server.recording`, which counts the requests the server received (moto's own recorder,
+so the counts come from the server side).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ __all__ = ["RecordedRequest", "RequestLog", "S3Server", "start_s3_server", "uplo
 
 REGION = "us-east-1"
 _START_TIMEOUT_S = 60.0
+# Where ``python -m tests.helpers.s3_server_main`` finds the tests' package.
+_REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,16 @@ def start_s3_server() -> S3Server:
         env.pop(variable, None)
     with (workdir / "server.log").open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            [
+                sys.executable,
+                "-m",
+                "tests.helpers.s3_server_main",
+                "-H",
+                "127.0.0.1",
+                "-p",
+                str(port),
+            ],
+            cwd=_REPOSITORY,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
