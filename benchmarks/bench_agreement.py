@@ -58,7 +58,7 @@ Reading the table (all times per step, measured on rank 0):
 
 The run ends with the targets as PASS/FAIL lines: 0.2's (the wait steps: at most 10 % of one
 all-reduce and 1/5 of Join's; N/A where noise made Join's added time negative, leaving nothing
-to compare with), then issue 26's (``sync_every=1`` within 1.2x of the hand-written overlapped
+to compare with), then 0.3's (``sync_every=1`` within 1.2x of the hand-written overlapped
 count, ``sync_every=16`` within 1.2x of it + 10 us, known lengths at most 10 us a step), each
 with what the difference is spent on: the loop thread's CPU beside the hand-written loop's, the
 agreement's second int64 (from the probe), and for known lengths the variant with one check.
@@ -89,7 +89,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, run_on_ranks
+from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, in_turn, run_on_ranks
 from benchmarks.report import warn_if_loaded, write_results
 from ddp_even import EvenLoader, allreduce_hook
 from ddp_even.runtime import source_checks
@@ -464,10 +464,7 @@ def measure_on_rank(rank: int, world_size: int, config: BenchConfig) -> dict[str
     load_before = os.getloadavg()
     for round_index in range(config.repeats + 1):
         for variants in table.values():
-            # Each round starts one variant later: in a fixed order the variant after Join
-            # was slower than its twin in every round of one workload, faster in another.
-            turn = round_index % len(variants)
-            for variant in variants[turn:] + variants[:turn]:
+            for variant in in_turn(variants, round_index):
                 dist.barrier()  # every variant starts with the ranks together
                 with variant.context():
                     timing = timed_epoch(variant.batches(), variant.step, counter)
@@ -587,7 +584,7 @@ def evaluate_targets(result: dict[str, Any], window: int) -> list[dict[str, Any]
 
 
 def targets_of_0_3(result: dict[str, Any], window: int) -> list[dict[str, Any]]:
-    """The targets of issue 26 against the hand-written overlapped count, each with what the
+    """The targets of 0.3 against the hand-written overlapped count, each with what the
     difference is spent on: the loop thread's CPU (ddp_even's Python in the loop) and the
     agreement's second int64 (the probe of 1 / 2 int64s)."""
     rows = {(row["workload"], row["variant"]): row for row in result["results"]}

@@ -36,7 +36,7 @@ side in the same process:
 One epoch of every variant per round, the variants interleaved and their order turned by one
 each round (A B C, B C A, ...), the ranks starting each variant together; round 0 is a warm-up
 and is discarded (page cache, imports, the factory's footer plan, ddp_even's gloo group). The
-loops only take batches: no training. The run ends with issue 26's target as PASS/FAIL lines:
+loops only take batches: no training. The run ends with 0.3's target as PASS/FAIL lines:
 every ddp_even row at least 0.97 of petastorm's rows/s; with two ranks each line also gives
 the held-together row's share and the row's share of that.
 
@@ -82,7 +82,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, run_on_ranks
+from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, in_turn, run_on_ranks
 from benchmarks.report import warn_if_loaded, write_results
 from ddp_even import EvenLoader
 from ddp_even.planning.sharding import Sharding
@@ -315,9 +315,7 @@ def measure_on_rank(
     ]
     load_before = os.getloadavg()
     for round_index in range(config.repeats + 1):
-        # Each round starts one variant later, so that no variant always follows the same one.
-        turn = round_index % len(variants)
-        for variant in variants[turn:] + variants[:turn]:
+        for variant in in_turn(variants, round_index):
             if grouped:
                 dist.barrier()  # every variant starts with the ranks together
             timing = timed_epoch(variant.epoch)
@@ -382,7 +380,7 @@ def measure_world(world_size: int, config: BenchConfig, urls: dict[str, str]) ->
     return result
 
 
-#: Issue 26's target: every ddp_even path reads at least this share of petastorm's own loop.
+#: 0.3's target: every ddp_even path reads at least this share of petastorm's own loop.
 TARGET_RATIO = 0.97
 
 

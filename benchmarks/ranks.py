@@ -4,7 +4,8 @@
 gloo process group (``file://`` rendezvous in a fresh temporary directory) when there are
 several, and none for one, calls ``measure(rank, world_size, *args)`` on each and returns what
 rank 0 returned, through JSON (what the benchmarks write). ``measure`` must be a module-level
-function and ``args`` must pickle (spawn start method).
+function and ``args`` must pickle (spawn start method). ``in_turn(variants, round_index)``
+is the order a round runs a benchmark's variants in.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import datetime
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,15 @@ import torch.multiprocessing as torch_mp
 COLLECTIVE_TIMEOUT_S = 120
 
 Measure = Callable[..., Any]
+T = TypeVar("T")
+
+
+def in_turn(variants: Sequence[T], round_index: int) -> list[T]:
+    """``variants`` as round ``round_index`` runs them: starting one later each round, so that no
+    variant always follows the same one (in a fixed order, the agreement benchmark's variant
+    after Join was slower than its twin in every round of one workload, faster in another)."""
+    turn = round_index % len(variants)
+    return [*variants[turn:], *variants[:turn]]
 
 
 def run_on_ranks(measure: Measure, world_size: int, *args: Any) -> Any:

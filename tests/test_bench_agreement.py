@@ -57,7 +57,7 @@ def test_two_ranks_report_every_variant_and_target() -> None:
         "loader",
         "known lengths",
     }
-    # Issue 26's targets, each workload but the DDP model's, both modes.
+    # 0.3's targets, each workload but the DDP model's, both modes.
     for workload in WORKLOADS - {"ddp model"}:
         kinds = {
             target["target"].split(": ", 1)[1]
