@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.bench_agreement import HOOKED, JOIN, BenchConfig, measure_world
+from benchmarks.bench_agreement import HOOKED, JOIN, LONG_ONLY, BenchConfig, measure_world
 from tests.helpers.collectives import source_checks
 
 pytestmark = pytest.mark.multirank
@@ -27,6 +27,7 @@ def test_two_ranks_report_every_variant_and_target() -> None:
     for workload in WORKLOADS:
         assert (workload, JOIN) in rows
         assert (workload, "ddp_even truncate K=16") in rows
+        assert (workload, LONG_ONLY) in rows
     for row in result["results"]:
         assert len(row["rounds"]) == 1
         assert row["per_step_s"] > 0
@@ -34,21 +35,26 @@ def test_two_ranks_report_every_variant_and_target() -> None:
         longest = row["variant"] == JOIN or "cycle" in row["variant"] or "pad" in row["variant"]
         assert row["steps"] == (20 if longest else 18), row
         if row["variant"].endswith("known lengths"):
-            # One agreement before the first step, the checks of the sources (overlapped with
-            # the steps), one statistics gather after the last step.
+            # One agreement before the first step (in both forms: it opens the epoch), the
+            # checks of the sources (overlapped with the steps), one statistics gather after
+            # the last step.
             checks = source_checks(row["steps"], counted_from=1)
             in_epoch = (row["collectives_per_epoch"], row["collectives_in_loop"])
-            assert in_epoch == (2 + checks, checks)
+            assert in_epoch == (3 + checks, checks)
         if row["variant"] == HOOKED:
             # The hook's all-reduce, one bucket a step, on the shortest shard's steps.
             assert row["workload"] == "ddp model" and row["collectives_per_epoch"] == 18, row
         if row["variant"] == "ddp_even truncate K=1":
-            # One agreement per step and one that ends the epoch, then the statistics.
+            # One agreement per step (the first in both forms) and one that ends the epoch,
+            # then the statistics.
+            assert row["collectives_per_epoch"] == 1 + 18 + 2
+        if row["variant"] == LONG_ONLY:
+            # 0.2's wire: one all-reduce per agreement, the first too.
             assert row["collectives_per_epoch"] == 18 + 2
         if row["variant"] == "ddp_even pad K=1":
-            # One agreement per step and one that ends the epoch, each with its sum of the
-            # window's real rows, then the statistics.
-            assert row["collectives_per_epoch"] == 2 * (20 + 1) + 1
+            # One agreement per step (the first in both forms) and one that ends the epoch,
+            # each with its sum of the window's real rows, then the statistics.
+            assert row["collectives_per_epoch"] == 1 + 2 * (20 + 1) + 1
     # None: no verdict, when noise made Join's added time negative.
     assert {target["passed"] for target in result["targets"]} <= {True, False, None}
     assert {target["target"].split(":")[0] for target in result["targets"]} == {

@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
+from ddp_even.agreement.wire import SHORT_MOST
 from ddp_even.runtime.source_checks import (
     CHECK_EVERY,
     CHECK_PERIOD_S,
+    LARGEST_PROPOSAL,
     MOST_STEPS_BETWEEN_CHECKS,
     CheckSchedule,
 )
@@ -27,25 +29,38 @@ def _paced(steps: int, seconds: float) -> CheckSchedule:
     return CheckSchedule(next_step=steps, _from_step=0, _from_s=time.monotonic() - seconds)
 
 
+def _spacing(proposal: int) -> int:
+    return CHECK_EVERY << proposal
+
+
 def test_long_steps_keep_the_fewest_steps_between_checks() -> None:
-    assert _paced(CHECK_EVERY, seconds=10 * CHECK_PERIOD_S).proposal(CHECK_EVERY) == CHECK_EVERY
+    proposal = _paced(CHECK_EVERY, seconds=10 * CHECK_PERIOD_S).proposal(CHECK_EVERY)
+    assert _spacing(proposal) == CHECK_EVERY
 
 
-def test_short_steps_propose_the_steps_of_one_period() -> None:
-    # 100 steps in two periods: 50 steps a period (the clock moves on a little meanwhile).
-    proposal = _paced(100, seconds=2 * CHECK_PERIOD_S).proposal(100)
-    assert 48 <= proposal <= 50
+def test_short_steps_propose_the_most_steps_of_a_power_of_two_within_one_period() -> None:
+    # 100 steps in two periods: 50 steps a period, so 32 (16 * 2**1), the clock moving on a
+    # little meanwhile.
+    assert _spacing(_paced(100, seconds=2 * CHECK_PERIOD_S).proposal(100)) == 32
+    # 200 steps in one period: 128 (16 * 2**3).
+    assert _spacing(_paced(200, seconds=CHECK_PERIOD_S).proposal(200)) == 128
 
 
 def test_very_short_steps_are_bounded_by_the_most_steps_between_checks() -> None:
-    assert _paced(CHECK_EVERY, seconds=1e-6).proposal(CHECK_EVERY) == MOST_STEPS_BETWEEN_CHECKS
+    proposal = _paced(CHECK_EVERY, seconds=1e-6).proposal(CHECK_EVERY)
+    assert proposal == LARGEST_PROPOSAL
+    assert _spacing(proposal) == MOST_STEPS_BETWEEN_CHECKS
+
+
+def test_every_proposal_fits_the_agreements_short_form() -> None:
+    assert LARGEST_PROPOSAL <= SHORT_MOST
 
 
 def test_the_pace_is_measured_since_the_last_check() -> None:
     schedule = _paced(CHECK_EVERY, seconds=10 * CHECK_PERIOD_S)
-    assert schedule.proposal(CHECK_EVERY) == CHECK_EVERY
+    assert schedule.proposal(CHECK_EVERY) == 0
     # The next CHECK_EVERY steps took no time at all: the slow ones before do not count.
-    assert schedule.proposal(2 * CHECK_EVERY) > CHECK_EVERY
+    assert schedule.proposal(2 * CHECK_EVERY) > 0
 
 
 def test_a_resumed_epoch_checks_on_the_uninterrupted_runs_first_multiple() -> None:
@@ -58,8 +73,8 @@ def test_the_spacing_after_a_check_is_the_one_every_rank_agreed() -> None:
     schedule = CheckSchedule.after(0)
     schedule.checked(CHECK_EVERY, agreed=None)
     assert schedule.next_step == 2 * CHECK_EVERY
-    schedule.checked(2 * CHECK_EVERY, agreed=300)
-    assert schedule.next_step == 2 * CHECK_EVERY + 300
+    schedule.checked(2 * CHECK_EVERY, agreed=3)
+    assert schedule.next_step == 2 * CHECK_EVERY + 8 * CHECK_EVERY
 
 
 FAST_STEPS = 6000

@@ -20,12 +20,12 @@ The group itself, created once per training group and released with it, is
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from ddp_even.agreement.control_group import (
 )
 from ddp_even.agreement.heartbeat import start_heartbeat, waiting
 from ddp_even.agreement.liveness import current_watch, lost_peers, poll_interval
+from ddp_even.agreement.pending import Done, InFlight, Pending, PendingAgreement, TwoForms
 from ddp_even.agreement.rollcall import (
     AGREEMENT,
     PADDING,
@@ -62,14 +63,20 @@ from ddp_even.agreement.verdict import (
 from ddp_even.agreement.wire import (
     Agreement,
     Report,
+    agree_alone,
+    asks_for_long,
     decode,
+    decode_short,
     encode,
+    encode_short,
     report_bytes,
     report_from_bytes,
 )
 from ddp_even.errors import EvenLoaderError, PeerTimeoutError, RankMismatchError
 
 logger = logging.getLogger("ddp_even")
+
+T = TypeVar("T")
 
 
 def agreer_for(group: dist.ProcessGroup | None, timeout: float | None) -> Agreer:
@@ -84,18 +91,6 @@ def agreer_for(group: dist.ProcessGroup | None, timeout: float | None) -> Agreer
     return CollectiveAgreer(control_group_for(group, timeout), float(timeout))
 
 
-T_co = TypeVar("T_co", covariant=True)
-
-
-class Pending(Protocol[T_co]):
-    """A control collective that was started; ``wait`` returns its result."""
-
-    def wait(self) -> T_co: ...
-
-
-PendingAgreement = Pending[Agreement]
-
-
 class Agreer(Protocol):
     """Runs agreements among the ranks of one training group."""
 
@@ -106,7 +101,8 @@ class Agreer(Protocol):
     global_ranks: tuple[int, ...]
 
     def start(self, report: Report) -> PendingAgreement:
-        """Send ``report`` without blocking; every rank must start the same agreements."""
+        """Send ``report`` without blocking; every rank must start the same agreements and
+        wait for each of them (its long form may start only then)."""
         ...
 
     def gather_reports(self, report: Report) -> list[Report]:
@@ -127,17 +123,6 @@ class Agreer(Protocol):
         ...
 
 
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class _Done(Generic[T]):
-    result: T
-
-    def wait(self) -> T:
-        return self.result
-
-
 class SoloAgreer:
     """The agreement of a single process: no collective, the same decisions."""
 
@@ -146,7 +131,7 @@ class SoloAgreer:
     global_ranks: tuple[int, ...] = (0,)
 
     def start(self, report: Report) -> PendingAgreement:
-        return _Done(decode(encode(report).tolist()))
+        return Done(agree_alone(report))
 
     def gather_reports(self, report: Report) -> list[Report]:
         return [report]
@@ -155,41 +140,10 @@ class SoloAgreer:
         return [list(counts)]
 
     def start_sum(self, values: Sequence[int]) -> Pending[list[int]]:
-        return _Done(list(values))
+        return Done(list(values))
 
     def broadcast_bytes(self, payload: bytes | None, source: int) -> bytes:
         return payload or b""
-
-
-class _InFlight(Generic[T]):
-    def __init__(
-        self,
-        agreer: CollectiveAgreer,
-        work: Any,
-        buffer: torch.Tensor,
-        ticket: Ticket,
-        read: Callable[[list[int]], T],
-    ) -> None:
-        self._agreer = agreer
-        self._work = work
-        self._buffer = buffer
-        self._ticket = ticket
-        self._read = read
-        self._result: T | None = None
-        self._failure: EvenLoaderError | None = None
-
-    def wait(self) -> T:
-        if self._failure is not None:
-            # Waited once already (e.g. again in a ``finally``): the same error, at once.
-            raise self._failure
-        if self._result is None:
-            try:
-                self._agreer.await_work(self._work, self._ticket)
-            except EvenLoaderError as error:
-                self._failure = error
-                raise
-            self._result = self._read(self._buffer.tolist())
-        return self._result
 
 
 class CollectiveAgreer:
@@ -232,18 +186,32 @@ class CollectiveAgreer:
         return group
 
     def start(self, report: Report) -> PendingAgreement:
-        buffer = torch.from_numpy(encode(report))
-        ticket = self._ticket(AGREEMENT)
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._channel.track(work)
-        return _InFlight(self, work, buffer, ticket, decode)
+        word = encode_short(report)
+        # torch.full, not torch.tensor([word]): a third of the cost, paid at every step.
+        short = self._all_reduce(
+            torch.full((1,), word, dtype=torch.int64), dist.ReduceOp.BOR, _decode_one_word
+        )
+        start_long = functools.partial(self._start_long, report)
+        return TwoForms(short, start_long() if asks_for_long(word) else None, start_long)
+
+    def _start_long(self, report: Report) -> Pending[Agreement]:
+        return self._all_reduce(torch.from_numpy(encode(report)), dist.ReduceOp.MAX, decode)
 
     def start_sum(self, values: Sequence[int]) -> Pending[list[int]]:
         buffer = torch.tensor(list(values), dtype=torch.int64)
-        ticket = self._ticket(ROWS)
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return self._all_reduce(buffer, dist.ReduceOp.SUM, list, what=ROWS)
+
+    def _all_reduce(
+        self,
+        buffer: torch.Tensor,
+        op: dist.ReduceOp.RedOpType,
+        read: Callable[[list[int]], T],
+        what: str = AGREEMENT,
+    ) -> InFlight[T]:
+        ticket = self._ticket(what)
+        work = dist.all_reduce(buffer, op=op, group=self.group, async_op=True)
         self._channel.track(work)
-        return _InFlight(self, work, buffer, ticket, list)
+        return InFlight(self, work, buffer, ticket, read)
 
     def broadcast_bytes(self, payload: bytes | None, source: int) -> bytes:
         # The size first, so that every rank knows what to receive (0: nothing follows).
@@ -424,6 +392,10 @@ class CollectiveAgreer:
             what=what,
         )
         return self._decide(verdict)
+
+
+def _decode_one_word(reduced: list[int]) -> Agreement | None:
+    return decode_short(reduced[0])
 
 
 def _succeeded(work: Any) -> bool:

@@ -1,22 +1,36 @@
-"""What each rank says before a window of steps, and what all of them hear back: two int64s.
+"""What each rank says before a window of steps, and what all of them hear back.
 
-Every rank sends two int64s; a single ``all_reduce(MAX)`` combines them. Two, because gloo's
-cost grows with the element count (``docs/performance.md``). Each int64 packs fields in order
-of priority, so the maximum of the packed numbers is the maximum of the first field, then of
-the next among the ranks that share the first, and so on:
+Two forms travel, because gloo's cost grows with the element count even for tiny messages
+(``docs/performance.md``: one int64 about 250 µs with 2 ranks, two about 400).
+
+**The short form: one int64, combined by ``all_reduce(BOR)``.** Most agreements carry counts
+of at most :data:`SHORT_MOST` (a window of ``sync_every <= 16`` batches, a check of the
+sources), and for small counts a bitwise OR gives a minimum and a maximum at once: each count
+is sent as a row of bits (``available <= i`` for each ``i``, ``own_available > i`` for each
+``i``), whose OR over the ranks marks the fewest and the most. A 14-bit key and its complement
+travel beside them (every rank shares the key exactly when no bit is set in both ORs), then a
+problem bit. A rank whose agreement opens its epoch, or may carry larger counts on some rank,
+sets the *long* bit instead; every rank then goes on to the long form.
+
+**The long form: two int64s, combined by one ``all_reduce(MAX)``.** Each int64 packs fields in
+order of priority, so the maximum of the packed numbers is the maximum of the first field,
+then of the next among the ranks that share the first, and so on:
 
 * ``(problem, key, own_available)``: whether any rank has a problem, then the largest
-  ``key`` (a hash of the epoch and the settings), then the most own batches among the ranks
-  with that key;
+  ``key`` (a 30-bit hash of the epoch and the settings), then the most own batches among the
+  ranks with that key;
 * ``-(key, available)``: the smallest key, then the fewest batches among the ranks with it.
 
 When no rank has a problem and the largest key equals the smallest, every rank has the same
-key, so the counts are the maximum and minimum over all ranks. Anything else (a rank whose
-source raised, an empty shard in cycle mode, a rank off its shard plan, a count too large to
-carry, ranks in different epochs or with different settings) sends every rank to the rare
-error path: every rank gathers the full reports (one more collective, which every rank enters
-because every rank saw the same result) and :func:`error_from_reports` turns them into the
-same exception everywhere.
+key, so the counts are the maximum and minimum over all ranks. Every epoch opens with the long
+form, so the full key meets whatever the other ranks are doing there (a rank that left the
+last epoch early, other settings); the short keys after it guard the epoch's later windows.
+
+Anything else (a rank whose source raised, an empty shard in cycle mode, a rank off its shard
+plan, a count too large to carry, ranks in different epochs or with different settings) sends
+every rank to the rare error path: every rank gathers the full reports (one more collective,
+which every rank enters because every rank saw the same result) and
+:func:`error_from_reports` turns them into the same exception everywhere.
 
 Pure Python and numpy: the transport (``transport.py``) moves the numbers.
 """
@@ -39,7 +53,19 @@ from ddp_even.errors import (
     RankMismatchError,
 )
 
-__all__ = ["MAX_COUNT", "Agreement", "Report", "decode", "encode", "error_from_reports"]
+__all__ = [
+    "MAX_COUNT",
+    "SHORT_MOST",
+    "Agreement",
+    "Report",
+    "agree_alone",
+    "asks_for_long",
+    "decode",
+    "decode_short",
+    "encode",
+    "encode_short",
+    "error_from_reports",
+]
 
 
 @dataclass(frozen=True)
@@ -64,6 +90,10 @@ class Report:
     failure: tuple[str, str] | None = None
     # How its source differs from the shard plan, when it does.
     off_plan: str | None = None
+    # Sent in the long form whatever its counts: the first agreement of this rank's epoch (its
+    # full key meets whatever the other ranks are doing), or one whose counts may exceed
+    # SHORT_MOST on another rank (every rank then sends the long form alike).
+    long_form: bool = False
 
     @property
     def too_many(self) -> bool:
@@ -136,6 +166,76 @@ def decode(reduced: Sequence[int]) -> Agreement:
         max_own_available=highest & MAX_COUNT,
         has_problem=bool(highest & _PROBLEM) or highest_key != lowest >> _COUNT_BITS,
     )
+
+
+#: The largest count the short form carries.
+SHORT_MOST = 16
+# Its bits, from the lowest: ``available <= i`` and ``own_available > i`` for i < SHORT_MOST,
+# the short key and its complement, the problem bit, the long bit (bit 63 stays clear).
+_ROW_MASK = (1 << SHORT_MOST) - 1
+_SHORT_KEY_BITS = 14
+_SHORT_KEY_MASK = (1 << _SHORT_KEY_BITS) - 1
+_SHORT_KEY_SHIFT = 2 * SHORT_MOST
+_SHORT_NOT_KEY_SHIFT = _SHORT_KEY_SHIFT + _SHORT_KEY_BITS
+_SHORT_PROBLEM = 1 << (_SHORT_NOT_KEY_SHIFT + _SHORT_KEY_BITS)
+_SHORT_LONG = _SHORT_PROBLEM << 1
+
+
+def encode_short(report: Report) -> int:
+    """The int64 a rank contributes to the ``all_reduce(BOR)`` every agreement starts with.
+
+    Example::
+
+        >>> a = Report(0, 0, 1, "s", available=3, own_available=2)
+        >>> b = Report(1, 0, 1, "s", available=5, own_available=5)
+        >>> decode_short(encode_short(a) | encode_short(b))
+        Agreement(min_available=3, max_own_available=5, has_problem=False)
+        >>> decode_short(encode_short(Report(0, 0, 1, "s", available=17, own_available=17)))
+    """
+    if report.long_form or max(report.available, report.own_available) > SHORT_MOST:
+        return _SHORT_LONG
+    short_key = short_key_of(report)
+    return (
+        (_SHORT_PROBLEM if report.has_problem else 0)
+        | (~short_key & _SHORT_KEY_MASK) << _SHORT_NOT_KEY_SHIFT
+        | short_key << _SHORT_KEY_SHIFT
+        | ((1 << report.own_available) - 1) << SHORT_MOST
+        | (_ROW_MASK & ~((1 << report.available) - 1))
+    )
+
+
+def short_key_of(report: Report) -> int:
+    """The short form's key: the leading 14 bits of :func:`key_of`. Two loops share one about
+    once in 16,384 pairs; the long form that opens every epoch tells them apart there."""
+    return key_of(report) >> (_KEY_BITS - _SHORT_KEY_BITS)
+
+
+def asks_for_long(word: int) -> bool:
+    """Whether this short form (one rank's, or the OR of every rank's) asks for the long one."""
+    return bool(word & _SHORT_LONG)
+
+
+def decode_short(reduced: int) -> Agreement | None:
+    """What the bitwise OR of every rank's :func:`encode_short` says; None when some rank
+    needs the long form (:func:`encode`), which every rank then sends."""
+    if asks_for_long(reduced):
+        return None
+    at_most = reduced & _ROW_MASK
+    # The lowest ``available <= i`` any rank set is the fewest; none set: every rank had all.
+    fewest = (at_most & -at_most).bit_length() - 1 if at_most else SHORT_MOST
+    keys = (reduced >> _SHORT_KEY_SHIFT) & _SHORT_KEY_MASK
+    not_keys = (reduced >> _SHORT_NOT_KEY_SHIFT) & _SHORT_KEY_MASK
+    return Agreement(
+        min_available=fewest,
+        max_own_available=((reduced >> SHORT_MOST) & _ROW_MASK).bit_length(),
+        has_problem=bool(reduced & _SHORT_PROBLEM) or bool(keys & not_keys),
+    )
+
+
+def agree_alone(report: Report) -> Agreement:
+    """The agreement of a single rank: the same forms as among several, with no collective."""
+    agreement = decode_short(encode_short(report))
+    return decode(encode(report).tolist()) if agreement is None else agreement
 
 
 # A full report travels as this many bytes of JSON (zero-padded); a long failure message is

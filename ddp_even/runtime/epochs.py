@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from torch.distributed.algorithms.join import Joinable
 
-from ddp_even.agreement.transport import Agreer, Pending, PendingAgreement
-from ddp_even.agreement.wire import Agreement, Report, error_from_reports
+from ddp_even.agreement.pending import Pending, PendingAgreement
+from ddp_even.agreement.transport import Agreer
+from ddp_even.agreement.wire import SHORT_MOST, Agreement, Report, error_from_reports
 from ddp_even.errors import EmptyShardError, RankMismatchError
 from ddp_even.modes import Mode, WindowDecision
 from ddp_even.runtime.feed import FedBatch, ShardFeed
@@ -41,7 +42,7 @@ from ddp_even.runtime.padding import (
     share_padding,
     summed_rows,
 )
-from ddp_even.runtime.source_checks import CheckSchedule
+from ddp_even.runtime.source_checks import LARGEST_PROPOSAL, CheckSchedule
 from ddp_even.runtime.stats import EpochStats, RankCounts, gather_epoch_stats
 
 if TYPE_CHECKING:
@@ -228,7 +229,11 @@ class EpochRun(Generic[BatchT]):
             self.counts.steps - len(skipped),
         )
 
-    def report(self, available: int, own_available: int, shard_is_empty: bool) -> Report:
+    def report(
+        self, available: int, own_available: int, shard_is_empty: bool, most: int | None = None
+    ) -> Report:
+        """This rank's report; ``most`` bounds the counts any rank sends with it (None: any)."""
+        opens_epoch = self.steps_done == (self.resumed_at or 0)
         failure = self.feed.failure
         mode = self.settings.mode
         # Cycle cannot repeat an empty shard; pad needs a batch to pad it with.
@@ -246,11 +251,14 @@ class EpochRun(Generic[BatchT]):
             failed=failure is not None,
             failure=None if failure is None else (type(failure).__name__, str(failure)),
             off_plan=self.off_plan,
+            long_form=opens_epoch or most is None or most > SHORT_MOST,
         )
 
     def offer_buffered(self, window: int) -> tuple[Report, PendingAgreement]:
         self.feed.fill(window)
-        report = self.report(self.feed.buffered, self.feed.own_buffered, self.feed.empty_shard)
+        report = self.report(
+            self.feed.buffered, self.feed.own_buffered, self.feed.empty_shard, most=window
+        )
         pending = self.agreer.start(report)
         if self.sums_rows_ahead:
             self.pending_rows = self._start_rows_sum(window)
@@ -287,11 +295,11 @@ class EpochRun(Generic[BatchT]):
         )
         raise error
 
-    def start_check(self, spacing: int) -> None:
+    def start_check(self, proposal: int) -> None:
         """Tell every rank, without waiting, whether this rank's source failed or ran short, and
-        this rank's ``spacing`` for a later check (:mod:`ddp_even.runtime.source_checks`)."""
+        its ``proposal`` for a later check's spacing (:mod:`ddp_even.runtime.source_checks`)."""
         report = dataclasses.replace(
-            self.report(spacing, 0, shard_is_empty=False),
+            self.report(proposal, 0, shard_is_empty=False, most=LARGEST_PROPOSAL),
             fingerprint=self.settings.fingerprint ^ _CHECKING,
             settings=f"{self.settings.description}, checking the sources",
         )
@@ -299,7 +307,7 @@ class EpochRun(Generic[BatchT]):
 
     def settle_check(self) -> int | None:
         """Wait for the check started last, raising on every rank what it found; the smallest
-        spacing the ranks proposed with it, or None when no check was in flight."""
+        proposal the ranks made with it, or None when no check was in flight."""
         if self.pending_check is None:
             return None
         report, pending = self.pending_check
@@ -355,9 +363,9 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
         # Every rank started these, so they complete; waiting leaves nothing in flight when
         # the consumer stops early on every rank.
         if pending is not None:
-            pending.wait()
+            pending.finish_started()
         if run.pending_rows is not None:
-            run.pending_rows.wait()
+            run.pending_rows.finish_started()
 
 
 def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterator[BatchT]:
@@ -412,7 +420,7 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
     finally:
         if run.pending_check is not None:
             # The consumer stopped early on every rank, which every rank's check completes.
-            run.pending_check[1].wait()
+            run.pending_check[1].finish_started()
             run.pending_check = None
 
 

@@ -83,6 +83,7 @@ def agreed_footer_plan(
         own_available=int(local is not None),
         failed=failure is not None,
         failure=None if failure is None else (type(failure).__name__, str(failure)),
+        long_form=True,
     )
     agreement = agreer.start(report).wait()
     if not agreement.has_problem:

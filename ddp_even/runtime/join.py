@@ -82,7 +82,7 @@ def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[B
         # This rank has joined; it still takes part in the agreements of the ranks that
         # have not, at the same steps they hold them.
         if run.steps_done % window == 0:
-            report = run.report(0, 0, run.feed.empty_shard)
+            report = run.report(0, 0, run.feed.empty_shard, most=window)
             run.check(report, run.agreer.start(report).wait())
         run.steps_done += 1
 
@@ -99,7 +99,9 @@ def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[B
                 if run.feed.buffered == 0 and run.feed.failure is None:
                     break
                 Join.notify_join_context(loader_joinable)
-                report = run.report(run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard)
+                report = run.report(
+                    run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard, most=window
+                )
                 run.check(report, run.agreer.start(report).wait())
                 agreed = run.feed.buffered
                 for index in range(agreed):

@@ -12,7 +12,10 @@ So checks are :data:`CHECK_EVERY` steps apart, or as many more as take about
 Every rank needs the same spacing, and paces differ between ranks: each check carries every
 rank's proposal (in its report's ``available``, which a check does not otherwise use), and the
 reduction gives every rank the smallest, which spaces the check after the next one. The first
-two checks are :data:`CHECK_EVERY` steps apart.
+two checks are :data:`CHECK_EVERY` steps apart. A proposal is a power of two times
+:data:`CHECK_EVERY`, sent as its exponent (0 to 6): a check then fits the agreement's short
+form, one int64 (``agreement/wire.py``), at the price of checks up to twice as close as the
+period asks.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ CHECK_PERIOD_S = 0.05
 #: The most steps between two checks: bounds the batches a rank whose source failed hands out
 #: again before every rank hears of it.
 MOST_STEPS_BETWEEN_CHECKS = 1024
+#: The largest proposal a rank makes: the exponent of :data:`MOST_STEPS_BETWEEN_CHECKS`.
+LARGEST_PROPOSAL = (MOST_STEPS_BETWEEN_CHECKS // CHECK_EVERY).bit_length() - 1
 
 
 @dataclass
@@ -46,9 +51,9 @@ class CheckSchedule:
         >>> schedule.checked(16, agreed=None)  # no check settled yet: the first spacing
         >>> schedule.next_step
         32
-        >>> schedule.checked(32, agreed=100)  # the smallest proposal the check of step 16 carried
-        >>> schedule.next_step
-        132
+        >>> schedule.checked(32, agreed=3)  # the smallest proposal the check of step 16 carried
+        >>> schedule.next_step  # 32 + 16 * 2**3
+        160
     """
 
     next_step: int
@@ -63,19 +68,21 @@ class CheckSchedule:
         return cls(next_step=(steps_done // CHECK_EVERY + 1) * CHECK_EVERY, _from_step=steps_done)
 
     def proposal(self, step: int) -> int:
-        """This rank's spacing for a later check: the steps that take :data:`CHECK_PERIOD_S` at
-        the pace since the last check, within the bounds."""
+        """This rank's spacing for a later check, as the exponent ``e`` of ``CHECK_EVERY *
+        2**e`` steps: the most such steps that take at most :data:`CHECK_PERIOD_S` at the pace
+        since the last check, within the bounds."""
         now = time.monotonic()
         elapsed_s = now - self._from_s
         steps = step - self._from_step
         self._from_step, self._from_s = step, now
-        if elapsed_s <= 0:
-            return MOST_STEPS_BETWEEN_CHECKS
-        wanted = math.ceil(CHECK_PERIOD_S * steps / elapsed_s)
-        return min(max(wanted, CHECK_EVERY), MOST_STEPS_BETWEEN_CHECKS)
+        wanted = MOST_STEPS_BETWEEN_CHECKS
+        if elapsed_s > 0:
+            wanted = min(math.ceil(CHECK_PERIOD_S * steps / elapsed_s), wanted)
+        return max(wanted // CHECK_EVERY, 1).bit_length() - 1
 
     def checked(self, step: int, agreed: int | None) -> None:
-        """Schedule the next check after the one started at ``step``: ``agreed`` steps on, the
-        spacing the check settled at ``step`` carried (every rank's smallest proposal), or
-        :data:`CHECK_EVERY` when none was settled."""
-        self.next_step = step + (CHECK_EVERY if agreed is None else agreed)
+        """Schedule the next check after the one started at ``step``: ``CHECK_EVERY *
+        2**agreed`` steps on, ``agreed`` being the exponent the check settled at ``step``
+        carried (every rank's smallest proposal), or :data:`CHECK_EVERY` when none was
+        settled."""
+        self.next_step = step + (CHECK_EVERY << (agreed or 0))
