@@ -756,7 +756,7 @@ def main(ranks: tuple[int, ...], repeats: int, steps: int, out: Path, quick: boo
         console.print(
             f"all-reduce (MAX) of {' / '.join(by_elements)} int64s, mean of a loop of them: "
             + " / ".join(f"{seconds * 1e6:.0f}" for seconds in by_elements.values())
-            + " us per call (ddp_even's agreement sends 2)"
+            + " us per call (ddp_even's short form sends 1 with all_reduce(BOR), its long form 2)"
         )
         print_targets(console, result)
         warn_if_loaded(
