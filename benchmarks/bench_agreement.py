@@ -95,9 +95,7 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, in_turn, run_on_ranks
 from benchmarks.report import warn_if_loaded, write_results
 from ddp_even import EvenLoader, allreduce_hook
-from ddp_even.agreement.pending import PendingAgreement
 from ddp_even.agreement.transport import CollectiveAgreer
-from ddp_even.agreement.wire import Report
 from ddp_even.runtime import source_checks
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -455,12 +453,8 @@ def variants_for(workload: Workload, shard: list[Batch], equal: int, window: int
 @contextlib.contextmanager
 def _long_form_only() -> Iterator[None]:
     """Every agreement in the long form alone, one all-reduce of two int64s, as in 0.2."""
-
-    def start_long(agreer: CollectiveAgreer, report: Report) -> PendingAgreement:
-        return agreer._start_long(report)
-
     saved = CollectiveAgreer.start
-    CollectiveAgreer.start = start_long  # type: ignore[method-assign]
+    CollectiveAgreer.start = CollectiveAgreer._start_long  # type: ignore[method-assign]
     try:
         yield
     finally:
