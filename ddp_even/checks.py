@@ -77,6 +77,15 @@ def checked_joinables(joinables: Iterable[Any]) -> tuple[Joinable, ...]:
     return checked
 
 
+def check_batching_loader(loader: object) -> None:
+    """``EvenLoader.from_parquet``'s ``loader``: a petastorm loader that batches rows."""
+    if loader not in ("batched_dataloader", "dataloader"):
+        raise ValueError(
+            f"loader must be 'batched_dataloader' or 'dataloader', got {loader!r}: "
+            "EvenLoader counts batches, so the rows must be batched"
+        )
+
+
 def check_plan(plan: object) -> None:
     """Raise ``TypeError`` unless ``plan`` is None or a shard plan."""
     if plan is not None and not hasattr(plan, "batches_per_rank"):

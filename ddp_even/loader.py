@@ -6,6 +6,7 @@ settles the plan (given, from the footers, or none) and runs the epoch in its sh
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import weakref
@@ -17,7 +18,7 @@ from torch.distributed.algorithms.join import Joinable
 
 from ddp_even.agreement.control_group import start_heartbeat_for
 from ddp_even.agreement.transport import Agreer, agreer_for
-from ddp_even.checks import check_timeout, checked_loader_arguments
+from ddp_even.checks import check_batching_loader, check_timeout, checked_loader_arguments
 from ddp_even.modes import mode_named
 from ddp_even.resume.state import (
     PendingResume,
@@ -33,10 +34,11 @@ from ddp_even.runtime.environment import (
     refuse_join_inside_lightning,
     warn_if_launched_without_a_group,
 )
-from ddp_even.runtime.epochs import EpochRun, Settings, run_epoch
+from ddp_even.runtime.epochs import EpochRun, run_epoch
 from ddp_even.runtime.feed import ShardFeed
 from ddp_even.runtime.footer_plan import FooterPlan
 from ddp_even.runtime.iteration import Epoch, EpochNumbering, HandedOut, LoaderAccount
+from ddp_even.runtime.settings import Settings
 from ddp_even.runtime.stats import EpochStats, RankCounts
 from ddp_even.sources import PlannedSource, as_source, parquet_dataset
 
@@ -208,13 +210,9 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
                                              mode="truncate", sharding="rows")
             print(len(loader))          # steps per epoch, the same on every rank
         """
-        if loader not in ("batched_dataloader", "dataloader"):
-            raise ValueError(
-                f"loader must be 'batched_dataloader' or 'dataloader', got {loader!r}: "
-                "EvenLoader counts batches, so the rows must be batched"
-            )
         from ddp_even.petastorm.readers import make_shard_factory
 
+        check_batching_loader(loader)
         check_timeout(timeout)
         rank, world_size = rank_and_world_size(group)
         _, passes = make_shard_factory(
@@ -408,8 +406,12 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         whole_epoch = known_batches is not None or fixed_steps
         if known_batches is not None:
             feed.promise(known_batches)
+        settings = self._settings(None if whole_epoch else (self._sync_every or 1), plan)
+        if whole_epoch and self._current_run is not None and not start.resumes:
+            spacing = self._current_run.agreed_check_spacing
+            settings = dataclasses.replace(settings, check_spacing=spacing)
         run = EpochRun(
-            settings=self._settings(None if whole_epoch else (self._sync_every or 1), plan),
+            settings=settings,
             agreer=agreer,
             feed=feed,
             epoch=epoch,

@@ -37,10 +37,11 @@ def test_two_ranks_report_every_variant_and_target() -> None:
         if row["variant"].endswith("known lengths"):
             # One agreement before the first step (in both forms: it opens the epoch), the
             # checks of the sources (overlapped with the steps), one statistics gather after
-            # the last step.
-            checks = source_checks(row["steps"], counted_from=1)
-            in_epoch = (row["collectives_per_epoch"], row["collectives_in_loop"])
-            assert in_epoch == (3 + checks, checks)
+            # the last step. The round timed is the loader's second epoch, whose checks start
+            # at the spacing its first agreed: 16 steps where steps are slow, more where fast.
+            checks = row["collectives_in_loop"]
+            assert 1 <= checks <= source_checks(row["steps"], counted_from=1), row
+            assert row["collectives_per_epoch"] == 3 + checks, row
         if row["variant"] == HOOKED:
             # The hook's all-reduce, one bucket a step, on the shortest shard's steps.
             assert row["workload"] == "ddp model" and row["collectives_per_epoch"] == 18, row

@@ -31,7 +31,7 @@ from ddp_even.agreement.wire import (
 )
 from ddp_even.errors import EvenLoaderError
 from ddp_even.modes import MODES
-from ddp_even.runtime.epochs import Settings
+from ddp_even.runtime.settings import Settings
 
 SETTINGS = [
     Settings(mode, steps_per_epoch, sync_every)

@@ -77,6 +77,17 @@ def test_the_spacing_after_a_check_is_the_one_every_rank_agreed() -> None:
     assert schedule.next_step == 2 * CHECK_EVERY + 8 * CHECK_EVERY
 
 
+def test_a_later_epoch_starts_at_the_spacing_its_previous_epoch_agreed() -> None:
+    schedule = CheckSchedule.after(0, spacing=2)
+    assert schedule.next_step == 4 * CHECK_EVERY
+    schedule.checked(4 * CHECK_EVERY, agreed=None)  # nothing settled yet: the same spacing
+    assert schedule.next_step == 8 * CHECK_EVERY
+    schedule.checked(8 * CHECK_EVERY, agreed=0)  # then what the ranks agree
+    assert schedule.next_step == 9 * CHECK_EVERY
+    # Resumed part-way, on that spacing's first multiple after the saved step.
+    assert CheckSchedule.after(4 * CHECK_EVERY + 1, spacing=2).next_step == 8 * CHECK_EVERY
+
+
 FAST_STEPS = 6000
 SLOW_STEPS = 5 * CHECK_EVERY
 # Steps of an eighth of a period: CHECK_EVERY of them take twice a period, so the spacing stays
@@ -167,3 +178,63 @@ def test_a_source_failing_deep_in_a_fast_epoch_stops_every_rank_at_the_same_step
         "error": "OSError",
         "message": f"corrupt row group after {FAILS_AFTER} batches",
     }
+
+
+EPOCH_STEPS = 3 * CHECK_EVERY
+
+
+def _epochs_worker(rank: int, world_size: int, new_loader_on: int | None) -> dict[str, Any]:
+    """Two fast epochs over a list (known lengths): the batches and the all-reduces between the
+    first and the last step of each; the second on a new loader on rank ``new_loader_on``."""
+    from ddp_even import EvenLoader, RankMismatchError
+    from tests.helpers.collectives import AllReduceCounter
+
+    batches = shard(rank, EPOCH_STEPS + rank)
+    loader: EvenLoader[list[int]] = EvenLoader(batches, "truncate", timeout=30)
+    result: dict[str, Any] = {"seen": [], "checks": []}
+    for epoch in range(2):
+        if epoch == 1 and rank == new_loader_on:
+            loader = EvenLoader(batches, "truncate", timeout=30)
+            loader.set_epoch(1)
+        counter, seen = AllReduceCounter(), []
+        try:
+            for batch in loader:
+                if not seen:
+                    counter.start()  # after the epoch's agreement: the checks only
+                seen.append(batch)
+        except RankMismatchError as error:
+            result["error"] = str(error)
+            return result
+        finally:
+            counter.stop()
+        result["seen"].append(seen)
+        result["checks"].append(counter.calls)
+    return result
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_later_epoch_checks_at_the_spacing_its_previous_epoch_agreed() -> None:
+    results = run_ranks(_epochs_worker, 2, None, timeout=90)
+    for rank, result in enumerate(results):
+        assert result["seen"] == [shard(rank, EPOCH_STEPS)] * 2
+        # The first epoch: checks 16 steps apart and after the last step. Its steps are fast,
+        # so the ranks agreed on more steps between checks, which the second epoch starts at.
+        first, second = result["checks"]
+        assert first == EPOCH_STEPS // CHECK_EVERY, result["checks"]
+        assert 1 <= second < first, result["checks"]
+    assert results[0]["checks"] == results[1]["checks"]
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_loader_made_anew_on_one_rank_is_refused_on_every_rank_before_the_first_step() -> None:
+    results = run_ranks(_epochs_worker, 2, 1, timeout=90)
+    for rank, result in enumerate(results):
+        # The first epoch ran; the second stops before its first batch, on both ranks.
+        assert result["seen"] == [shard(rank, EPOCH_STEPS)], rank
+        error = result["error"]
+        assert "not running the same loop" in error, error
+        # The used loader's spacing against the new one's, rank by rank.
+        assert "rank 0: epoch 1" in error and "checks_every=" in error, error
+        assert error.count("checks_every=") == 1, error

@@ -274,6 +274,11 @@ class ResumedStart:
     # The state, when what it follows from is to be checked once the epoch's plan is settled.
     unchecked: Mapping[str, Any] | None = None
 
+    @property
+    def resumes(self) -> bool:
+        """Whether the epoch starts part-way, from a loaded state."""
+        return self.step is not None or self.resumed_from is not None
+
 
 def resumed_start(
     pending: PendingResume | None,

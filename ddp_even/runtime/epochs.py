@@ -17,13 +17,11 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from torch.distributed.algorithms.join import Joinable
 
@@ -31,7 +29,7 @@ from ddp_even.agreement.pending import Pending, PendingAgreement
 from ddp_even.agreement.transport import Agreer
 from ddp_even.agreement.wire import SHORT_MOST, Agreement, Report, error_from_reports
 from ddp_even.errors import EmptyShardError, RankMismatchError
-from ddp_even.modes import Mode, WindowDecision
+from ddp_even.modes import WindowDecision
 from ddp_even.runtime.feed import FedBatch, ShardFeed
 from ddp_even.runtime.iteration import BatchMarks
 from ddp_even.runtime.join import run_join
@@ -42,59 +40,13 @@ from ddp_even.runtime.padding import (
     share_padding,
     summed_rows,
 )
+from ddp_even.runtime.settings import Settings
 from ddp_even.runtime.source_checks import LARGEST_PROPOSAL, CheckSchedule
 from ddp_even.runtime.stats import EpochStats, RankCounts, gather_epoch_stats
-
-if TYPE_CHECKING:
-    from ddp_even.planning.plans import ShardPlan
 
 logger = logging.getLogger("ddp_even")
 
 BatchT = TypeVar("BatchT")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What every rank must agree on before the first step."""
-
-    mode: Mode
-    steps_per_epoch: int | None
-    # Batches per agreement; None: the whole epoch (known lengths).
-    sync_every: int | None
-    # The loader's shard plan, when it has one: ranks agree on its sharding and every rank's
-    # rows and batches.
-    plan: ShardPlan | None = None
-
-    @property
-    def sharding(self) -> str | None:
-        """How the plan cut the shards, or None without a plan."""
-        return None if self.plan is None else self.plan.sharding
-
-    @functools.cached_property
-    def description(self) -> str:
-        described = (
-            f"mode={self.mode.name} steps_per_epoch={self.steps_per_epoch} "
-            f"sync_every={self.sync_every if self.sync_every is not None else 'epoch'}"
-        )
-        if self.plan is not None:
-            plan = self.plan
-            identity = (plan.sharding, plan.rows_per_rank, plan.batches_per_rank, plan.batch_size)
-            digest = hashlib.blake2b(repr(identity).encode(), digest_size=4)
-            described += f" plan={digest.hexdigest()}"
-        return described
-
-    @functools.cached_property
-    def fingerprint(self) -> int:
-        # Cached: reports are built every step, and these settings never change.
-        digest = hashlib.blake2b(self.description.encode(), digest_size=7).digest()
-        return int.from_bytes(digest, "big")
-
-    def window(self, steps_done: int) -> int | None:
-        """The most batches any rank offers in the next agreement."""
-        remaining = None if self.steps_per_epoch is None else self.steps_per_epoch - steps_done
-        if self.sync_every is None:
-            return remaining
-        return self.sync_every if remaining is None else min(self.sync_every, remaining)
 
 
 @dataclass
@@ -132,6 +84,9 @@ class EpochRun(Generic[BatchT]):
     window_start: int = 0
     pending_rows: Pending[list[int]] | None = None
     sums_rows_ahead: bool = False
+    # Known lengths: the spacing the epoch's last check agreed, once it is settled (what the
+    # next epoch's checks start at).
+    agreed_check_spacing: int = 0
 
     def __post_init__(self) -> None:
         if self.settings.mode.pads_short_shards and self.settings.plan is not None:
@@ -158,7 +113,7 @@ class EpochRun(Generic[BatchT]):
 
     def finish(self, had_more_own_data: bool) -> None:
         """Gather the statistics; called at a point every rank reaches."""
-        self.settle_check()
+        self.agreed_check_spacing = self.settle_check() or 0
         self.counts.truncated = had_more_own_data
         # A rank that handed out nothing still started its source once.
         self.counts.passes = max(self.counts.passes, min(self.feed.passes_started, 1))
@@ -401,7 +356,7 @@ def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterato
         # A pass that ended early (a reader losing rows) was not cut by the epoch.
         return not run.feed.own_ended and own_batches > run.counts.own_batches
 
-    schedule = CheckSchedule.after(run.steps_done)
+    schedule = CheckSchedule.after(run.steps_done, run.settings.check_spacing)
     try:
         for step in range(run.steps_done + 1, decision.steps + 1):
             run.steps_done += 1

@@ -26,7 +26,7 @@ from ddp_even.runtime.feed import ShardFeed
 
 if TYPE_CHECKING:
     from ddp_even.planning.plans import ShardPlan
-    from ddp_even.runtime.epochs import Settings
+    from ddp_even.runtime.settings import Settings
 
 logger = logging.getLogger("ddp_even")
 

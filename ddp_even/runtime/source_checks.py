@@ -12,7 +12,11 @@ So checks are :data:`CHECK_EVERY` steps apart, or as many more as take about
 Every rank needs the same spacing, and paces differ between ranks: each check carries every
 rank's proposal (in its report's ``available``, which a check does not otherwise use), and the
 reduction gives every rank the smallest, which spaces the check after the next one. The first
-two checks are :data:`CHECK_EVERY` steps apart. A proposal is a power of two times
+two checks of a loader's first epoch are :data:`CHECK_EVERY` steps apart; a later epoch's start
+at the spacing its previous epoch's last check agreed, so that an epoch shorter than a few
+spacings does not wait for a check started :data:`CHECK_EVERY` short steps before. That spacing
+is part of the epoch's settings, which the ranks compare before its first step: a rank with
+another history (a loader made anew on it alone) fails there. A proposal is a power of two times
 :data:`CHECK_EVERY`, sent as its exponent (0 to 6): a check then fits the agreement's short
 form, one int64 (``agreement/wire.py``), at the price of checks up to twice as close as the
 period asks.
@@ -54,18 +58,27 @@ class CheckSchedule:
         >>> schedule.checked(32, agreed=3)  # the smallest proposal the check of step 16 carried
         >>> schedule.next_step  # 32 + 16 * 2**3
         160
+        >>> CheckSchedule.after(0, spacing=2).next_step  # the previous epoch agreed 16 * 2**2
+        64
     """
 
     next_step: int
     # Where the pace is measured from: the last check (or the epoch's first step).
     _from_step: int
     _from_s: float = field(default_factory=time.monotonic)
+    # The exponent of the spacing until a check settles one: the previous epoch's.
+    _spacing: int = 0
 
     @classmethod
-    def after(cls, steps_done: int) -> CheckSchedule:
-        """The schedule of an epoch that starts (or resumes) after ``steps_done`` steps; the
-        first check falls on a multiple of :data:`CHECK_EVERY`, as in an uninterrupted run."""
-        return cls(next_step=(steps_done // CHECK_EVERY + 1) * CHECK_EVERY, _from_step=steps_done)
+    def after(cls, steps_done: int, spacing: int = 0) -> CheckSchedule:
+        """The schedule of an epoch that starts (or resumes) after ``steps_done`` steps, its
+        first checks ``CHECK_EVERY * 2**spacing`` steps apart (``spacing``: what the previous
+        epoch's last check agreed); the first falls on a multiple of that, as in an
+        uninterrupted run."""
+        every = CHECK_EVERY << spacing
+        return cls(
+            next_step=(steps_done // every + 1) * every, _from_step=steps_done, _spacing=spacing
+        )
 
     def proposal(self, step: int) -> int:
         """This rank's spacing for a later check, as the exponent ``e`` of ``CHECK_EVERY *
@@ -83,6 +96,6 @@ class CheckSchedule:
     def checked(self, step: int, agreed: int | None) -> None:
         """Schedule the next check after the one started at ``step``: ``CHECK_EVERY *
         2**agreed`` steps on, ``agreed`` being the exponent the check settled at ``step``
-        carried (every rank's smallest proposal), or :data:`CHECK_EVERY` when none was
+        carried (every rank's smallest proposal), or the epoch's first spacing when none was
         settled."""
-        self.next_step = step + (CHECK_EVERY << (agreed or 0))
+        self.next_step = step + (CHECK_EVERY << (self._spacing if agreed is None else agreed))

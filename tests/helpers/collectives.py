@@ -34,8 +34,9 @@ def source_checks(steps: int, counted_from: int = 2) -> int:
     ``counted_from`` on: a check of the sources every ``CHECK_EVERY`` steps and one at the last
     step (``AllReduceCounter`` started after the first batch counts from step 2).
 
-    Exact up to ``3 * CHECK_EVERY`` steps: the first two checks are ``CHECK_EVERY`` apart, and
-    the spacing after them follows the pace of the steps (``runtime/source_checks.py``).
+    Exact up to ``3 * CHECK_EVERY`` steps of a loader's first epoch: its first two checks are
+    ``CHECK_EVERY`` apart, and the spacing after them follows the pace of the steps, as does a
+    later epoch's from its start (``runtime/source_checks.py``).
     """
     from ddp_even.runtime.source_checks import CHECK_EVERY
 
