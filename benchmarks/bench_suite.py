@@ -17,14 +17,22 @@ children, which this measured before, misses the ranks of the fork server, which
 not reap), and the ratio to the first variant; the targets: the fast tier under 30 s, the whole
 suite, and so each other tier, within 10 minutes. The three tiers are the three runs of
 ``scripts/test.sh``: the timing tests (``-m timing``) run last, by themselves.
+
+A second table says where the first variant's CPU time goes: each test file's tests with every
+process they started (``benchmarks/suite_cpu.py``, loaded into each run), the costliest first,
+and what is outside the tests (test processes starting and collecting, pytest's own process,
+anything else running). The JSON has every file's median.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.report import warn_if_loaded, write_results
+from benchmarks.suite_cpu import LOG_VARIABLE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,6 +56,9 @@ class Tier:
     target_s: float
     warm_up: bool
 
+
+# How many of the costliest test files the CPU table names.
+SHOWN_FILES = 12
 
 TIERS = {
     "fast": Tier("not multirank and not spark", target_s=30.0, warm_up=True),
@@ -68,20 +80,37 @@ def environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
 
 
-def run_once(tier: Tier, workers: int, tests: tuple[str, ...]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the whole machine) of one run."""
+@dataclass(frozen=True)
+class Run:
+    """One run of a tier: its wall time, the machine's CPU time, and each test file's."""
+
+    wall_s: float
+    cpu_s: float
+    # Per test file, the CPU time of its tests with all they started (benchmarks/suite_cpu.py).
+    cpu_by_file: dict[str, float]
+
+
+def run_once(tier: Tier, workers: int, tests: tuple[str, ...]) -> Run:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", tier.markers]
-    command += ["-n", str(workers), "--dist", "loadgroup", *tests]
-    busy_before = machine_busy_s()
-    started = time.perf_counter()
-    done = subprocess.run(
-        command, cwd=ROOT, env=environment(), capture_output=True, text=True, check=False
-    )
-    wall = time.perf_counter() - started
-    cpu = machine_busy_s() - busy_before
-    if done.returncode != 0:
-        raise click.ClickException(f"-n {workers}: pytest failed:\n{done.stdout[-3000:]}")
-    return wall, cpu
+    command += ["-n", str(workers), "--dist", "loadgroup", "-p", "benchmarks.suite_cpu", *tests]
+    with tempfile.TemporaryDirectory(prefix="ddp-even-suite-") as directory:
+        log = Path(directory, "cpu.jsonl")
+        env = {**environment(), LOG_VARIABLE: str(log)}
+        busy_before = machine_busy_s()
+        started = time.perf_counter()
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, check=False
+        )
+        wall = time.perf_counter() - started
+        cpu = machine_busy_s() - busy_before
+        if done.returncode != 0:
+            raise click.ClickException(f"-n {workers}: pytest failed:\n{done.stdout[-3000:]}")
+        lines = log.read_text().splitlines() if log.exists() else []
+    cpu_by_file: dict[str, float] = collections.defaultdict(float)
+    for line in lines:
+        record = json.loads(line)
+        cpu_by_file[record["test"].split("::", 1)[0]] += record["cpu_s"]
+    return Run(wall, cpu, dict(cpu_by_file))
 
 
 def machine_busy_s() -> float:
@@ -89,6 +118,33 @@ def machine_busy_s() -> float:
     times = psutil.cpu_times()
     # Guest time is counted in user time already; steal time is another machine's.
     return sum(getattr(times, field, 0.0) for field in ("user", "nice", "system", "irq", "softirq"))
+
+
+def median_by_file(runs: list[Run]) -> dict[str, float]:
+    """Each test file's median CPU time over ``runs``, the costliest first."""
+    files = {name for run in runs for name in run.cpu_by_file}
+    medians = {
+        name: statistics.median(run.cpu_by_file.get(name, 0.0) for run in runs) for name in files
+    }
+    return dict(sorted(medians.items(), key=lambda item: -item[1]))
+
+
+def cpu_table(cpu_by_file: dict[str, float], machine_cpu_s: float, workers: int) -> Table:
+    """Where a run's CPU time goes: the costliest test files, then the rest."""
+    table = Table(title=f"CPU time by test file (-n {workers}, median), with all its tests started")
+    for column in ("test file", "CPU s", "share of the machine's"):
+        table.add_column(column, justify="left" if column == "test file" else "right")
+    shown = list(cpu_by_file.items())[:SHOWN_FILES]
+    rest = sum(list(cpu_by_file.values())[SHOWN_FILES:])
+    outside = machine_cpu_s - sum(cpu_by_file.values())
+    rows = [*shown, (f"{max(len(cpu_by_file) - SHOWN_FILES, 0)} other files", rest)]
+    # Test processes starting and collecting, pytest's own process, and anything else running.
+    rows.append(("outside the tests", outside))
+    for name, seconds in rows:
+        table.add_row(
+            name, f"{seconds:.1f}", f"{seconds / machine_cpu_s:.0%}" if machine_cpu_s else ""
+        )
+    return table
 
 
 @click.command()
@@ -132,26 +188,27 @@ def main(
         console.print("one untimed run fills the bytecode and page caches")
         run_once(chosen, workers[0], tests)
     load_before = os.getloadavg()[0]
-    times: dict[int, list[tuple[float, float]]] = {count: [] for count in workers}
+    times: dict[int, list[Run]] = {count: [] for count in workers}
     for round_number in range(1, rounds + 1):
         for count in workers:
-            wall, cpu = run_once(chosen, count, tests)
-            console.print(f"round {round_number}/{rounds}, -n {count}: {wall:.1f} s")
-            times[count].append((wall, cpu))
+            run = run_once(chosen, count, tests)
+            console.print(f"round {round_number}/{rounds}, -n {count}: {run.wall_s:.1f} s")
+            times[count].append(run)
     load_after = os.getloadavg()[0]
-    baseline = statistics.median(wall for wall, _ in times[workers[0]])
+    baseline = statistics.median(run.wall_s for run in times[workers[0]])
     runs = []
     for count in workers:
-        walls = [wall for wall, _ in times[count]]
+        walls = [run.wall_s for run in times[count]]
         runs.append(
             {
                 "workers": count,
                 "median_s": statistics.median(walls),
                 "min_s": min(walls),
                 "max_s": max(walls),
-                "cpu_median_s": statistics.median(cpu for _, cpu in times[count]),
+                "cpu_median_s": statistics.median(run.cpu_s for run in times[count]),
                 "ratio_to_first": statistics.median(walls) / baseline,
                 "wall_s": walls,
+                "cpu_by_file_median_s": median_by_file(times[count]),
             }
         )
     title = f"-m {chosen.markers!r}, median of {rounds} interleaved rounds"
@@ -172,6 +229,7 @@ def main(
         )
     table.caption = f"load average before/after: {load_before:.1f}/{load_after:.1f}"
     console.print(table)
+    console.print(cpu_table(runs[0]["cpu_by_file_median_s"], runs[0]["cpu_median_s"], workers[0]))
     warn_if_loaded(console, max(load_before, load_after), "the times include waiting for a CPU")
     write_results(console, out, config, runs)
 

@@ -1,14 +1,14 @@
 """A training job that checkpoints and resumes, for ``torchrun --max-restarts``.
 
 Run with ``torchrun --nproc-per-node N --max-restarts M tests/helpers/resume_job.py OUT
-[--kill]``. For each mode in turn it trains two epochs over per-rank lists of batches of
-sample ids (uneven lengths), checkpointing model, optimizer and loader every
-``CHECKPOINT_EVERY`` steps into ``OUT``. With ``--kill``, attempt ``k`` (torchrun's restart
-count) SIGKILLs rank ``VICTIM`` mid-epoch in the ``k``-th mode, so every mode is interrupted
-once; the restarted job skips the modes already done and resumes the interrupted one from its
-last checkpoint. Each rank writes what it trained on (``trained-<mode>-<rank>.json``: per
-epoch, the sample ids of each step, truncated back to the checkpoint on resume) and the final
-weights (``weights-<mode>-<rank>.json``).
+[--kill]``, or call :func:`uninterrupted` on ranks in a process group. For each mode in turn
+it trains two epochs over per-rank lists of batches of sample ids (uneven lengths),
+checkpointing model, optimizer and loader every ``CHECKPOINT_EVERY`` steps into ``OUT``. With
+``--kill``, attempt ``k`` (torchrun's restart count) SIGKILLs rank ``VICTIM`` mid-epoch in the
+``k``-th mode, so every mode is interrupted once; the restarted job skips the modes already
+done and resumes the interrupted one from its last checkpoint. Each rank writes what it
+trained on (``trained-<mode>-<rank>.json``: per epoch, the sample ids of each step, truncated
+back to the checkpoint on resume) and the final weights (``weights-<mode>-<rank>.json``).
 """
 
 from __future__ import annotations
@@ -118,6 +118,16 @@ def run_mode(out: Path, mode: str, rank: int, kill: bool, attempt: int) -> None:
     _write(log_path, trained)
     weights = [value for param in model.parameters() for value in param.reshape(-1).tolist()]
     _write(out / f"weights-{mode}-{rank}.json", weights)
+
+
+def uninterrupted(rank: int, world_size: int, out: Path) -> None:
+    """The reference: every mode trained without a kill, on ranks already in a process group
+    (``tests/helpers/spawn.py``'s, whose fork server has imported torch: no torchrun attempt
+    and four fresh interpreters for it)."""
+    torch.set_num_threads(1)
+    for mode in MODES:
+        run_mode(out, mode, rank, kill=False, attempt=0)
+        dist.barrier()
 
 
 def main() -> None:
