@@ -270,6 +270,9 @@ def _shell(command: str, dataset: Path, env: dict[str, str]) -> subprocess.Compl
 
 def _run_shell_block(block: Block, dataset: Path, s3: S3Server | None) -> None:
     env: dict[str, str] = {}
+    # A script's --help says the same for every command of the block that names it (and costs
+    # its imports: about 4 s of CPU for Lightning's example), so it runs once.
+    helped_scripts: set[str] = set()
     for command in _commands(block.code):
         if s3 is not None and MINIO in command:
             command = command.replace(MINIO, s3.endpoint)
@@ -277,7 +280,8 @@ def _run_shell_block(block: Block, dataset: Path, s3: S3Server | None) -> None:
         why = _why_not_run(command)
         if why is not None:
             script = next((word for word in shlex.split(command) if word.endswith(".py")), None)
-            if script is not None:
+            if script is not None and script not in helped_scripts:
+                helped_scripts.add(script)
                 helped = _shell(f"python {script} --help", dataset, env)
                 assert helped.returncode == 0, (command, helped.stdout + helped.stderr)
             continue
