@@ -125,8 +125,15 @@ def uninterrupted(rank: int, world_size: int, out: Path) -> None:
     (``tests/helpers/spawn.py``'s, whose fork server has imported torch: no torchrun attempt
     and four fresh interpreters for it)."""
     torch.set_num_threads(1)
+    run_modes(out, rank, kill=False, attempt=0)
+
+
+def run_modes(out: Path, rank: int, kill: bool, attempt: int) -> None:
+    """Every mode in turn but those a lost attempt finished (its final weights are written)."""
     for mode in MODES:
-        run_mode(out, mode, rank, kill=False, attempt=0)
+        if (out / f"weights-{mode}-{rank}.json").exists():
+            continue  # done before a restart
+        run_mode(out, mode, rank, kill, attempt)
         dist.barrier()
 
 
@@ -146,12 +153,7 @@ def main() -> None:
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
     )
-    rank = dist.get_rank()
-    for mode in MODES:
-        if (out / f"weights-{mode}-{rank}.json").exists():
-            continue  # done before a restart
-        run_mode(out, mode, rank, kill, attempt)
-        dist.barrier()
+    run_modes(out, dist.get_rank(), kill, attempt)
     dist.destroy_process_group()
 
 
