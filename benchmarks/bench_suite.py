@@ -134,10 +134,11 @@ def cpu_table(cpu_by_file: dict[str, float], machine_cpu_s: float, workers: int)
     table = Table(title=f"CPU time by test file (-n {workers}, median), with all its tests started")
     for column in ("test file", "CPU s", "share of the machine's"):
         table.add_column(column, justify="left" if column == "test file" else "right")
-    shown = list(cpu_by_file.items())[:SHOWN_FILES]
-    rest = sum(list(cpu_by_file.values())[SHOWN_FILES:])
+    rows = list(cpu_by_file.items())[:SHOWN_FILES]
+    others = list(cpu_by_file.values())[SHOWN_FILES:]
+    if others:
+        rows.append((f"{len(others)} other files", sum(others)))
     outside = machine_cpu_s - sum(cpu_by_file.values())
-    rows = [*shown, (f"{max(len(cpu_by_file) - SHOWN_FILES, 0)} other files", rest)]
     # Test processes starting and collecting, pytest's own process, and anything else running.
     rows.append(("outside the tests", outside))
     for name, seconds in rows:
