@@ -23,7 +23,9 @@ from ddp_even.errors import (
     PeerSourceError,
     PeerTimeoutError,
     RankMismatchError,
+    ShardCoverageError,
     SourceEndedEarlyError,
+    StateMismatchError,
 )
 
 if TYPE_CHECKING:
@@ -40,7 +42,9 @@ __all__ = [
     "PeerSourceError",
     "PeerTimeoutError",
     "RankMismatchError",
+    "ShardCoverageError",
     "SourceEndedEarlyError",
+    "StateMismatchError",
     "allreduce_hook",
 ]
 # The installed distribution's version: pyproject.toml is the one place it is written.

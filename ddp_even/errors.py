@@ -149,6 +149,69 @@ class OffPlanError(EvenLoaderError):
         )
 
 
+class ShardCoverageError(EvenLoaderError, ValueError):
+    """The readers of the ranks do not read the dataset once between them: some row groups are
+    read by no rank, or by several while others skip them (petastorm readers built with another
+    ``cur_shard``/``shard_count`` than the training group's rank and world size).
+
+    Raised on every rank before the first step of the epoch whose first passes showed it;
+    ``unread`` lists the row groups no rank reads, ``read_by`` those several ranks read, with
+    their (global) ranks. Every rank reading every row group (no sharding) is not an error.
+
+    Example::
+
+        >>> from ddp_even.planning.coverage import coverage_problem
+        >>> print(ShardCoverageError(*coverage_problem(
+        ...     [frozenset({0, 3}), frozenset({1, 4})], 6, selects=False, ranks=[0, 1])))
+        the ranks' readers do not read the dataset once between them: row group(s) [2, 5] are ...
+    """
+
+    def __init__(
+        self, unread: tuple[int, ...], read_by: Mapping[int, tuple[int, ...]], message: str
+    ) -> None:
+        self.unread = unread
+        self.read_by = dict(read_by)
+        super().__init__(message)
+
+
+class StateMismatchError(EvenLoaderError, ValueError):
+    """A loader state does not fit the loader it was loaded into: it was saved by a loop that
+    read other data, or in another order (``differ`` names the settings), or one of the two
+    loops cannot tell what it read (``untold`` names the settings hidden, and what hides them).
+
+    Raised on every rank before the first step of the resumed epoch; nothing was read for it.
+    ``load_state_dict(state, strict=False)`` resumes anyway (docs/resume.md).
+
+    Example::
+
+        >>> print(StateMismatchError(["seed"], {}))
+        the loader state was saved by a loader whose seed differs from this one's: the rows ...
+    """
+
+    def __init__(self, differ: Sequence[str], untold: Mapping[str, str]) -> None:
+        self.differ = tuple(differ)
+        self.untold = dict(untold)
+        found = []
+        if differ:
+            verb = "differs" if len(differ) == 1 else "differ"
+            found.append(
+                f"the loader state was saved by a loader whose {', '.join(differ)} {verb} "
+                "from this one's: the rows it had read, and their order, were other rows"
+            )
+        if untold:
+            hidden = "; ".join(f"{name}: {why}" for name, why in self.untold.items())
+            found.append(
+                "whether the loop that saved the state read the same rows in the same order "
+                f"cannot be told ({hidden})"
+            )
+        super().__init__(
+            f"{'; and '.join(found)}. Build the loader as it was built when the state was saved "
+            "(the same data, reader settings, predicate and batch size), start the next epoch "
+            "with loader.set_epoch(epoch + 1), or resume anyway with "
+            "load_state_dict(state, strict=False)"
+        )
+
+
 class PeerTimeoutError(EvenLoaderError):
     """Some ranks are lost: dead, stalled, or alive but away past the training group's timeout.
 

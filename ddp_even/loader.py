@@ -25,6 +25,7 @@ from ddp_even.resume.state import (
     ResumedStart,
     loader_state,
     pending_resume,
+    provenance_of,
     refusal,
     resumed_start,
 )
@@ -36,7 +37,7 @@ from ddp_even.runtime.environment import (
 )
 from ddp_even.runtime.epochs import EpochRun, run_epoch
 from ddp_even.runtime.feed import ShardFeed
-from ddp_even.runtime.footer_plan import FooterPlan
+from ddp_even.runtime.first_pass import FirstPass
 from ddp_even.runtime.iteration import Epoch, EpochNumbering, HandedOut, LoaderAccount
 from ddp_even.runtime.settings import Settings
 from ddp_even.runtime.stats import EpochStats, RankCounts
@@ -45,7 +46,6 @@ from ddp_even.sources import PlannedSource, as_source, parquet_dataset
 if TYPE_CHECKING:
     from ddp_even.names import ModeName, Sharding
     from ddp_even.planning.plans import ShardPlan
-    from ddp_even.planning.provenance import Provenance
 
 BatchT = TypeVar("BatchT")
 
@@ -152,8 +152,9 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         # A factory that reads any plan of its dataset (from_parquet's): resumes elastically.
         self._passes = source if isinstance(source, PlannedSource) else None
         self._plan = plan if plan is not None or self._passes is None else self._passes.plan
-        # A petastorm loader's plan worked out from its footers (no plan given); tried once.
-        self._footers = FooterPlan()
+        # What the ranks' first passes read, checked at every epoch's start, and a petastorm
+        # loader's plan worked out from its footers (no plan given).
+        self._first_pass = FirstPass()
         # Made at the first epoch, a point every rank reaches (or met while planning).
         self._agreer: Agreer | None = None if self._passes is None else self._passes.agreer
         self._next_epoch = 0
@@ -249,9 +250,10 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         last handed out counts as trained on). The state holds the format ``version``, the
         ddp_even ``library_version``, the loader's ``settings`` (mode, ``steps_per_epoch``,
         ``sync_every``, plan digest), ``world_size``, this process's global ``rank``, the
-        ``epoch`` in progress (or the next one between epochs) and ``step``: how many of that
-        epoch's steps this rank has handed out. Ints and strings only: safe for ``torch.save``
-        and ``torch.distributed.checkpoint``.
+        ``epoch`` in progress (or the next one between epochs), ``step``: how many of that
+        epoch's steps this rank has handed out, and ``provenance``: what the epoch's reading
+        follows from, where the source can tell (see :meth:`load_state_dict`). Ints and
+        strings only: safe for ``torch.save`` and ``torch.distributed.checkpoint``.
 
         Example::
 
@@ -274,21 +276,24 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             self._pending,
             settings=self._settings(self._sync_every, self._plan).description,
             world_size=rank_and_world_size(self._group)[1],
-            provenance=self._provenance,
+            provenance=provenance_of(
+                self._passes, None if self._current_run is None else self._current_run.feed.reading
+            ),
         )
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Continue from ``state`` (from :meth:`state_dict`): the next ``for`` resumes its epoch.
 
         The rest of the interrupted epoch is what an uninterrupted run would have handed out
         when every pass over a rank's shard yields the same batches in the same order (lists,
-        unshuffled loaders, seeded ``from_parquet`` loaders, factories building such sources);
-        its statistics count the whole epoch and say where it resumed. Each rank reads again
-        what it had consumed, unless its source can start at the step (a factory taking
-        ``start_batch``, or a ``from_parquet`` loader whose order ddp_even computes, which
-        also resumes a state saved on another number of ranks). docs/resume.md has the whole
-        story (and :meth:`state_dict` an example). Raises ``ValueError`` saying why when
-        ``state`` does not fit this loader.
+        unshuffled or seeded readers, factories building such sources); its statistics count
+        the whole epoch. Each rank reads again what it had consumed, unless its source can
+        start at the step (a factory taking ``start_batch``, a ``from_parquet`` loader, which
+        also resumes on another number of ranks). Raises ``ValueError`` when ``state`` does
+        not fit this loader's settings, and :class:`~ddp_even.StateMismatchError` (at once
+        for ``from_parquet``, else on every rank before the resumed epoch's first step) when
+        it was saved by a loop that read other data or in another order, or when either loop
+        cannot tell; ``strict=False`` resumes anyway. docs/resume.md has the whole story.
         """
         self._next_epoch, self._pending = pending_resume(
             state,
@@ -297,7 +302,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             mode=self._mode,
             steps_per_epoch=self._steps_per_epoch,
             planned=self._passes,
-            provenance=self._provenance,
+            strict=strict,
         )
 
     def set_epoch(self, epoch: int) -> None:
@@ -370,15 +375,20 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             starts_after=len(start.skipped),
             pads=self._mode.pads_short_shards,
         )
-        run = self._settle_plan(epoch, agreer, start, feed)
-        feed.failure = feed.failure or refusal(start, self._provenance)
-        if self._mode.shadows_finished_ranks and agreer.world_size > 1:
-            refuse_join_inside_lightning()
-        self._current_run = run
-        self._handed_out.epoch_started()
-        if start.step is not None:
-            run.resume_after(start.step, start.skipped)
+        # Whatever ends the epoch, before its first step too (a refused resume, a mismatch),
+        # closes what it opened: a reader left running at exit aborts the process.
         try:
+            run = self._settle_plan(epoch, agreer, start, feed)
+            if start.unchecked is not None:
+                feed.first_pass_reading()  # what the resumed epoch reads, checked against the state
+            provenance = provenance_of(self._passes, feed.reading)
+            feed.failure = feed.failure or refusal(start, provenance, agreer.rank)
+            if self._mode.shadows_finished_ranks and agreer.world_size > 1:
+                refuse_join_inside_lightning()
+            self._current_run = run
+            self._handed_out.epoch_started()
+            if start.step is not None:
+                run.resume_after(start.step, start.skipped)
             yield from run_epoch(run, self._joinables)
         finally:
             self._handed_out.epoch_ended()
@@ -392,8 +402,12 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         known_batches = start.source.known_batches()
         fixed_steps = mode.restarts_short_shards and self._steps_per_epoch is not None
         agrees_as_it_goes = self._sync_every is not None or mode.shadows_finished_ranks
-        if self._plan is None and known_batches is None and not (agrees_as_it_goes or fixed_steps):
-            self._footers.settle(feed, agreer, self._settings(None, None), epoch)
+        wants_plan = not (agrees_as_it_goes or fixed_steps)
+        # Sources whose passes tell what they read (petastorm's) are checked every epoch.
+        if self._plan is None and known_batches is None:
+            if wants_plan or feed.first_pass_reading() is not None:
+                settings = self._settings(self._sync_every, None)
+                self._first_pass.settle(feed, agreer, settings, epoch, wants_plan)
         plan = start.plan or self._known_plan
         if plan is not None:
             rank_in_plan(plan, self._group)
@@ -435,12 +449,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
 
     @property
     def _known_plan(self) -> ShardPlan | None:
-        return self._plan if self._plan is not None else self._footers.plan
-
-    @property
-    def _provenance(self) -> Provenance | None:
-        """What this loader's lengths and reading order follow from, where it knows."""
-        return self._footers.provenance if self._passes is None else self._passes.provenance
+        return self._plan if self._plan is not None else self._first_pass.plan
 
     def _agreer_for_this_process(self) -> Agreer:
         if self._agreer is None:

@@ -90,7 +90,8 @@ def header_lines(
 def sections(
     plan: ShardPlan, round_robin: ShardPlan, row_groups: RowGroups, most_listed: int | None
 ) -> list[Section]:
-    """Every table of the plan: ranks, split row groups, modes, and round robin beside it.
+    """Every table of the plan: ranks, split row groups, modes, and round robin beside it
+    (where petastorm's round robin cannot run, the table says so instead of its numbers).
 
     Beyond ``most_listed`` ranks the rank table is a summary, and only that many split row
     groups are listed (None: list them all).
@@ -169,7 +170,8 @@ def json_document(
         "plan": plan.to_dict(),
     }
     if not SHARDINGS[plan.sharding].is_petastorms:
-        document["round_robin"] = round_robin.to_dict()
+        fails = round_robin.describe_too_many_ranks()
+        document["round_robin"] = round_robin.to_dict() if fails is None else {"fails": fails}
     return document
 
 
@@ -377,8 +379,12 @@ def _comparison_section(round_robin: ShardPlan, planned: ShardPlan) -> Section:
     for name in MODES:
         metrics.append((f"{name}: steps", lambda p, name=name: p.steps(name)))
         metrics.append((f"{name}: waste %", lambda p, name=name: p.stats(name).waste_percent))
+    fails = round_robin.describe_too_many_ranks()
     for text, metric in metrics:
-        section.add_row(text, _number(metric(round_robin)), _number(metric(planned)))
+        theirs = "fails" if fails is not None else _number(metric(round_robin))
+        section.add_row(text, theirs, _number(metric(planned)))
+    if fails is not None:
+        section.notes.append(f"Round robin fails: {fails}.")
     return section
 
 

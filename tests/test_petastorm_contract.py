@@ -18,7 +18,7 @@ from petastorm.workers_pool.thread_pool import ThreadPool
 from petastorm.workers_pool.ventilator import ConcurrentVentilator
 
 from ddp_even import EvenLoader
-from ddp_even.petastorm.thread_pool import close_end_of_results_race
+from ddp_even.petastorm.pools import close_end_of_results_race
 from tests.helpers.datasets import shard_rows, write_unischema_dataset
 
 PINNED = "0.12.1"

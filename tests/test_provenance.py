@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ddp_even.petastorm.readers import make_shard_factory
-from ddp_even.planning.provenance import Provenance, code_identity
+from ddp_even.planning.provenance import Provenance, Untold, code_identity
 from tests.helpers.datasets import write_plain_dataset
 
 PREDICATE_MODULE = """
@@ -128,11 +128,16 @@ def test_the_identity_is_the_same_in_another_process(tmp_path: Path) -> None:
     assert there == code_identity(here.PREDICATE).hex() and len(there) == 64
 
 
-def test_provenance_names_the_first_part_that_differs() -> None:
+def test_provenance_names_every_part_that_differs_and_every_part_untold() -> None:
     saved = Provenance.of(data=b"footers", seed=7, predicate=lambda ids: ids > 0)
-    assert saved.first_difference(Provenance.from_dict(saved.as_dict())) is None
-    assert saved.first_difference(Provenance.of(data=b"footers", seed=8, predicate=None)) == "seed"
-    assert Provenance.of(data=b"x").first_difference(Provenance.of(data=b"x", seed=1)) == "seed"
+    assert saved.compare(Provenance.from_dict(saved.as_dict())) == ([], [])
+    changed = Provenance.of(data=b"footers", seed=8, predicate=None)
+    assert saved.compare(changed) == (["seed", "predicate"], [])
+    assert Provenance.of(data=b"x").compare(Provenance.of(data=b"x", seed=1)) == (["seed"], [])
+    hidden = Provenance.of(data=b"footers", seed=Untold("a process pool"), predicate=None)
+    assert saved.compare(hidden) == (["predicate"], ["seed"])
+    assert hidden.untold() == {"seed": "a process pool"}
+    assert Provenance.from_dict(hidden.as_dict()).compare(hidden) == ([], ["seed"])
 
 
 @pytest.mark.timeout(120)

@@ -234,7 +234,7 @@ def test_a_factory_raising_is_kept() -> None:
         raise PermissionError("no access to the shard")
 
     feed = _feed(factory)
-    assert feed.first_pass_row_groups() is None
+    assert feed.first_pass_reading() is None
     assert isinstance(feed.failure, PermissionError)
     feed.fill(3)
     assert (feed.buffered, feed.passes_started, feed.empty_shard) == (0, 0, False)

@@ -236,7 +236,8 @@ def test_a_petastorm_reader_is_found_by_the_registry(parquet_url: str) -> None:
         assert source.restartable  # the user's reader, read once per epoch: it can be reset
         assert not source.endless
         opened = source.open_pass()
-        assert opened.row_groups == frozenset({0, 1, 2})  # 10 rows in row groups of 4
+        assert opened.reading is not None
+        assert opened.reading.row_groups == frozenset({0, 1, 2})  # 10 rows in row groups of 4
         items = list(opened)
         opened.close()
         assert sorted(opened.count_samples(item) or 0 for item in items) == [2, 4, 4]

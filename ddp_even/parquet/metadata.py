@@ -53,7 +53,7 @@ from ddp_even.storage import (
     resolve_dataset,
 )
 
-__all__ = ["changed_row_groups", "read_row_groups"]
+__all__ = ["changed_row_groups", "footer_digest", "read_row_groups"]
 
 _Item = TypeVar("_Item")
 _Result = TypeVar("_Result")
@@ -149,7 +149,7 @@ def changed_row_groups(
         if planned.footer_digests is None:
             # Planned from a summary: no footer to compare, and the file was written again.
             return f"{path} was rewritten since it was planned (its size or time changed)"
-        if _footer_digest(footer) != planned.footer_digests[number]:
+        if footer_digest(footer) != planned.footer_digests[number]:
             # Same rows per row group, other data: counts of a row predicate may be wrong now.
             return f"{path} was rewritten since it was planned (its footer changed)"
     return None
@@ -347,12 +347,14 @@ def _from_summary(
     row_groups = _build([path for path, _ in listed], [sizes for _, sizes in listed], "_metadata")
     return dataclasses.replace(
         row_groups,
-        summary_digest=_footer_digest(metadata),
+        summary_digest=footer_digest(metadata),
         file_stamps=tuple(layout.stamps[path] for path in row_groups.files),
     )
 
 
-def _footer_digest(footer: pq.FileMetaData) -> bytes:
+def footer_digest(footer: pq.FileMetaData) -> bytes:
+    """16 bytes naming a file's footer (its schema, row groups and statistics): a file rewritten
+    with other rows has another."""
     serialized = pa.BufferOutputStream()
     footer.write_metadata_file(serialized)
     return hashlib.blake2b(serialized.getvalue().to_pybytes(), digest_size=16).digest()
@@ -385,6 +387,6 @@ def _build(
         ),
         source=source,
         footer_digests=(
-            None if footers is None else tuple(_footer_digest(footers[i]) for i in kept_files)
+            None if footers is None else tuple(footer_digest(footers[i]) for i in kept_files)
         ),
     )

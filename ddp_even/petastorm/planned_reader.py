@@ -122,7 +122,7 @@ def build_reader(
     from petastorm.workers_pool.thread_pool import ThreadPool
 
     from ddp_even.petastorm.planned_workers import PlannedArrowWorker, PlannedRowWorker
-    from ddp_even.petastorm.thread_pool import close_end_of_results_race
+    from ddp_even.petastorm.pools import close_end_of_results_race
 
     filesystem: Any
     dataset_path: str | list[str]
@@ -153,7 +153,6 @@ def build_reader(
     workers_count = options.get("workers_count", 10)
     if pool_type == "thread":
         pool: Any = ThreadPool(workers_count, options.get("results_queue_size", 50))
-        close_end_of_results_race(pool)
     elif pool_type == "process":
         serializer = ArrowTableSerializer() if kind == "batch" else PickleSerializer()
         pool = ProcessPool(
@@ -165,6 +164,7 @@ def build_reader(
         raise ValueError(
             f"unknown reader_pool_type {pool_type!r}: use 'thread', 'process' or 'dummy'"
         )
+    close_end_of_results_race(pool)
 
     reader_class = _planned_reader_class()
     try:

@@ -8,37 +8,50 @@
   again at the start of the next pass; the accumulator is emptied before each pass.
 * ``DataLoader.__iter__`` resets its reader itself on every pass after the first.
 * A reader the loader opened (through a factory) is stopped and joined when its pass ends;
-  a reader the user passed in stays theirs to stop.
-* Which row groups a reader reads is in its ventilator's items (petastorm has no public
-  accessor); sharding and plans are checked against it. The ventilator thread shuffles that
-  list in place at the start of each pass, so it is copied in one step before it is read.
-* Petastorm's thread pool can end a pass with row groups still in flight
-  (:mod:`ddp_even.petastorm.thread_pool`); every reader read here gets the race-free version.
+  a reader the user passed in stays theirs to stop, until the interpreter exits: then every
+  reader ddp_even has read from and that still runs is stopped (:func:`_stop_running_readers`).
+* What a reader reads (its row groups, what it was built from) is
+  :mod:`ddp_even.petastorm.reading`'s; every pass carries it, and the loader checks with it
+  that the ranks' shards cover the dataset.
+* Petastorm's pools can end a pass with row groups still in flight
+  (:mod:`ddp_even.petastorm.pools`); every reader read here gets the race-free version.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
+import atexit
 import logging
-import math
+import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import pyarrow.filesystem
 import torch
 from petastorm.pytorch import LoaderBase
 from petastorm.reader import Reader
-from petastorm.workers_pool.thread_pool import ThreadPool
 
-from ddp_even.petastorm.thread_pool import close_end_of_results_race
+from ddp_even.petastorm.pools import close_end_of_results_race
+from ddp_even.petastorm.reading import ReaderReading, row_groups_read_by
 from ddp_even.sources.base import ContinuingStream, ShardPass, ShardSource, count_rows
 
-if TYPE_CHECKING:
-    from ddp_even.planning.plans import ShardPlan
-
 logger = logging.getLogger("ddp_even")
+
+# Every reader read from here, while it lives (see _stop_running_readers).
+_READERS: weakref.WeakSet[Reader] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_readers() -> None:
+    """Stop, at interpreter exit, the readers still running (an epoch left mid-pass: a
+    ``break``, an exception, a refused resume; a reader of the user's never stopped).
+
+    Their threads read Parquet in pyarrow's C++; a thread the exiting interpreter stops there
+    aborts the process (``terminate called without an active exception``). atexit runs before
+    that, while every thread still runs: nothing reads these readers again.
+    """
+    for reader in list(_READERS):
+        if not reader.stopped:
+            _stop(reader)
 
 
 def source_for(obj: Any, *, owned: bool) -> ShardSource[Any]:
@@ -70,25 +83,12 @@ def _read_to_end(reader: Reader) -> None:
     )
 
 
-def row_groups_read_by(reader: Reader) -> frozenset[int] | None:
-    """The global row-group indices ``reader`` reads, or None if petastorm hides them."""
-    try:
-        items = _ventilated_items(reader)
-        return frozenset(int(item["piece_index"]) for item in items)
-    except (AttributeError, KeyError, TypeError):
-        return None
-
-
-def _ventilated_items(reader: Reader) -> list[dict[str, Any]]:
-    """The reader's work items, copied in one step: ``list()`` of a list runs no Python code
-    that would let the ventilator thread shuffle it half-way through the copy."""
-    return list(reader.ventilator._items_to_ventilate)
-
-
 class _PetastormSource(ShardSource[Any]):
-    def __init__(self, reader: Reader, *, owned: bool) -> None:
+    def __init__(self, reader: Reader, *, owned: bool, loader: LoaderBase | None = None) -> None:
         close_end_of_results_race(getattr(reader, "_workers_pool", None))
+        _READERS.add(reader)
         self._reader = reader
+        self._loader = loader
         self._owned = owned
         self._passes_opened = 0
         self._stream: ContinuingStream[Any] | None = None
@@ -107,23 +107,6 @@ class _PetastormSource(ShardSource[Any]):
     def continues(self) -> bool:
         return self.endless and not self._owned
 
-    def check_shard(self, rank: int, world_size: int) -> None:
-        read = row_groups_read_by(self._reader)
-        if world_size == 1 or not read:
-            return
-        others = sorted(index for index in read if index % world_size != rank)
-        indices = sorted(read)
-        spacing = math.gcd(*(b - a for a, b in itertools.pairwise(indices)))
-        if others or (spacing and spacing != world_size and spacing % world_size == 0):
-            shards = f"shard_count={spacing}" if spacing > 1 else "no cur_shard/shard_count"
-            raise ValueError(
-                f"rank {rank} of {world_size} was given a petastorm reader of row groups "
-                f"{indices[:6]}{'...' if len(indices) > 6 else ''}, which looks like {shards}, "
-                f"not rank {rank}'s shard of {world_size}: build it with "
-                f"cur_shard={rank}, shard_count={world_size} (rank and world size of the "
-                "training group)"
-            )
-
     def _begin_pass(self) -> None:
         if self._passes_opened > 0:
             if self._owned:
@@ -135,7 +118,7 @@ class _PetastormSource(ShardSource[Any]):
         return (lambda: _stop(self._reader)) if self._owned else None
 
     def open_pass(self) -> ShardPass[Any]:
-        row_groups = row_groups_read_by(self._reader)
+        reading = self._reading()
         count_samples = self._count_samples()
         if self._stream is None:
             self._begin_pass()
@@ -145,14 +128,19 @@ class _PetastormSource(ShardSource[Any]):
                     batches,
                     on_close=self._closer(),
                     count_samples=count_samples,
-                    row_groups=row_groups,
                     endless=self.endless,
-                    plan_for=self._footer_plans(),
-                    unrepeatable=self._unrepeatable(),
+                    reading=reading,
                 )
             self._stream = ContinuingStream(batches)
         # An endless reader: every epoch continues the one stream.
-        return self._stream.resume(count_samples=count_samples, row_groups=row_groups, endless=True)
+        return self._stream.resume(count_samples=count_samples, endless=True, reading=reading)
+
+    def _reading(self) -> ReaderReading | None:
+        """What a pass reads, or None where petastorm hides the reader's row groups."""
+        row_groups = row_groups_read_by(self._reader)
+        if row_groups is None:
+            return None
+        return ReaderReading(self._reader, row_groups, self._loader)
 
     @abstractmethod
     def _fresh_pass(self) -> Iterator[Any]:
@@ -161,40 +149,16 @@ class _PetastormSource(ShardSource[Any]):
     def _count_samples(self) -> Callable[[Any], int | None] | None:
         return None  # the default: rows from the batch's shape
 
-    def _unrepeatable(self) -> str | None:
-        """Why two passes of this reader may yield other batches or another order, or None."""
-        worker = _a_worker(self._reader)
-        seed = None if worker is None else worker.args[10]
-        if getattr(self._reader.ventilator, "_randomize_item_order", False) and seed is None:
-            return "it shuffles row groups without a seed"
-        pool = self._reader._workers_pool  # a planned reader's hands out in order: not this
-        if isinstance(pool, ThreadPool) and pool.workers_count > 1:
-            return f"its {pool.workers_count} threads hand row groups out as they finish"
-        return None
-
-    def _footer_plans(self) -> Callable[[int, int], ShardPlan | None] | None:
-        """``plan(rank, world_size)`` from the Parquet footers, where batches may follow from
-        them (only loaders batch rows predictably; a reader's items are rows or row groups)."""
-        return None
-
 
 class PetastormLoaderSource(_PetastormSource):
     """A ``petastorm.pytorch.DataLoader`` or ``BatchedDataLoader``."""
 
     def __init__(self, loader: LoaderBase, *, owned: bool) -> None:
-        super().__init__(loader.reader, owned=owned)
-        self._loader = loader
-
-    def _footer_plans(self) -> Callable[[int, int], ShardPlan | None]:
-        return functools.partial(round_robin_plan, self._reader, self._loader.batch_size)
+        super().__init__(loader.reader, owned=owned, loader=loader)
+        self._loader: LoaderBase = loader
 
     def _count_samples(self) -> Callable[[Any], int | None] | None:
         return _rows_of_columns
-
-    def _unrepeatable(self) -> str | None:
-        if getattr(self._loader, "shuffling_queue_capacity", 0):
-            return "its loader's shuffling queue mixes rows at random"
-        return super()._unrepeatable()
 
     def _fresh_pass(self) -> Iterator[Any]:
         # DataLoader would emit the previous pass's short last batch again (see module doc).
@@ -212,78 +176,6 @@ class PetastormReaderSource(_PetastormSource):
 
     def _count_samples(self) -> Callable[[Any], int | None] | None:
         return count_rows if self._reader.batched_output else _one_row
-
-
-def round_robin_plan(
-    reader: Reader, batch_size: int, rank: int, world_size: int
-) -> ShardPlan | None:
-    """The plan of a reader built with ``cur_shard=rank, shard_count=world_size``, or None.
-
-    Its rows follow from the footers when nothing drops or adds rows: no row predicate, no
-    ``transform_spec`` (it may drop rows), no NGram, one epoch, the round robin's row groups
-    exactly (no ``rowgroup_selector``), on the local disk. Where the reader hides any of that
-    (a process pool hides its transform), the lengths are not trusted.
-
-    Every rank's reader is built alike, so rank 0 alone says what was found, unless a rank's
-    finding is its own (another shard, metadata it could not read).
-    """
-    why_not = _why_rows_unknown(reader)
-    said_by_this_rank = rank == 0
-    if why_not is None:
-        from ddp_even.parquet import DatasetError, read_row_groups
-        from ddp_even.planning import plan_shards
-
-        try:
-            plan = plan_shards(read_row_groups(reader.dataset.paths), world_size, batch_size)
-        except DatasetError as error:
-            why_not = f"rank {rank} could not read its metadata again ({error})"
-            said_by_this_rank = True
-        else:
-            if row_groups_read_by(reader) == frozenset(plan.shards[rank]):
-                if said_by_this_rank:
-                    logger.info(
-                        "ddp_even: batches per rank follow from the Parquet footers (%s): one "
-                        "agreement per epoch, no collective between steps",
-                        ", ".join(map(str, plan.batches_per_rank)),
-                    )
-                return plan
-            why_not = f"it does not read rank {rank}'s round-robin shard of {world_size}"
-            said_by_this_rank = True
-    if said_by_this_rank:
-        logger.info(
-            "ddp_even: the petastorm reader's batch counts are not known up front: %s", why_not
-        )
-    return None
-
-
-def _why_rows_unknown(reader: Reader) -> str | None:
-    try:
-        items = _ventilated_items(reader)
-        # _fs: the public .fs of pyarrow 14's legacy ParquetDataset warns (FutureWarning).
-        local = isinstance(reader.dataset._fs, pyarrow.filesystem.LocalFileSystem)
-        worker = _a_worker(reader)
-    except AttributeError as error:  # another petastorm version: no guess
-        return f"its internals are not petastorm 0.12's ({error})"
-    if reader.num_epochs != 1:
-        return "it reads more than one epoch per pass"
-    if reader.ngram is not None:
-        return "an NGram yields windows, not rows"
-    if any(item.get("worker_predicate") is not None for item in items):
-        return "a row predicate drops rows after reading"
-    if worker is None:
-        return "its worker pool (a process pool) does not show whether a transform_spec is set"
-    if getattr(worker, "_transform_spec", None) is not None:
-        return "a transform_spec may drop rows"
-    if not local:
-        return "the dataset is not on the local disk"
-    return None
-
-
-def _a_worker(reader: Reader) -> Any:
-    pool = reader._workers_pool
-    if hasattr(pool, "_workers"):  # ThreadPool
-        return pool._workers[0]._worker_impl if pool._workers else None
-    return getattr(pool, "_worker", None)  # DummyPool
 
 
 def _items(reader: Reader) -> Iterator[Any]:

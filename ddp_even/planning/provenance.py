@@ -20,7 +20,9 @@ do not change the identity.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import pickle
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,7 +30,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Provenance", "code_identity"]
+__all__ = ["Provenance", "UnidentifiableError", "Untold", "code_identity"]
+
+
+class UnidentifiableError(ValueError):
+    """``obj`` shows neither its code nor its state (a C object whose repr names only its
+    address): anything keyed by it could not tell it from another, so nothing is."""
+
 
 # How deep references are followed (a function calling a function ...); deeper code counts
 # by its qualified name only.
@@ -37,6 +45,10 @@ _MAX_DEPTH = 8
 
 def code_identity(obj: Any) -> bytes:
     """A digest of what ``obj`` computes: equal in every process for the same code and values.
+
+    ``functools.partial`` objects count by their function and arguments, bound methods (also
+    a builtin's, such as ``{1, 2}.__contains__``) by what they are bound to. Raises
+    :class:`UnidentifiableError` for an object that shows neither code nor state.
 
     Example::
 
@@ -66,7 +78,19 @@ def _identity(obj: Any, seen: set[int], depth: int) -> bytes:
         return b"method:" + _identity(obj.__func__, seen, deeper) + bound
     if isinstance(obj, types.CodeType):
         return _code_identity(obj, seen, deeper)
-    if isinstance(obj, type | types.BuiltinFunctionType):
+    if isinstance(obj, functools.partial):
+        return (
+            b"partial:"
+            + _identity(obj.func, seen, deeper)
+            + _identity(obj.args, seen, deeper)
+            + _identity(obj.keywords, seen, deeper)
+        )
+    if isinstance(obj, _BUILTIN_CALLABLES):
+        owner = getattr(obj, "__self__", None)
+        # A builtin method bound to a value (``{1, 2}.__contains__``) computes with it.
+        bound_to = b"" if owner is None or _is_module(owner) else _identity(owner, seen, deeper)
+        return b"builtin:" + _name_of(obj) + bound_to
+    if isinstance(obj, type):
         return b"name:" + _name_of(obj)
     if isinstance(obj, list | tuple):
         return (
@@ -86,6 +110,18 @@ def _identity(obj: Any, seen: set[int], depth: int) -> bytes:
     if isinstance(obj, np.ndarray):
         return b"array:" + str(obj.dtype).encode() + repr(obj.shape).encode() + obj.tobytes()
     return _object_identity(obj, seen, deeper)
+
+
+_BUILTIN_CALLABLES = (
+    types.BuiltinFunctionType,
+    types.MethodWrapperType,
+    types.WrapperDescriptorType,
+    types.MethodDescriptorType,
+)
+
+
+def _is_module(value: Any) -> bool:
+    return isinstance(value, types.ModuleType)
 
 
 def _function_identity(function: types.FunctionType, seen: set[int], depth: int) -> bytes:
@@ -153,10 +189,7 @@ def _global_names(code: types.CodeType) -> set[str]:
 def _object_identity(obj: Any, seen: set[int], depth: int) -> bytes:
     """An instance: its class, its state, and the code of its ``__call__`` if it has one."""
     parts = [b"object:" + _name_of(type(obj))]
-    if dataclasses.is_dataclass(obj):
-        state: Any = {field.name: getattr(obj, field.name) for field in dataclasses.fields(obj)}
-    else:
-        state = getattr(obj, "__dict__", None)
+    state = _state_of(obj)
     if state is not None:
         parts.append(_identity(state, seen, depth))
     # The class's own __call__ or the nearest base's (not type's, which every class has).
@@ -166,8 +199,33 @@ def _object_identity(obj: Any, seen: set[int], depth: int) -> bytes:
     if isinstance(call, types.FunctionType):
         parts.append(_function_identity(call, seen, depth))
     if state is None and not isinstance(call, types.FunctionType):
-        parts.append(repr(obj).encode())
+        # A C object: what it holds is what pickling it keeps (an itemgetter its keys), where
+        # it pickles; one that does not (a lock, a ufunc made by frompyfunc) cannot be told
+        # from another of its type.
+        try:
+            parts.append(pickle.dumps(obj, protocol=4))
+        except Exception as error:
+            raise UnidentifiableError(
+                f"{type(obj).__module__}.{type(obj).__qualname__} shows neither its code nor "
+                f"its state, and does not pickle ({error})"
+            ) from error
     return b"|".join(parts)
+
+
+def _state_of(obj: Any) -> dict[str, Any] | None:
+    """An instance's fields: a dataclass's, or its ``__dict__`` and ``__slots__``."""
+    if dataclasses.is_dataclass(obj):
+        return {field.name: getattr(obj, field.name) for field in dataclasses.fields(obj)}
+    state = getattr(obj, "__dict__", None)
+    slots: list[str] = []
+    for cls in type(obj).__mro__:
+        declared = cls.__dict__.get("__slots__", ())
+        slots.extend([declared] if isinstance(declared, str) else declared)
+    slots = [name for name in slots if name not in ("__dict__", "__weakref__")]
+    if slots:
+        state = dict(state or {})
+        state.update({name: getattr(obj, name) for name in slots if hasattr(obj, name)})
+    return state
 
 
 def _name_of(obj: Any) -> bytes:
@@ -177,17 +235,31 @@ def _name_of(obj: Any) -> bytes:
 
 
 @dataclass(frozen=True)
+class Untold:
+    """A part of a provenance that its source hides (a process pool keeps a reader's seed in
+    its worker processes): a count or state that names one cannot be checked against it."""
+
+    why: str
+
+
+_UNTOLD = "untold: "
+
+
+@dataclass(frozen=True)
 class Provenance:
     """What something reused was computed from: named parts, each a short digest.
+
+    A part given as :class:`Untold` (or whose code cannot be identified) is kept as what hides
+    it: :meth:`compare` lists it apart from the parts that differ.
 
     Example::
 
         >>> saved = Provenance.of(data=b"footers v1", batch_size=4, seed=7)
-        >>> now = Provenance.of(data=b"footers v1", batch_size=8, seed=7)
-        >>> saved.first_difference(now)
-        'batch_size'
-        >>> saved.first_difference(saved) is None
-        True
+        >>> now = Provenance.of(data=b"footers v1", batch_size=8, seed=Untold("a process pool"))
+        >>> saved.compare(now)
+        (['batch_size'], ['seed'])
+        >>> saved.compare(saved)
+        ([], [])
     """
 
     parts: tuple[tuple[str, str], ...]
@@ -205,20 +277,33 @@ class Provenance:
     def as_dict(self) -> dict[str, str]:
         return dict(self.parts)
 
-    @property
-    def digest(self) -> str:
-        """All parts in one short digest."""
-        return hashlib.sha256(repr(self.parts).encode()).hexdigest()[:16]
+    def compare(self, other: Provenance) -> tuple[list[str], list[str]]:
+        """``(differ, untold)``: the parts whose values differ from ``other``'s (or that only
+        one of the two has), and the parts that either cannot tell, each in order."""
+        ours, theirs = dict(self.parts), dict(other.parts)
+        differ: list[str] = []
+        untold: list[str] = []
+        for name in [*ours, *(name for name in theirs if name not in ours)]:
+            values = (ours.get(name), theirs.get(name))
+            if any(value is not None and value.startswith(_UNTOLD) for value in values):
+                untold.append(name)
+            elif values[0] != values[1]:
+                differ.append(name)
+        return differ, untold
 
-    def first_difference(self, other: Provenance) -> str | None:
-        """The name of the first part that differs from ``other`` (or is missing), or None."""
-        theirs = dict(other.parts)
-        for name, value in self.parts:
-            if theirs.get(name) != value:
-                return name
-        extra = [name for name in theirs if name not in dict(self.parts)]
-        return extra[0] if extra else None
+    def untold(self) -> dict[str, str]:
+        """The parts this provenance cannot tell, with what hides each."""
+        return {
+            name: value.removeprefix(_UNTOLD)
+            for name, value in self.parts
+            if value.startswith(_UNTOLD)
+        }
 
 
 def _short(value: Any) -> str:
-    return hashlib.sha256(_identity(value, set(), 0)).hexdigest()[:16]
+    if isinstance(value, Untold):
+        return _UNTOLD + value.why
+    try:
+        return hashlib.sha256(_identity(value, set(), 0)).hexdigest()[:16]
+    except UnidentifiableError as error:
+        return _UNTOLD + str(error)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ddp_even.errors import StateMismatchError
 from ddp_even.modes import Mode
 from ddp_even.planning.provenance import Provenance
 from ddp_even.planning.sharding import SHARDINGS
@@ -30,13 +31,15 @@ if TYPE_CHECKING:
     from ddp_even.agreement.transport import Agreer
     from ddp_even.planning.plans import ShardPlan
     from ddp_even.runtime.epochs import EpochRun
+    from ddp_even.sources.base import PassReading
 
 logger = logging.getLogger("ddp_even")
 
 #: What the ``format`` key of every loader state says.
 STATE_FORMAT = "ddp_even.EvenLoader"
-# Raised when what the state holds, or what it means, changes (2: what it was computed from).
-_VERSION = 2
+# Raised when what the state holds, or what it means, changes (3: what a wrapped loop's first
+# pass read, from the reader itself).
+_VERSION = 3
 
 
 def saved_state(
@@ -53,8 +56,8 @@ def saved_state(
 
     ``resumed_from_world_size`` is set while an epoch that resumed on another number of ranks
     runs: its steps count the re-planned rest of the epoch, not the epoch. ``provenance`` is
-    what the loader's lengths and reading order follow from, where it knows (a planned loader,
-    or lengths worked out from the footers): a state loaded elsewhere is checked against it.
+    what the loader's reading follows from, where it knows (a planned loader, or a source whose
+    passes tell what they read): a state loaded elsewhere is checked against it.
     """
     return {
         "format": STATE_FORMAT,
@@ -104,10 +107,12 @@ def resume_point(
     settings: str,
     world_size: int,
     provenance: Provenance | None = None,
+    strict: bool = True,
 ) -> tuple[int, int]:
     """``(epoch, step)`` to resume after; ``ValueError`` saying why ``state`` cannot be used.
 
-    ``provenance``: the loader's, when it knows it; checked against the state's.
+    ``provenance``: the loader's, when it is known now (a planned loader); checked against the
+    state's (:func:`check_provenance`, with ``strict``).
     """
     if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
         raise ValueError("not an EvenLoader state: pass what EvenLoader.state_dict() returned")
@@ -142,35 +147,58 @@ def resume_point(
             "steps count a re-planned rest of the epoch. Resume from the state saved before "
             f"that resume, or start the next epoch (loader.set_epoch({epoch + 1}))"
         )
-    if step > 0:  # between epochs nothing of an epoch was read: any loader may start the next
-        check_provenance(state, provenance)
+    if step > 0 and provenance is not None:
+        # Between epochs nothing of an epoch was read: any loader may start the next.
+        check_provenance(state, provenance, strict)
     return epoch, step
 
 
-def check_provenance(state: Mapping[str, Any], provenance: Provenance | None) -> None:
-    """Raise ``ValueError`` naming what differs when ``state`` follows from another dataset,
-    reading order or batch size than ``provenance`` (nothing to check if either is unknown)."""
+def check_provenance(
+    state: Mapping[str, Any], provenance: Provenance | None, strict: bool, rank: int = 0
+) -> None:
+    """Raise :class:`~ddp_even.StateMismatchError` naming what differs when ``state`` was saved
+    by a loader that read other data, or in another order, than ``provenance`` says, or when
+    either cannot tell (a source that says nothing of what it reads against one that does, a
+    part a process pool hides). Neither telling (plain iterables) is no mismatch. With
+    ``strict=False`` the mismatch is logged (on ``rank`` 0) and the resume goes on."""
     saved = state.get("provenance")
-    if provenance is None or not isinstance(saved, Mapping):
+    if saved is None and provenance is None:
         return
-    differs = Provenance.from_dict(saved).first_difference(provenance)
-    if differs is not None:
-        raise ValueError(
-            f"the loader state was saved by a loader whose {differs} differs from this one's: "
-            "the rows it had read, and their order, were other rows. Build the loader as it "
-            "was built when the state was saved (the same data, reader settings, predicate "
-            "and batch size), or start the next epoch with loader.set_epoch(epoch + 1)"
-        )
+    if not isinstance(saved, Mapping):
+        error = StateMismatchError((), {"data": "the loader that saved the state cannot tell"})
+    elif provenance is None:
+        error = StateMismatchError((), {"data": "this loader's source cannot tell"})
+    else:
+        before = Provenance.from_dict(saved)
+        differ, untold = before.compare(provenance)
+        hidden = {**before.untold(), **provenance.untold()}
+        if not differ and not untold:
+            return
+        error = StateMismatchError(differ, {name: hidden[name] for name in untold})
+    if strict:
+        raise error
+    if rank == 0:
+        logger.warning("ddp_even: resuming anyway (load_state_dict(strict=False)): %s", error)
 
 
-def refusal(start: ResumedStart, provenance: Provenance | None) -> ValueError | None:
-    """Why the state ``start`` resumes from does not fit, checked once the epoch's plan is
-    settled (every rank reports it at the resume agreement), or None."""
+def provenance_of(planned: PlannedSource | None, reading: PassReading | None) -> Provenance | None:
+    """What a loader's reading follows from, where it knows: a ``planned`` loader's plan and
+    reader settings, or what an epoch's first pass reads (its ``reading``)."""
+    if planned is not None:
+        return planned.provenance
+    return None if reading is None else reading.provenance()
+
+
+def refusal(
+    start: ResumedStart, provenance: Provenance | None, rank: int
+) -> StateMismatchError | None:
+    """Why the state ``start`` resumes from does not fit, checked once the epoch's first pass
+    is open (every rank reports it at the resume agreement), or None."""
     if start.unchecked is None:
         return None
     try:
-        check_provenance(start.unchecked, provenance)
-    except ValueError as error:
+        check_provenance(start.unchecked, provenance, start.strict, rank)
+    except StateMismatchError as error:
         return error
     return None
 
@@ -190,8 +218,10 @@ class PendingResume:
     # epoch then reads the rows no rank had read, re-planned over this job's ranks.
     saved_plan: ShardPlan | None = None
     # The state itself, while what it follows from is checked only when the epoch starts (a
-    # loader whose lengths come from the footers knows them then).
+    # loader whose passes tell what they read knows it once the epoch's first pass is open).
     unchecked: Mapping[str, Any] | None = None
+    # Whether a state that does not fit is refused (or resumed anyway).
+    strict: bool = True
 
 
 def pending_resume(
@@ -202,15 +232,17 @@ def pending_resume(
     mode: Mode,
     steps_per_epoch: int | None,
     planned: PlannedSource | None,
-    provenance: Provenance | None,
+    strict: bool = True,
 ) -> tuple[int, PendingResume | None]:
     """``(next epoch, where it resumes)`` from ``state``; ``ValueError`` saying why not.
 
-    ``settings_for(plan)`` describes the loader's settings with ``plan`` (its own by default);
-    ``provenance`` is the loader's, or None until its first epoch. A state saved on another
-    number of ranks loads only into a ``planned`` loader, in truncate
-    and join, whose pass order is known (``planned.why_not_in_plan_order`` is None).
+    ``settings_for(plan)`` describes the loader's settings with ``plan`` (its own by default).
+    A ``planned`` loader checks what the state was read from at once; any other when the
+    resumed epoch's first pass is open (``strict``: :func:`check_provenance`). A state saved on
+    another number of ranks loads only into a ``planned`` loader, in truncate and join, whose
+    pass order is known (``planned.why_not_in_plan_order`` is None).
     """
+    provenance = None if planned is None else planned.provenance
     saved_world_size = state.get("world_size") if isinstance(state, Mapping) else None
     if (
         planned is None
@@ -220,10 +252,15 @@ def pending_resume(
         or saved_world_size == world_size
     ):
         epoch, step = resume_point(
-            state, settings=settings_for(None), world_size=world_size, provenance=provenance
+            state,
+            settings=settings_for(None),
+            world_size=world_size,
+            provenance=provenance,
+            strict=strict,
         )
-        unchecked = state if provenance is None else None
-        return epoch, (PendingResume(epoch, step, unchecked=unchecked) if step > 0 else None)
+        unchecked = state if planned is None else None
+        pending = PendingResume(epoch, step, unchecked=unchecked, strict=strict)
+        return epoch, (pending if step > 0 else None)
     cannot = None
     plan = planned.plan
     if mode.restarts_short_shards:
@@ -250,7 +287,11 @@ def pending_resume(
         planned.row_group_sizes, saved_world_size, plan.batch_size, sharding=plan.sharding
     )
     epoch, step = resume_point(
-        state, settings=settings_for(saved_plan), world_size=saved_world_size, provenance=provenance
+        state,
+        settings=settings_for(saved_plan),
+        world_size=saved_world_size,
+        provenance=provenance,
+        strict=strict,
     )
     # Between epochs (step 0) the next epoch is planned for this job's ranks anyway.
     return epoch, (PendingResume(epoch, step, saved_plan) if step > 0 else None)
@@ -273,6 +314,7 @@ class ResumedStart:
     resumed_from: tuple[int, int] | None = None
     # The state, when what it follows from is to be checked once the epoch's plan is settled.
     unchecked: Mapping[str, Any] | None = None
+    strict: bool = True
 
     @property
     def resumes(self) -> bool:
@@ -305,7 +347,7 @@ def resumed_start(
         return ResumedStart(
             rest_source, plan=rest, resumed_from=(step, pending.saved_plan.world_size)
         )
-    unchecked = pending.unchecked
+    unchecked, strict = pending.unchecked, pending.strict
     tails = _own_tails(planned, plan, mode, epoch, step, rank)
     if tails is not None:
         assert planned is not None and plan is not None
@@ -314,14 +356,21 @@ def resumed_start(
         batch_size, rows = plan.batch_size, plan.rows_per_rank[rank]
         skipped = [min(batch_size, rows - index * batch_size) for index in range(step)]
         return ResumedStart(
-            tails_source, first_pass=tails, step=step, skipped=skipped, unchecked=unchecked
+            tails_source,
+            first_pass=tails,
+            step=step,
+            skipped=skipped,
+            unchecked=unchecked,
+            strict=strict,
         )
     source.start_epoch(epoch)
     # A repeated pass (cycle) cannot be reached by starting the first one later, nor can
     # padding (pad) that copies a batch before the step.
     if not mode.goes_past_own_data and source.starts_at(step):
-        return ResumedStart(source, step=step, skipped=[None] * step, unchecked=unchecked)
-    return ResumedStart(source, step=step, unchecked=unchecked)
+        return ResumedStart(
+            source, step=step, skipped=[None] * step, unchecked=unchecked, strict=strict
+        )
+    return ResumedStart(source, step=step, unchecked=unchecked, strict=strict)
 
 
 def _own_tails(
@@ -339,8 +388,10 @@ def _own_tails(
         or plan is None
         or planned.why_not_in_plan_order is not None
         or step > plan.batches_per_rank[rank]  # in a repeated pass
-        # Padding copies the rank's last batch: a rank past its data reads it again.
+        # Padding copies the rank's last batch: a rank past its data reads it again; and a
+        # rank with an empty shard pads with another's first batch, which is read again.
         or (mode.pads_short_shards and step >= plan.batches_per_rank[rank])
+        or (mode.pads_short_shards and 0 in plan.batches_per_rank)
     ):
         return None
     from ddp_even.resume.remainder import plan_own_tails

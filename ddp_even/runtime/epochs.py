@@ -169,12 +169,7 @@ class EpochRun(Generic[BatchT]):
                 step,
                 unrepeatable,
             )
-        while self.counts.steps < step:
-            self.feed.fill(1)
-            if not self.feed.buffered:
-                break  # a rank that ran out (join), or a failure the next agreement reports
-            fed = self.feed.take()
-            self.counts.count_batch(fed.pass_number, fed.count_samples(fed.batch), fed.padding)
+        self._count_again_up_to(step)
         self.steps_done = self.resumed_at = step
         logger.info(
             "epoch %d resumes after step %d: read %d batch(es) of this rank's source again to "
@@ -183,6 +178,19 @@ class EpochRun(Generic[BatchT]):
             step,
             self.counts.steps - len(skipped),
         )
+
+    def _count_again_up_to(self, step: int) -> None:
+        """Count this rank's batches before ``step`` of a resumed epoch as the uninterrupted
+        epoch handed them out, reading them again (padding past its data, in pad)."""
+        while self.counts.steps < step:
+            self.feed.fill(1)
+            if not self.feed.buffered:
+                # A rank that ran out (join); one with an empty shard, in pad, before the
+                # agreement that gives it a batch to pad with (check()); a failure the next
+                # agreement reports.
+                break
+            fed = self.feed.take()
+            self.counts.count_batch(fed.pass_number, fed.count_samples(fed.batch), fed.padding)
 
     def report(
         self, available: int, own_available: int, shard_is_empty: bool, most: int | None = None
@@ -244,7 +252,10 @@ class EpochRun(Generic[BatchT]):
         error = error_from_reports(reports, self.feed.failure, self.steps_done)
         if isinstance(error, EmptyShardError) and self.settings.mode.pads_short_shards:
             fixed_steps = self.settings.steps_per_epoch is not None
-            return share_padding(self.agreer, self.feed, reports, fixed_steps)
+            agreement = share_padding(self.agreer, self.feed, reports, fixed_steps)
+            # A resumed epoch's steps before its resume point were padding on this rank too.
+            self._count_again_up_to(self.steps_done)
+            return agreement
         logger.debug(
             "epoch %d, after %d step(s): every rank raises %r", self.epoch, self.steps_done, error
         )

@@ -18,7 +18,7 @@ from ddp_even.errors import EvenLoaderError, SourceEndedEarlyError
 from ddp_even.sources import ShardPass, ShardSource
 
 if TYPE_CHECKING:
-    from ddp_even.planning.plans import ShardPlan
+    from ddp_even.sources.base import PassReading
 
 logger = logging.getLogger("ddp_even")
 
@@ -93,6 +93,10 @@ class ShardFeed(Generic[BatchT]):
         self._promised: int | None = None
         # The batch last handed out by take_or_repeat.
         self._last: FedBatch[BatchT] | None = None
+        # What the first pass reads, once it is open, where its source can tell.
+        self.reading: PassReading | None = None
+        # Pad: the shard's first batch, which a rank with an empty shard pads with.
+        self._first_own: FedBatch[BatchT] | None = None
 
     @property
     def buffered(self) -> int:
@@ -117,11 +121,10 @@ class ShardFeed(Generic[BatchT]):
         return self._padding is not None
 
     def donation(self) -> tuple[BatchT, int | None] | None:
-        """The first buffered batch and its rows, for a peer with nothing to pad with."""
-        if not self._buffer:
-            return None
-        first = self._buffer[0]
-        return first.batch, first.count_samples(first.batch)
+        """The shard's first batch and its rows, for a peer with nothing to pad with (also in
+        a resumed epoch, which read it again before its resume point)."""
+        first = self._first_own or (self._buffer[0] if self._buffer else None)
+        return None if first is None else (first.batch, first.count_samples(first.batch))
 
     def pad_with(self, batch: BatchT, rows: int | None) -> None:
         """Pad with ``batch`` (of ``rows`` rows), a peer's: this rank has no batch of its own."""
@@ -131,34 +134,27 @@ class ShardFeed(Generic[BatchT]):
         """Per buffered batch, in order, its real rows: 0 for padding, None where unknown."""
         return [0 if fed.padding else fed.count_samples(fed.batch) for fed in self._buffer]
 
-    def first_pass_row_groups(self) -> frozenset[int] | None:
-        """Open the first pass now (nothing read) and say which row groups it reads."""
+    def first_pass_reading(self) -> PassReading | None:
+        """Open the first pass now (nothing read) and say what it reads, where it can tell."""
         if self._pass is None and self.passes_started == 0 and self.failure is None:
             try:
                 self._open_pass(may_restart=False)
             except Exception as error:  # reported at the agreement, as any source failure
                 self.failure = error
-        return None if self._pass is None else self._pass.row_groups
+        return self.reading
 
     def first_pass_unrepeatable(self) -> str | None:
         """Why the first pass may not yield the batches an earlier pass did, where it can tell."""
-        self.first_pass_row_groups()
-        return None if self._pass is None else self._pass.unrepeatable
-
-    def first_pass_plan(self, rank: int, world_size: int) -> ShardPlan | None:
-        """Every rank's shard plan, when the first pass's source can work it out (opens it)."""
-        self.first_pass_row_groups()
-        if self._pass is None or self._pass.plan_for is None:
-            return None
-        return self._pass.plan_for(rank, world_size)
+        reading = self.first_pass_reading()
+        return None if reading is None else reading.unrepeatable()
 
     def differs_from(self, planned: Sequence[int]) -> str | None:
         """How the first pass's row groups differ from ``planned``, when the source can tell."""
-        read = self.first_pass_row_groups()
-        if read is None or read == frozenset(planned):
+        reading = self.first_pass_reading()
+        if reading is None or reading.row_groups == frozenset(planned):
             return None
-        ours = _few(sorted(planned))
-        return f"it reads row groups {_few(sorted(read))}, its shard of the plan is {ours}"
+        read, ours = _few(sorted(reading.row_groups)), _few(sorted(planned))
+        return f"it reads row groups {read}, its shard of the plan is {ours}"
 
     def promise(self, own_batches: int) -> None:
         """The shard has ``own_batches`` batches (a length or a shard plan says so): a first pass
@@ -253,6 +249,8 @@ class ShardFeed(Generic[BatchT]):
             fed = FedBatch(batch, self.passes_started, self._pass.count_samples)
             if self._pads:
                 self._padding = fed._replace(padding=True)
+                if self.own_read == 1 and self.passes_started == 1 and not self._starts_after:
+                    self._first_own = fed
             return fed
 
     def _open_pass(self, may_restart: bool) -> None:
@@ -269,6 +267,8 @@ class ShardFeed(Generic[BatchT]):
                 "num_epochs=1"
             )
         self._pass = opened
+        if self.passes_started == 0:
+            self.reading = opened.reading
         self.passes_started += 1
         self._batches_in_pass = 0
         logger.debug("pass %d over this rank's shard opened", self.passes_started)

@@ -26,6 +26,44 @@ if TYPE_CHECKING:
 BatchT = TypeVar("BatchT")
 
 
+class PassReading(ABC):
+    """What one pass reads of a Parquet dataset, where its source can tell (petastorm's readers
+    can; a list cannot).
+
+    With it, every epoch's start checks that the ranks' first passes read the dataset's row
+    groups once between them (:mod:`ddp_even.runtime.first_pass`), a saved state records what
+    the pass read and in which order (:meth:`provenance`), and a resume into a loop that reads
+    otherwise is refused.
+    """
+
+    #: The global indices of the row groups the pass reads (petastorm's numbering).
+    row_groups: frozenset[int]
+
+    @abstractmethod
+    def dataset_row_groups(self) -> int:
+        """How many row groups the dataset has."""
+
+    @abstractmethod
+    def selects(self) -> bool:
+        """Whether the reader may leave row groups out before it shards (a predicate on hive
+        partition keys, a row-group selector): its shard is then one of what was left."""
+
+    @abstractmethod
+    def provenance(self) -> Provenance:
+        """What the pass reads, and in which order, follows from (:mod:`~ddp_even.planning.
+        provenance`): the data, the reader's and the loader's settings."""
+
+    def unrepeatable(self) -> str | None:
+        """Why another pass may yield other batches, or the same in another order (an unseeded
+        shuffle, a pool handing out what finishes first), or None."""
+        return None
+
+    def plan_for(self, rank: int, world_size: int) -> ShardPlan | None:
+        """The shard plan of every rank's pass, worked out from the data's metadata, where the
+        batches follow from it; None where they may not."""
+        return None
+
+
 class ShardPass(Generic[BatchT]):
     """One pass over a rank's shard: an iterator that must be closed when done with."""
 
@@ -34,28 +72,19 @@ class ShardPass(Generic[BatchT]):
         batches: Iterator[BatchT],
         on_close: Callable[[], None] | None = None,
         count_samples: Callable[[BatchT], int | None] | None = None,
-        row_groups: frozenset[int] | None = None,
         give_back: Callable[[list[BatchT]], None] | None = None,
         endless: bool = False,
-        plan_for: Callable[[int, int], ShardPlan | None] | None = None,
-        unrepeatable: str | None = None,
+        reading: PassReading | None = None,
     ) -> None:
         self._batches = batches
         self._on_close = on_close
         self._give_back = give_back
         # Rows in a batch, or None where the batch's size cannot be read.
         self.count_samples: Callable[[BatchT], int | None] = count_samples or count_rows
-        # The global row-group indices the pass reads, where the source can tell.
-        self.row_groups = row_groups
         # The pass never ends (a petastorm reader with num_epochs=None).
         self.endless = endless
-        # ``plan_for(rank, world_size)``: the shard plan of every rank's pass, worked out from
-        # the data's metadata, where the source can tell that its rows follow from it (it
-        # returns None where it cannot); None for sources that never can.
-        self.plan_for = plan_for
-        # Why another pass may yield other batches, or other batches in another order (an
-        # unseeded shuffle, a pool handing out what finishes first), where the source can tell.
-        self.unrepeatable = unrepeatable
+        # What the pass reads of a Parquet dataset, where the source can tell.
+        self.reading = reading
 
     def __iter__(self) -> Iterator[BatchT]:
         return self
@@ -108,10 +137,10 @@ class ShardSource(ABC, Generic[BatchT]):
         return None
 
     def check_shard(self, rank: int, world_size: int) -> None:
-        """Raise ``ValueError`` when the source visibly reads another rank's shard.
-
-        Called at construction with the training group's rank and world size; a source that
-        builds its own sharded readers (a petastorm Spark converter) reads that shard.
+        """Told, at construction, the training group's rank and world size: a source that
+        builds its own sharded readers (a petastorm Spark converter) reads that shard, and
+        raises ``ValueError`` here where it cannot. What a reader the user built reads is
+        checked at every epoch's start, with every rank (:mod:`ddp_even.runtime.first_pass`).
         """
 
     def check_fits(self, restarts: bool, steps_per_epoch: int | None) -> None:

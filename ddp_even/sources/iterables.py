@@ -168,9 +168,9 @@ def open_context_pass(context: AbstractContextManager[Any]) -> ShardPass[Any]:
         inner,
         on_close=exit_context,
         count_samples=inner.count_samples,
-        row_groups=inner.row_groups,
         give_back=inner.give_back,
         endless=inner.endless,
+        reading=inner.reading,
     )
 
 
