@@ -404,10 +404,10 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         agrees_as_it_goes = self._sync_every is not None or mode.shadows_finished_ranks
         wants_plan = not (agrees_as_it_goes or fixed_steps)
         # Sources whose passes tell what they read (petastorm's) are checked every epoch.
-        if self._plan is None and known_batches is None:
-            if wants_plan or feed.first_pass_reading() is not None:
-                settings = self._settings(self._sync_every, None)
-                self._first_pass.settle(feed, agreer, settings, epoch, wants_plan)
+        unplanned = self._plan is None and known_batches is None
+        if unplanned and (wants_plan or feed.first_pass_reading() is not None):
+            settings = self._settings(self._sync_every, None)
+            self._first_pass.settle(feed, agreer, settings, epoch, wants_plan)
         plan = start.plan or self._known_plan
         if plan is not None:
             rank_in_plan(plan, self._group)

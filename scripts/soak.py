@@ -52,6 +52,12 @@ SUITES: dict[str, list[str]] = {
     "resume": [
         "tests/test_resume.py::test_epochs_resumed_by_new_processes_continue_where_they_stopped"
     ],
+    # The loop users already have: shards checked, process pools, resumes, and every way of
+    # leaving it early (no reader left running at exit).
+    "wrapped": [
+        "tests/test_wrapped_loop.py",
+        "tests/test_clean_exit.py::test_a_petastorm_loop_left_early_in_every_way_exits_cleanly",
+    ],
 }
 # Words in pytest's output that mean a test hung rather than failed.
 _HANG_WORDS = ("run_ranks timed out", "Timeout (0:", "+++ Timeout +++")

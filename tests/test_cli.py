@@ -68,6 +68,26 @@ def test_balanced_shows_the_comparison(dataset: str) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_where_round_robin_fails_the_comparison_says_so_instead_of_numbers(
+    dataset: str,
+) -> None:
+    """8 row groups on 9 ranks: plain ``plan`` refuses round robin (every rank's petastorm
+    reader raises), so the table beside ``--sharding rows`` shows no round robin numbers."""
+    refused = run(dataset, "-w", "9", "-b", "8")
+    assert refused.exit_code == 1 and "NoDataAvailableError" in refused.output
+    result = run(dataset, "-w", "9", "-b", "8", "--sharding", "rows")
+    assert result.exit_code == 0, result.output
+    comparison = result.output.split("Round robin vs equal row ranges", 1)[1]
+    rows = [line for line in comparison.splitlines() if line.startswith("│ ")]
+    assert len(rows) > 4 and all(line.split("│")[2].strip() == "fails" for line in rows)
+    assert "Round robin fails: world size 9 is larger than the 8 row groups" in " ".join(
+        comparison.split()
+    )
+    document = json.loads(run(dataset, "-w", "9", "-b", "8", "--sharding", "rows", "--json").output)
+    assert set(document["round_robin"]) == {"fails"}
+
+
+@pytest.mark.timeout(30)
 def test_deprecated_balanced_flag_still_works(dataset: str) -> None:
     result = CliRunner().invoke(main, ["plan", dataset, "-w", "2", "-b", "8", "--balanced"])
     assert result.exit_code == 0, result.output

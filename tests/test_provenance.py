@@ -8,12 +8,15 @@ bytecode, constants, closure, defaults and the globals it reads, in every proces
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import operator
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -21,7 +24,12 @@ from typing import Any
 import pytest
 
 from ddp_even.petastorm.readers import make_shard_factory
-from ddp_even.planning.provenance import Provenance, Untold, code_identity
+from ddp_even.planning.provenance import (
+    Provenance,
+    UnidentifiableError,
+    Untold,
+    code_identity,
+)
 from tests.helpers.datasets import write_plain_dataset
 
 PREDICATE_MODULE = """
@@ -163,3 +171,66 @@ def test_an_edited_predicate_misses_the_count_cache(
     rows, said = rows_kept(20, "edited")
     assert rows == 20, "the edited predicate keeps 20 rows; stale counts said 12"
     assert not any("from the cache" in line for line in said)
+
+
+def _divisible(divisor: int, ids: Any) -> Any:
+    return ids % divisor == 0
+
+
+def test_partials_and_bound_builtins_count_by_what_they_hold() -> None:
+    assert code_identity(functools.partial(_divisible, 2)) != code_identity(
+        functools.partial(_divisible, 3)
+    )
+    assert code_identity(functools.partial(_divisible, 2)) == code_identity(
+        functools.partial(_divisible, 2)
+    )
+    assert code_identity({1, 2}.__contains__) != code_identity({1, 3}.__contains__)
+    assert code_identity(operator.itemgetter("a")) != code_identity(operator.itemgetter("b"))
+    with pytest.raises(UnidentifiableError, match="does not pickle"):
+        code_identity(threading.Lock())
+
+
+@pytest.mark.timeout(120)
+def test_predicates_differing_in_partial_arguments_are_counted_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two jobs, one after the other, with ``partial(divisible, 2)`` and ``partial(divisible,
+    3)``: the second counted its own rows (it once reused the first's counts: a wrong
+    ``len()``, then ``RowCountMismatchError`` mid-epoch, in every later job)."""
+    from petastorm.predicates import in_lambda
+
+    from ddp_even import EvenLoader
+
+    monkeypatch.setenv("DDP_EVEN_CACHE_DIR", str(tmp_path / "cache"))
+    url = write_plain_dataset(tmp_path / "ds", [10, 10, 10])
+    for divisor in (2, 3, 2):
+        predicate = in_lambda(["id"], functools.partial(_divisible, divisor))
+        loader = EvenLoader.from_parquet(url, 4, predicate=predicate)
+        kept = [i for i in range(30) if i % divisor == 0]
+        assert len(loader) == -(-len(kept) // 4)
+        assert sorted(int(i) for batch in loader for i in batch["id"]) == kept
+    assert len(list((tmp_path / "cache").iterdir())) == 2, "one entry per predicate"
+
+
+@pytest.mark.timeout(120)
+def test_a_predicate_that_cannot_be_identified_is_counted_every_time_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from petastorm.predicates import in_lambda
+
+    from ddp_even import EvenLoader
+    from tests.helpers.logs import ddp_even_messages
+
+    monkeypatch.setenv("DDP_EVEN_CACHE_DIR", str(tmp_path / "cache"))
+    url = write_plain_dataset(tmp_path / "ds", [10, 10])
+    lock = threading.Lock()  # held by the predicate: nothing says what it computes with it
+
+    def even(ids: Any) -> Any:
+        with lock:
+            return ids % 2 == 0
+
+    messages = ddp_even_messages()
+    loader = EvenLoader.from_parquet(url, 4, predicate=in_lambda(["id"], even))
+    assert sorted(int(i) for batch in loader for i in batch["id"]) == list(range(0, 20, 2))
+    assert any("not cached" in message and "_thread.lock" in message for message in messages)
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())

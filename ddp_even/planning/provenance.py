@@ -133,9 +133,11 @@ def _function_identity(function: types.FunctionType, seen: set[int], depth: int)
     ]
     for cell in function.__closure__ or ():
         try:
-            parts.append(_identity(cell.cell_contents, seen, depth))
+            contents = cell.cell_contents
         except ValueError:  # an empty cell (a name bound later)
             parts.append(b"empty-cell")
+        else:
+            parts.append(_identity(contents, seen, depth))
     for name in sorted(_global_names(function.__code__)):
         if name in function.__globals__:
             value = function.__globals__[name]
