@@ -5,7 +5,7 @@
 
 One ``TCPStore`` server runs in a process of its own, as rank 0 or torchrun's agent hosts it.
 Each simulated rank is a thread of this process with its own client connection, doing what
-``ddp_even/agreement/heartbeat.py``'s thread does: one ``set`` of its :class:`Beat` under its
+``ddp_even/liveness/heartbeat.py``'s thread does: one ``set`` of its :class:`Beat` under its
 key every :func:`beat_interval` (1 s for any ``timeout`` of 4 s or more). One more client
 reads every writer's beat with one ``check`` and one ``multi_get`` every
 :func:`poll_interval`, as a rank waiting in ddp_even does (nothing is read on the fast path).
@@ -38,8 +38,8 @@ from rich.table import Table
 from torch._C._distributed_c10d import TCPStore
 
 from benchmarks.report import warn_if_loaded, write_results
-from ddp_even.agreement.heartbeat import OUTSIDE, Beat, beat_interval, heartbeat_key, host_token
-from ddp_even.agreement.liveness import poll_interval
+from ddp_even.liveness.heartbeat import OUTSIDE, Beat, beat_interval, heartbeat_key, host_token
+from ddp_even.liveness.peers import poll_interval
 
 # The loader's timeout the beats are paced for (the beat interval is then its longest, 1 s).
 TIMEOUT_S = 30.0

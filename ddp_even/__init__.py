@@ -29,7 +29,7 @@ from ddp_even.errors import (
 )
 
 if TYPE_CHECKING:
-    from ddp_even.agreement.gradient_hook import allreduce_hook
+    from ddp_even.liveness.gradient_hook import allreduce_hook
     from ddp_even.loader import EvenLoader
     from ddp_even.runtime.stats import EpochStats
 
@@ -54,7 +54,7 @@ __version__ = importlib.metadata.version("ddp_even")
 _LAZY = {
     "EvenLoader": "ddp_even.loader",
     "EpochStats": "ddp_even.runtime.stats",
-    "allreduce_hook": "ddp_even.agreement.gradient_hook",
+    "allreduce_hook": "ddp_even.liveness.gradient_hook",
 }
 
 

@@ -6,7 +6,6 @@ settles the plan (given, from the footers, or none) and runs the epoch in its sh
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import weakref
@@ -19,10 +18,10 @@ from torch.distributed.algorithms.join import Joinable
 from ddp_even.agreement.control_group import start_heartbeat_for
 from ddp_even.agreement.transport import Agreer, agreer_for
 from ddp_even.checks import check_batching_loader, check_timeout, checked_loader_arguments
-from ddp_even.modes import mode_named
+from ddp_even.modes import Mode, mode_named
+from ddp_even.process_group import group_is_up
 from ddp_even.resume.state import (
     PendingResume,
-    ResumedStart,
     loader_state,
     pending_resume,
     provenance_of,
@@ -35,13 +34,14 @@ from ddp_even.runtime.environment import (
     refuse_join_inside_lightning,
     warn_if_launched_without_a_group,
 )
-from ddp_even.runtime.epochs import EpochRun, run_epoch
+from ddp_even.runtime.epoch_shape import run_epoch, settle_epoch
+from ddp_even.runtime.epochs import EpochRun
 from ddp_even.runtime.feed import ShardFeed
 from ddp_even.runtime.first_pass import FirstPass
 from ddp_even.runtime.iteration import Epoch, EpochNumbering, HandedOut, LoaderAccount
 from ddp_even.runtime.settings import Settings
-from ddp_even.runtime.stats import EpochStats, RankCounts
-from ddp_even.sources import PlannedSource, as_source, parquet_dataset
+from ddp_even.runtime.stats import EpochStats
+from ddp_even.sources import PlannedSource, as_source
 
 if TYPE_CHECKING:
     from ddp_even.names import ModeName, Sharding
@@ -70,7 +70,8 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             (short shards start again until the longest ends, or for ``steps_per_epoch``
             steps), ``"pad"`` (cycle's steps; past its data a rank hands out padding) or
             ``"join"`` (every rank yields all its batches; ranks that finish early shadow the
-            others' DDP all-reduces through ``torch``'s ``Join``).
+            others' DDP all-reduces through ``torch``'s ``Join``), or a
+            :class:`~ddp_even.modes.Mode` of your own (docs/design.md).
         steps_per_epoch: a cap on the steps of an epoch (truncate) or the exact number of
             steps (cycle, pad). Not allowed in join mode.
         sync_every: batches per agreement. ``None`` (default): agree once per epoch when the
@@ -120,7 +121,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
     def __init__(
         self,
         source: Any,
-        mode: ModeName = "truncate",
+        mode: ModeName | Mode = "truncate",
         *,
         steps_per_epoch: int | None = None,
         sync_every: int | None = None,
@@ -140,8 +141,8 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         )
         self._mode.check(steps_per_epoch=steps_per_epoch, has_joinables=bool(joinables))
         self._source = as_source(source)
-        self._source.check_fits(self._mode.restarts_short_shards, steps_per_epoch)
-        if dist.is_available() and dist.is_initialized():
+        self._source.check_fits(self._mode.after_own_data, steps_per_epoch)
+        if group_is_up():
             self._source.check_shard(*rank_and_world_size(group))
             start_heartbeat_for(group, timeout)  # this process lives, from now until exit
         self._steps_per_epoch = steps_per_epoch
@@ -178,7 +179,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         cls,
         dataset: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         batch_size: int,
-        mode: ModeName = "truncate",
+        mode: ModeName | Mode = "truncate",
         *,
         sharding: Sharding = "round_robin",
         predicate: Any = None,
@@ -212,6 +213,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             print(len(loader))          # steps per epoch, the same on every rank
         """
         from ddp_even.petastorm.readers import make_shard_factory
+        from ddp_even.petastorm.spark_converter import parquet_dataset
 
         check_batching_loader(loader)
         check_timeout(timeout)
@@ -370,20 +372,29 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         )
         feed: ShardFeed[BatchT] = ShardFeed(
             start.source,
-            self._mode.restarts_short_shards,
-            self._steps_per_epoch is not None,
+            self._mode.after_own_data,
+            steps_capped=self._steps_per_epoch is not None,
             starts_after=len(start.skipped),
-            pads=self._mode.pads_short_shards,
         )
         # Whatever ends the epoch, before its first step too (a refused resume, a mismatch),
         # closes what it opened: a reader left running at exit aborts the process.
         try:
-            run = self._settle_plan(epoch, agreer, start, feed)
+            run = settle_epoch(
+                self._settings(self._sync_every, self._plan),
+                epoch=epoch,
+                agreer=agreer,
+                start=start,
+                feed=feed,
+                first_pass=self._first_pass,
+                previous=self._current_run,
+                mark=self._handed_out.add,
+                record=self.history.append,
+            )
             if start.unchecked is not None:
                 feed.first_pass_reading()  # what the resumed epoch reads, checked against the state
             provenance = provenance_of(self._passes, feed.reading)
             feed.failure = feed.failure or refusal(start, provenance, agreer.rank)
-            if self._mode.shadows_finished_ranks and agreer.world_size > 1:
+            if not self._mode.shares_steps and agreer.world_size > 1:
                 refuse_join_inside_lightning()
             self._current_run = run
             self._handed_out.epoch_started()
@@ -393,52 +404,6 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         finally:
             self._handed_out.epoch_ended()
             feed.close()
-
-    def _settle_plan(
-        self, epoch: int, agreer: Agreer, start: ResumedStart, feed: ShardFeed[BatchT]
-    ) -> EpochRun[BatchT]:
-        """The epoch's run: its plan (given, from the footers, or none) and its settings."""
-        mode, rank, counts = self._mode, agreer.rank, RankCounts()
-        known_batches = start.source.known_batches()
-        fixed_steps = mode.restarts_short_shards and self._steps_per_epoch is not None
-        agrees_as_it_goes = self._sync_every is not None or mode.shadows_finished_ranks
-        wants_plan = not (agrees_as_it_goes or fixed_steps)
-        # Sources whose passes tell what they read (petastorm's) are checked every epoch.
-        unplanned = self._plan is None and known_batches is None
-        if unplanned and (wants_plan or feed.first_pass_reading() is not None):
-            settings = self._settings(self._sync_every, None)
-            self._first_pass.settle(feed, agreer, settings, epoch, wants_plan)
-        plan = start.plan or self._known_plan
-        if plan is not None:
-            rank_in_plan(plan, self._group)
-            known_batches = counts.planned_batches = plan.batches_per_rank[rank]
-            counts.planned_rows = plan.rows_per_rank[rank]
-        if agrees_as_it_goes or (mode.pads_short_shards and plan is None):
-            # An explicit window, join (no common step count) and pad without a plan (its
-            # weights need each step's real rows over all ranks) agree as they go.
-            known_batches, fixed_steps = None, False
-        whole_epoch = known_batches is not None or fixed_steps
-        if known_batches is not None:
-            feed.promise(known_batches)
-        settings = self._settings(None if whole_epoch else (self._sync_every or 1), plan)
-        if whole_epoch and self._current_run is not None and not start.resumes:
-            spacing = self._current_run.agreed_check_spacing
-            settings = dataclasses.replace(settings, check_spacing=spacing)
-        run = EpochRun(
-            settings=settings,
-            agreer=agreer,
-            feed=feed,
-            epoch=epoch,
-            counts=counts,
-            mark=self._handed_out.add,
-            record=self.history.append,
-            known_batches=known_batches,
-        )
-        if plan is not None:
-            run.off_plan = feed.differs_from((start.first_pass or plan).shards[rank])
-        if start.resumed_from is not None:
-            run.resumed_at, run.resumed_from_world_size = start.resumed_from
-        return run
 
     def _settings(self, sync_every: int | None, plan: ShardPlan | None) -> Settings:
         return Settings(self._mode, self._steps_per_epoch, sync_every, plan)

@@ -1,11 +1,13 @@
 """The modes, one class each in one registry: what a mode checks, decides and predicts.
 
-A mode is everything that differs between truncate, cycle, pad and join:
+A mode is everything that differs between truncate, cycle, pad and join, in one class:
 
 * its argument checks (``check``),
-* whether short shards start again (``restarts_short_shards``), hand out padding past their
-  data (``pads_short_shards``), or whether ranks that run out shadow the others through
-  torch's ``Join`` (``shadows_finished_ranks``),
+* two choices that say how the epoch runs past a rank's own data: ``after_own_data`` (what a
+  rank hands out once its own data ran out: nothing, a restarted pass, or padding) and
+  ``shares_steps`` (every rank takes the epoch's steps, or each its own while ranks that ran out
+  shadow the others through torch's ``Join``). The runtime asks these, never which mode it is:
+  :mod:`ddp_even.runtime.epoch_shape` decides each epoch's shape from them,
 * ``decide``: the one function that turns what every rank offered into how many steps
   every rank takes next. It is pure and identical on every rank, so every rank decides the
   same,
@@ -21,14 +23,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from ddp_even.agreement.wire import Agreement
 
-__all__ = ["MODES", "EpochOutcome", "Mode", "WindowDecision", "mode_named"]
+__all__ = ["MODES", "AfterOwnData", "EpochOutcome", "Mode", "WindowDecision", "mode_named"]
+
+#: What a rank hands out once its own data ran out, while the epoch goes on: nothing more
+#: (``"stop"``), batches of a fresh pass over its shard (``"restart"``), or its last batch
+#: again, flagged as padding of weight 0 (``"pad"``).
+AfterOwnData = Literal["stop", "restart", "pad"]
 
 
 @dataclass(frozen=True)
@@ -84,22 +91,55 @@ class Mode(ABC):
     name: ClassVar[str]
     #: What happens, in one sentence (tables and docs).
     summary: ClassVar[str]
-    #: Short shards start a fresh pass until the epoch ends.
-    restarts_short_shards: ClassVar[bool] = False
-    #: A rank whose own data ran out hands out padding (its last batch again, flagged, of
-    #: weight 0) until the epoch ends; every real row is handed out once.
-    pads_short_shards: ClassVar[bool] = False
-    #: Ranks hand out all their own batches and those that run out shadow the others'
-    #: collectives (torch ``Join``); ranks then share no step count.
-    shadows_finished_ranks: ClassVar[bool] = False
+    #: What a rank hands out once its own data ran out while the epoch goes on.
+    after_own_data: ClassVar[AfterOwnData] = "stop"
+    #: Every rank takes the epoch's steps; False: each rank hands out all its own batches and
+    #: the ranks that run out shadow the others' collectives (torch ``Join``).
+    shares_steps: ClassVar[bool] = True
     #: What ``waste_percent`` measures.
     waste_means: ClassVar[str]
+
+    @property
+    def restarts_short_shards(self) -> bool:
+        """Short shards start a fresh pass until the epoch ends."""
+        return self.after_own_data == "restart"
+
+    @property
+    def pads_short_shards(self) -> bool:
+        """A rank whose own data ran out hands out padding (its last batch again, flagged, of
+        weight 0) until the epoch ends; every real row is handed out once."""
+        return self.after_own_data == "pad"
+
+    @property
+    def shadows_finished_ranks(self) -> bool:
+        """Ranks that run out shadow the others' collectives (torch ``Join``)."""
+        return not self.shares_steps
 
     @property
     def goes_past_own_data(self) -> bool:
         """Whether a rank hands out batches past its own data (repeats or padding), which
         need a batch of its own to copy (one it reads again when an epoch resumes)."""
-        return self.restarts_short_shards or self.pads_short_shards
+        return self.after_own_data != "stop"
+
+    @property
+    def weighs_batches(self) -> bool:
+        """Whether each batch's loss weight needs every rank's real rows at its step (padding
+        weighs 0, so the real rows' mean loss needs them): a plan, or a sum per step."""
+        return self.after_own_data == "pad"
+
+    def needs_a_batch(self, has_padding: bool) -> bool:
+        """Whether a rank whose shard has no batch at all is a problem the ranks must settle
+        before the first step: one that restarts has nothing to repeat (cycle), one that pads
+        nothing to pad with unless a peer gave it a batch (``has_padding``)."""
+        return self.after_own_data == "restart" or (
+            self.after_own_data == "pad" and not has_padding
+        )
+
+    def fixes_steps(self, steps_per_epoch: int | None) -> bool:
+        """Whether every rank takes exactly ``steps_per_epoch`` steps of real batches (restarting
+        its shard past its own data), so that the epoch needs no agreement on lengths. Pad fills
+        them too, but its weights need every rank's real rows at each step."""
+        return steps_per_epoch is not None and self.after_own_data == "restart"
 
     def check(self, *, steps_per_epoch: int | None, has_joinables: bool) -> None:
         """Raise ``ValueError`` for arguments this mode cannot honour."""
@@ -215,7 +255,7 @@ class Cycle(Mode):
 
     name = "cycle"
     summary = "shorter shards start over until the longest ends"
-    restarts_short_shards = True
+    after_own_data = "restart"
     waste_means = "rows repeated as % of all rows"
 
     def agreed_steps(
@@ -252,7 +292,7 @@ class Pad(Mode):
 
     name = "pad"
     summary = "ranks whose data ran out hand out padding (weight 0) until the longest ends"
-    pads_short_shards = True
+    after_own_data = "pad"
     waste_means = "padded rank-steps as % of rank-steps"
 
     def agreed_steps(
@@ -291,7 +331,7 @@ class JoinMode(Mode):
 
     name = "join"
     summary = "ranks that run out wait for the others"
-    shadows_finished_ranks = True
+    shares_steps = False
     waste_means = "idle rank-steps as % of rank-steps"
 
     def check(self, *, steps_per_epoch: int | None, has_joinables: bool) -> None:

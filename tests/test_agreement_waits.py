@@ -41,8 +41,8 @@ class _LooksLate:
 
 
 def _late_peer(rank: int, world_size: int, timeout: float, late_s: float) -> list[int]:
-    from ddp_even.agreement.rollcall import AGREEMENT, Ticket
     from ddp_even.agreement.transport import CollectiveAgreer, control_group_for
+    from ddp_even.liveness.rollcall import AGREEMENT, Ticket
 
     agreer = CollectiveAgreer(control_group_for(None, timeout), timeout)
     buffer = torch.full((2,), rank + 1, dtype=torch.int64)

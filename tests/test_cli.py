@@ -20,8 +20,7 @@ from click.testing import CliRunner, Result
 from rich.console import Console
 
 import ddp_even
-from ddp_even import plan_output
-from ddp_even.cli import main
+from ddp_even.cli import main, tables
 from ddp_even.parquet import plan_for_dataset
 from ddp_even.storage.filesystems import _metadata_server_answers
 from tests.helpers.datasets import write_plain_dataset
@@ -296,12 +295,12 @@ def test_piped_tables_fit_80_columns(dataset: str, sharding: str) -> None:
 @pytest.mark.timeout(30)
 def test_the_legend_comes_with_colours(dataset: str) -> None:
     row_groups, plan = plan_for_dataset(dataset, world_size=2, batch_size=8)
-    found = plan_output.sections(plan, plan, row_groups, most_listed=32)
-    header = plan_output.header_lines(dataset, row_groups, plan)
+    found = tables.sections(plan, plan, row_groups, most_listed=32)
+    header = tables.header_lines(dataset, row_groups, plan)
     for colours, legend in (("standard", True), (None, False)):
         out = io.StringIO()
         console = Console(file=out, width=80, force_terminal=True, color_system=colours)
-        plan_output.print_tables(console, header, found)
+        tables.print_tables(console, header, found)
         assert ("(red: fewest rows, yellow: most)" in out.getvalue()) is legend
 
 

@@ -78,3 +78,93 @@ def test_planning_imports_no_torch_petastorm_or_storage() -> None:
     assert [
         name for name in imported if name.split(".")[0] in outside or name.startswith(reading)
     ] == []
+
+
+# Each part of the package and its layer, from the bottom (docs/design.md, "Where things live").
+# A module imports only from its own layer or below; the most specific prefix names its layer.
+LAYERS: dict[str, int] = {
+    "errors": 0,
+    "names": 0,
+    "checks": 0,
+    "process_group": 0,
+    "modes": 0,
+    "agreement.wire": 0,
+    "planning": 1,
+    "storage": 2,
+    "parquet": 3,
+    "liveness": 4,
+    "agreement": 5,
+    "sources": 6,
+    "runtime": 7,
+    "resume": 8,
+    "petastorm": 9,
+    "loader": 10,
+    "integrations": 11,
+    "cli": 11,
+    "": 12,  # the package itself, and python -m ddp_even
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(part for part in parts if part != "__init__")
+
+
+def _layer(module: str) -> int:
+    name = module.removeprefix("ddp_even").lstrip(".")
+    if name == "__main__":
+        return LAYERS[""]
+    matching = [prefix for prefix in LAYERS if name == prefix or name.startswith(prefix + ".")]
+    return LAYERS[max(matching, key=len)] if matching else LAYERS[""]
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every module's ddp_even imports, type-only ones and those inside functions included, as
+    module names (``from ddp_even.x import y`` is ``ddp_even.x.y`` where that is a module)."""
+    modules = {
+        "ddp_even." + _module_name(path) if _module_name(path) else "ddp_even": path
+        for path in _modules()
+    }
+    found: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module.startswith("ddp_even"):
+                    for alias in node.names:
+                        full = f"{node.module}.{alias.name}"
+                        imported.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                imported |= {
+                    alias.name for alias in node.names if alias.name.startswith("ddp_even")
+                }
+        found[name] = {module for module in imported if module in modules and module != name}
+    return found
+
+
+def test_no_module_imports_from_a_layer_above_its_own() -> None:
+    upward = [
+        f"{module} imports {imported}"
+        for module, imports in _imports().items()
+        for imported in sorted(imports)
+        if _layer(imported) > _layer(module)
+    ]
+    assert upward == []
+
+
+def test_no_imports_go_round_in_a_circle() -> None:
+    graph = _imports()
+    circles = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for imported in graph[module]:
+            if imported in path:
+                circle = path[path.index(imported) :]
+                start = circle.index(min(circle))
+                circles.add(" -> ".join(circle[start:] + circle[:start]))
+            elif len(path) < 12:
+                visit(imported, [*path, imported])
+
+    for module in graph:
+        visit(module, [module])
+    assert sorted(circles) == []

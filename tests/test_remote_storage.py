@@ -25,8 +25,7 @@ import pytest
 from click.testing import CliRunner, Result
 from rich.console import Console
 
-from ddp_even import plan_output
-from ddp_even.cli import main
+from ddp_even.cli import main, tables
 from ddp_even.errors import DatasetError
 from ddp_even.parquet import plan_for_dataset
 from ddp_even.parquet.metadata import read_row_groups
@@ -186,19 +185,19 @@ def test_cli_bad_storage_option_is_a_usage_error(urls: dict[str, str]) -> None:
 @pytest.mark.timeout(30)
 def test_progress_bar_appears_once_reading_is_slow(monkeypatch: pytest.MonkeyPatch) -> None:
     screen = io.StringIO()
-    monkeypatch.setattr(plan_output, "_PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(tables, "_PROGRESS_AFTER_S", 0.0)
     console = Console(file=screen, force_terminal=True, width=100)
-    with plan_output.MetadataProgress(console) as progress:
+    with tables.MetadataProgress(console) as progress:
         progress(3, 10)
         progress(10, 10)
     assert "reading Parquet metadata" in screen.getvalue()
     log_file = io.StringIO()
-    with plan_output.MetadataProgress(Console(file=log_file)) as progress:
+    with tables.MetadataProgress(Console(file=log_file)) as progress:
         progress(3, 10)
     assert log_file.getvalue() == "", "no bar is drawn into a file or pipe"
     quiet = io.StringIO()
-    monkeypatch.setattr(plan_output, "_PROGRESS_AFTER_S", 60.0)
-    with plan_output.MetadataProgress(Console(file=quiet, force_terminal=True)) as progress:
+    monkeypatch.setattr(tables, "_PROGRESS_AFTER_S", 60.0)
+    with tables.MetadataProgress(Console(file=quiet, force_terminal=True)) as progress:
         progress(3, 10)
     assert quiet.getvalue() == ""
 

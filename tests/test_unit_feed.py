@@ -51,7 +51,8 @@ class Pulls:
 def _feed(
     source: object, *, restarts: bool = False, steps_capped: bool = False, pads: bool = False
 ) -> ShardFeed[Any]:
-    return ShardFeed(as_source(source), restarts=restarts, steps_capped=steps_capped, pads=pads)
+    after_own_data = "restart" if restarts else "pad" if pads else "stop"
+    return ShardFeed(as_source(source), after_own_data, steps_capped=steps_capped)
 
 
 def _take_all(feed: ShardFeed[Any]) -> list[FedBatch[Any]]:
@@ -364,9 +365,7 @@ def test_a_padding_feed_pads_instead_of_repeating_after_a_failure() -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("starts_after", [0, 2])
 def test_a_first_pass_shorter_than_promised_is_a_failure(starts_after: int) -> None:
-    feed = ShardFeed(
-        as_source(lambda: iter(SHARD[starts_after:3])), False, False, starts_after=starts_after
-    )
+    feed = ShardFeed(as_source(lambda: iter(SHARD[starts_after:3])), starts_after=starts_after)
     feed.promise(len(SHARD))
     feed.fill(len(SHARD))
     assert feed.buffered == 3 - starts_after
@@ -425,11 +424,11 @@ class _Endless(ShardSource[int]):
 
 @pytest.mark.timeout(30)
 def test_an_endless_pass_needs_a_step_cap() -> None:
-    uncapped = ShardFeed(_Endless(), restarts=False, steps_capped=False)
+    uncapped = ShardFeed(_Endless(), steps_capped=False)
     uncapped.fill(2)
     assert isinstance(uncapped.failure, ValueError)
     assert "steps_per_epoch=N" in str(uncapped.failure)
-    capped = ShardFeed(_Endless(), restarts=False, steps_capped=True)
+    capped = ShardFeed(_Endless(), steps_capped=True)
     capped.fill(4)
     assert [fed.batch for fed in _take_all(capped)] == [0, 1, 2, 3]
 
@@ -451,12 +450,12 @@ class _Continuing(ShardSource[int]):
 @pytest.mark.timeout(30)
 def test_close_gives_unused_batches_back_to_a_continuing_stream() -> None:
     source = _Continuing(iter(range(10)))
-    first: ShardFeed[int] = ShardFeed(source, restarts=False, steps_capped=True)
+    first: ShardFeed[int] = ShardFeed(source, steps_capped=True)
     first.fill(4)
     assert [first.take().batch for _ in range(2)] == [0, 1]
     first.close()
     assert first.buffered == 0
-    second: ShardFeed[int] = ShardFeed(source, restarts=False, steps_capped=True)
+    second: ShardFeed[int] = ShardFeed(source, steps_capped=True)
     second.fill(5)
     # The two read ahead but never handed out come first, then the stream goes on.
     assert [fed.batch for fed in _take_all(second)] == [2, 3, 4, 5, 6]
@@ -476,7 +475,7 @@ def test_a_pass_resumed_after_all_its_own_batches_restarts_in_cycle() -> None:
     # A resumed cycle epoch whose rank had handed out its whole shard: its first pass (the rows
     # not yet read) is empty, yet the shard is not, and the next pass repeats it.
     passes = iter([iter([]), iter(SHARD), iter(SHARD)])
-    feed = ShardFeed(as_source(lambda: next(passes)), True, False, starts_after=len(SHARD))
+    feed = ShardFeed(as_source(lambda: next(passes)), "restart", starts_after=len(SHARD))
     feed.promise(len(SHARD))
     feed.fill(2)
     assert feed.failure is None and not feed.empty_shard

@@ -47,8 +47,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-from ddp_even.agreement.heartbeat import start_heartbeat, waiting
-from ddp_even.agreement.liveness import (
+from ddp_even.errors import EvenLoaderError
+from ddp_even.liveness.heartbeat import start_heartbeat, waiting
+from ddp_even.liveness.peers import (
     BUSY,
     UNSEEN,
     Watch,
@@ -57,9 +58,9 @@ from ddp_even.agreement.liveness import (
     poll_interval,
     watch_from_now,
 )
-from ddp_even.agreement.rollcall import finish_roll_calls
-from ddp_even.agreement.verdict import Board, Verdict, store_silence, verdict_on
-from ddp_even.errors import EvenLoaderError
+from ddp_even.liveness.rollcall import finish_roll_calls
+from ddp_even.liveness.verdict import Board, Verdict, store_silence, verdict_on
+from ddp_even.process_group import group_is_up
 
 __all__ = ["Channel", "channel_for", "control_group_for", "release_orphaned", "training_timeout"]
 
@@ -142,7 +143,7 @@ _release_at_exit_registered = False
 def start_heartbeat_for(group: dist.ProcessGroup | None, timeout: float | None) -> None:
     """Say that this process lives (``heartbeat.py``), beating often enough for ``timeout``
     (None: the training group's timeout), from the first loader until exit."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if group_is_up() and dist.get_world_size(group) > 1:
         start_heartbeat(training_timeout(group) if timeout is None else timeout)
         watch_from_now()
 
@@ -253,7 +254,7 @@ def _release(key: tuple[Any, float]) -> None:
 
 def _registered(group: Any) -> bool:
     """Whether torch still knows ``group``, i.e. it was not destroyed."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
+    if group is None or not group_is_up():
         return False
     # Private, and the only place that says so for a group other than the world.
     pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)

@@ -17,9 +17,9 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
-from ddp_even.agreement.rollcall import Ticket
 from ddp_even.agreement.wire import Agreement
 from ddp_even.errors import EvenLoaderError
+from ddp_even.liveness.rollcall import Ticket
 
 T_co = TypeVar("T_co", covariant=True)
 T = TypeVar("T")

@@ -36,30 +36,7 @@ from ddp_even.agreement.control_group import (
     release_orphaned,
     training_timeout,
 )
-from ddp_even.agreement.heartbeat import start_heartbeat, waiting
-from ddp_even.agreement.liveness import current_watch, lost_peers, poll_interval
 from ddp_even.agreement.pending import Done, InFlight, Pending, PendingAgreement, TwoForms
-from ddp_even.agreement.rollcall import (
-    AGREEMENT,
-    PADDING,
-    QUIET_S,
-    REPORTS,
-    ROWS,
-    STATISTICS,
-    WHAT,
-    RollCall,
-    Ticket,
-)
-from ddp_even.agreement.verdict import (
-    Board,
-    Verdict,
-    gloo_words,
-    stood_still,
-    store_host_gone,
-    store_silence,
-    verdict_on,
-    verdict_on_missing,
-)
 from ddp_even.agreement.wire import (
     Agreement,
     Report,
@@ -73,6 +50,30 @@ from ddp_even.agreement.wire import (
     report_from_bytes,
 )
 from ddp_even.errors import EvenLoaderError, PeerTimeoutError, RankMismatchError
+from ddp_even.liveness.heartbeat import start_heartbeat, waiting
+from ddp_even.liveness.peers import current_watch, lost_peers, poll_interval
+from ddp_even.liveness.rollcall import (
+    AGREEMENT,
+    PADDING,
+    QUIET_S,
+    REPORTS,
+    ROWS,
+    STATISTICS,
+    WHAT,
+    RollCall,
+    Ticket,
+)
+from ddp_even.liveness.verdict import (
+    Board,
+    Verdict,
+    gloo_words,
+    stood_still,
+    store_host_gone,
+    store_silence,
+    verdict_on,
+    verdict_on_missing,
+)
+from ddp_even.process_group import group_is_up
 
 logger = logging.getLogger("ddp_even")
 
@@ -83,7 +84,7 @@ def agreer_for(group: dist.ProcessGroup | None, timeout: float | None) -> Agreer
     """This process's agreer in ``group`` (the world by default): over ddp_even's control group
     of it, whose creation is a collective every rank must reach; a solo one without a process
     group or with one rank. ``timeout`` bounds each wait (None: the group's own timeout)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if not group_is_up() or dist.get_world_size(group) == 1:
         return SoloAgreer()
     if timeout is None:
         timeout = training_timeout(group)

@@ -1,20 +1,182 @@
-"""A dataset's shard plan in one call: its row groups read from Parquet metadata, then planned."""
+"""The one way from a dataset and its options to a shard plan: the dataset resolved, its row
+groups read from Parquet metadata (no data), a row predicate's kept rows counted (once,
+cached), then every rank's shard planned.
+
+Every caller plans through :func:`plan_dataset`: ``EvenLoader.from_parquet`` (through
+:func:`~ddp_even.petastorm.readers.make_shard_factory`, which then builds readers for the plan),
+the batch counts of the usual petastorm loop (:func:`~ddp_even.petastorm.reading.
+round_robin_plan`), ``ddp-even plan``, and :func:`plan_for_dataset`. A resume on another number
+of ranks plans the same row groups again (:meth:`DatasetPlan.for_ranks`).
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ddp_even.checks import check_positive_int
 from ddp_even.parquet.metadata import read_row_groups
+from ddp_even.parquet.predicate_counts import (
+    Share,
+    check_predicate_fields,
+    count_in_columns,
+    matching_rows,
+)
 from ddp_even.planning.plans import ShardPlan, plan_shards
 from ddp_even.planning.row_groups import Progress, RowGroups
 from ddp_even.planning.sharding import Sharding, sharding_from
-from ddp_even.storage import DatasetLocation, StorageOptions
+from ddp_even.storage import DatasetLocation, ResolvedDataset, StorageOptions, resolve_dataset
 
-__all__ = ["plan_for_dataset"]
+__all__ = ["DatasetPlan", "PredicateCounting", "plan_dataset", "plan_for_dataset"]
 
 logger = logging.getLogger("ddp_even")
+
+#: ``count(resolved, row_groups, indices, fields)``: the rows a predicate keeps in each row
+#: group of ``indices``, counted as the training reader keeps them.
+CountByReader = Callable[[ResolvedDataset, RowGroups, Sequence[int], list[str]], list[int]]
+
+
+@dataclass(frozen=True)
+class PredicateCounting:
+    """A row predicate, and how to count the rows it keeps as the training reader keeps them.
+
+    A reader that gives the predicate a pandas frame of stored columns (``make_batch_reader``)
+    is counted by reading those columns alone (``on_columns``); otherwise ``by_reader`` counts
+    the reader's own way (a row reader's decoded fields, hive partition keys). ``kind`` names
+    what the counts mean, in their cache key.
+    """
+
+    predicate: Any
+    kind: bytes = b"batch"
+    on_columns: bool = True
+    by_reader: CountByReader | None = None
+
+
+@dataclass(frozen=True)
+class DatasetPlan:
+    """A dataset planned for training.
+
+    ``footers``: its row groups as the metadata said at planning (every pass checks its files
+    against them); ``row_groups``: the rows a predicate keeps in each (the footers' without
+    one), which ``plan`` shares out.
+    """
+
+    resolved: ResolvedDataset
+    footers: RowGroups
+    row_groups: RowGroups
+    plan: ShardPlan
+
+    def for_ranks(self, world_size: int, sharding: Sharding | None = None) -> ShardPlan:
+        """The same row groups planned for ``world_size`` ranks (another ``sharding``).
+
+        Example:
+            >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+            >>> root = tempfile.mkdtemp()
+            >>> pq.write_table(pa.table({"x": list(range(9))}), f"{root}/a.parquet",
+            ...                row_group_size=3)
+            >>> planned = plan_dataset(root, world_size=3, batch_size=2)
+            >>> planned.plan.rows_per_rank, planned.for_ranks(2).rows_per_rank
+            ((3, 3, 3), (6, 3))
+        """
+        return plan_shards(
+            self.row_groups,
+            world_size,
+            self.plan.batch_size,
+            sharding=self.plan.sharding if sharding is None else sharding,
+        )
+
+
+def plan_dataset(
+    dataset: DatasetLocation | ResolvedDataset,
+    world_size: int,
+    batch_size: int,
+    *,
+    sharding: Sharding = "round_robin",
+    storage_options: StorageOptions | None = None,
+    filesystem: Any = None,
+    progress: Progress | None = None,
+    counting: PredicateCounting | None = None,
+    rank: int = 0,
+    share: Share | None = None,
+) -> DatasetPlan:
+    """Plan ``dataset``'s shards for ``world_size`` ranks, batches of ``batch_size`` rows.
+
+    ``dataset`` is a URL (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...), a
+    local path, or a list of Parquet files, as given to petastorm (or one already resolved);
+    ``storage_options`` or ``filesystem`` reach remote storage
+    (:func:`~ddp_even.storage.resolve.resolve_dataset`), ``progress(done, total)`` follows the
+    metadata reads. With ``counting``, a row predicate's kept rows are counted first
+    (:mod:`ddp_even.parquet.predicate_counts`, cached) and the plan shares those out; ``share``
+    (an all-gather among the ranks, this one ``rank``) spreads that scan over the ranks, which
+    must all call this together. Raises :class:`~ddp_even.errors.DatasetError` when the dataset
+    cannot be read, and ``ValueError`` for bad arguments.
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> root = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
+        >>> plan_dataset(root, world_size=2, batch_size=3).plan.shards
+        ((0, 2), (1,))
+    """
+    check_positive_int("world_size", world_size)
+    check_positive_int("batch_size", batch_size)
+    if isinstance(dataset, ResolvedDataset):
+        resolved = dataset
+    else:
+        resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
+    footers = read_row_groups(resolved, progress=progress)
+    logger.debug(
+        "ddp_even: %d row groups, %d rows in %d files (from %s)",
+        len(footers),
+        footers.total_rows,
+        len(footers.files),
+        footers.source,
+    )
+    row_groups = footers
+    if counting is not None:
+        row_groups = _counted(resolved, footers, counting, rank, world_size, share)
+    plan = plan_shards(row_groups, world_size, batch_size, sharding=sharding)
+    return DatasetPlan(resolved, footers, row_groups, plan)
+
+
+def _counted(
+    resolved: ResolvedDataset,
+    footers: RowGroups,
+    counting: PredicateCounting,
+    rank: int,
+    world_size: int,
+    share: Share | None,
+) -> RowGroups:
+    """``footers`` with the rows the predicate keeps in each row group."""
+    predicate = counting.predicate
+    fields, stored = check_predicate_fields(predicate, resolved, footers)
+
+    def count_share(indices: Sequence[int]) -> list[int]:
+        if counting.on_columns and stored:
+            return count_in_columns(resolved, footers, indices, predicate, fields)
+        if counting.by_reader is None:
+            raise ValueError(
+                f"the predicate reads {', '.join(fields)}, not all stored columns: only the "
+                "reader that applies it can count its rows"
+            )
+        return counting.by_reader(resolved, footers, indices, fields)
+
+    spread = share is not None and world_size > 1
+    return matching_rows(
+        footers,
+        predicate,
+        key_parts=[counting.kind],
+        count_share=count_share,
+        rank=rank if spread else 0,
+        world_size=world_size if spread else 1,
+        share=share if spread and share is not None else _alone,
+    )
+
+
+def _alone(values: list[int]) -> list[list[int]]:
+    return [values]
 
 
 def plan_for_dataset(
@@ -28,14 +190,9 @@ def plan_for_dataset(
     filesystem: Any = None,
     progress: Progress | None = None,
 ) -> tuple[RowGroups, ShardPlan]:
-    """Read a dataset's row groups from metadata (no data) and plan its shards.
-
-    ``dataset`` is a URL (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...), a
-    local path, or a list of Parquet files, as given to petastorm; ``storage_options`` or
-    ``filesystem`` reach remote storage (see :func:`~ddp_even.storage.resolve.resolve_dataset`),
-    ``progress(done, total)`` follows the metadata reads. Raises
-    :class:`~ddp_even.errors.DatasetError` when the dataset cannot be read, and
-    ``ValueError`` for bad arguments.
+    """Read a dataset's row groups from metadata (no data) and plan its shards: the
+    row groups and the plan of :func:`plan_dataset` (``balanced=True`` is the old spelling of
+    ``sharding="row_groups"``).
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
@@ -45,17 +202,13 @@ def plan_for_dataset(
         >>> plan.shards, plan.rows_per_rank, plan.batches_per_rank
         (((0, 2), (1,)), (6, 4), (2, 2))
     """
-    check_positive_int("world_size", world_size)
-    check_positive_int("batch_size", batch_size)
-    row_groups = read_row_groups(
-        dataset, storage_options=storage_options, filesystem=filesystem, progress=progress
+    planned = plan_dataset(
+        dataset,
+        world_size,
+        batch_size,
+        sharding=sharding_from(sharding, balanced),
+        storage_options=storage_options,
+        filesystem=filesystem,
+        progress=progress,
     )
-    logger.debug(
-        "ddp_even: %d row groups, %d rows in %d files (from %s)",
-        len(row_groups),
-        row_groups.total_rows,
-        len(row_groups.files),
-        row_groups.source,
-    )
-    sharding = sharding_from(sharding, balanced)
-    return row_groups, plan_shards(row_groups, world_size, batch_size, sharding=sharding)
+    return planned.footers, planned.plan

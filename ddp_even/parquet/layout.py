@@ -9,13 +9,17 @@ hive partitions (``key=value``), and all data files are sorted by full path.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ddp_even.errors import DatasetError
 
 if TYPE_CHECKING:
-    from ddp_even.parquet.metadata import MetadataReader
+    from ddp_even.storage import Storage
+
+#: ``[list_directory(path) for path in paths]``, listed concurrently (the caller's pool).
+ListAll = Callable[[Callable[[str], Any], Sequence[str]], list[Any]]
 
 __all__ = ["DirectoryLayout"]
 
@@ -31,8 +35,8 @@ class DirectoryLayout:
     stamps: dict[str, str]
 
     @classmethod
-    def scan(cls, root: str, reader: MetadataReader) -> DirectoryLayout:
-        url = reader.storage.url
+    def scan(cls, root: str, storage: Storage, list_all: ListAll) -> DirectoryLayout:
+        url = storage.url
         data_files: list[str] = []
         stamps: dict[str, str] = {}
         metadata_paths: list[str] = []
@@ -40,7 +44,7 @@ class DirectoryLayout:
         level = [root]
         while level:
             # Every directory of a level is listed at once: partitions are siblings.
-            listings = reader.map(reader.storage.list_directory, level, report=False)
+            listings = list_all(storage.list_directory, level)
             next_level = []
             for directory, (files, subdirectories) in zip(level, listings, strict=True):
                 level_files = []

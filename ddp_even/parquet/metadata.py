@@ -26,6 +26,7 @@ costs at most two requests (its size, then its tail), a ``_metadata`` summary on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import posixpath
@@ -168,7 +169,7 @@ class MetadataReader:
             raise self.storage.missing(path)
         if kind == "file":
             return self.from_footers([path], listed=False)
-        layout = DirectoryLayout.scan(path, self)
+        layout = DirectoryLayout.scan(path, self.storage, functools.partial(self.map, report=False))
         metadata = self.read_summary(layout.metadata_path) if layout.metadata_path else None
         common_path = layout.common_metadata_path or layout.metadata_path
         if metadata is None and common_path is None:

@@ -22,7 +22,6 @@ shuffles for an unseeded ``shuffle_row_groups``, and with ``shuffle_row_drop_par
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,13 +31,13 @@ import numpy as np
 from ddp_even.errors import PlanMismatchError
 from ddp_even.petastorm.legacy_filesystem import legacy_filesystem
 from ddp_even.planning.pass_order import pass_rows
-from ddp_even.planning.plans import ShardPlan, plan_shards
+from ddp_even.planning.plans import ShardPlan, scan_plan
 from ddp_even.planning.row_groups import RowGroups
 from ddp_even.planning.sharding import SHARDINGS, RowRange, Sharding
 from ddp_even.storage import ResolvedDataset
 
 if TYPE_CHECKING:
-    from ddp_even.petastorm.readers import ReaderKind
+    from ddp_even.petastorm.reader_options import ReaderKind
 
 __all__ = ["build_reader", "count_matching"]
 
@@ -68,13 +67,8 @@ def count_matching(
         "shuffle_row_groups": False,
         "hdfs_driver": options.get("hdfs_driver", "libhdfs3"),
     }
-    wanted = set(indices)
-    scan_plan = dataclasses.replace(
-        plan_shards(row_groups, 1, max(row_groups.total_rows, 1)),
-        sharding="row_groups",
-        shards=(tuple(index for index in range(len(row_groups)) if index in wanted),),
-    )
-    scan_reader = build_reader(url, resolved, kind, row_groups, scan_plan, 0, scan_options)
+    scanned = scan_plan(row_groups, indices)
+    scan_reader = build_reader(url, resolved, kind, row_groups, scanned, 0, scan_options)
     try:
         pool = scan_reader._workers_pool
         # Row groups a predicate on partition columns ruled out have no work item: 0 rows.

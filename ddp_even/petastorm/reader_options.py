@@ -8,16 +8,27 @@ another order than :mod:`ddp_even.planning.pass_order` computes (which resuming 
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ddp_even.planning.sharding import SHARDINGS, Sharding
 
 if TYPE_CHECKING:
-    from ddp_even.petastorm.readers import LoaderKind
     from ddp_even.planning.plans import ShardPlan
+
+#: What ``factory()`` wraps around the reader: ``petastorm.pytorch.BatchedDataLoader``,
+#: ``petastorm.pytorch.DataLoader``, or nothing (iterate the reader itself).
+LoaderKind = Literal["batched_dataloader", "dataloader", "reader"]
+#: ``"batch"``: ``make_batch_reader`` (plain Parquet); ``"row"``: ``make_reader`` (Unischema).
+ReaderKind = Literal["batch", "row"]
+
+_LOADER_KINDS: tuple[LoaderKind, ...] = ("batched_dataloader", "dataloader", "reader")
+_READER_KINDS: tuple[ReaderKind, ...] = ("batch", "row")
 
 __all__ = [
     "READING_ORDER_OPTIONS",
+    "LoaderKind",
+    "ReaderKind",
+    "check_kinds",
     "check_loader_options",
     "check_reader_options",
     "taken_once",
@@ -69,6 +80,22 @@ _ACCEPTED_READER_OPTIONS = (
     "filesystem",
     "predicate",
 )
+
+
+def check_kinds(loader: object, reader: object) -> None:
+    """``ValueError`` unless ``loader`` is a :data:`LoaderKind` and ``reader`` a :data:`ReaderKind`.
+
+    Example:
+        >>> check_kinds("dataloader", "row")
+        >>> check_kinds("torch", "batch")
+        Traceback (most recent call last):
+        ...
+        ValueError: loader must be one of batched_dataloader, dataloader, reader; got 'torch'
+    """
+    if loader not in _LOADER_KINDS:
+        raise ValueError(f"loader must be one of {', '.join(_LOADER_KINDS)}; got {loader!r}")
+    if reader not in _READER_KINDS:
+        raise ValueError(f"reader must be one of {', '.join(_READER_KINDS)}; got {reader!r}")
 
 
 def why_not_in_plan_order(

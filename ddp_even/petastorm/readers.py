@@ -21,55 +21,41 @@ read through one filesystem, resolved by :mod:`ddp_even.storage.resolve` from th
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from ddp_even.errors import PlanMismatchError
 from ddp_even.modes import MODES
-from ddp_even.parquet.metadata import changed_row_groups, read_row_groups
-from ddp_even.parquet.predicate_counts import (
-    check_predicate_fields,
-    count_in_columns,
-    matching_rows,
-)
+from ddp_even.parquet.dataset_plan import DatasetPlan, PredicateCounting, plan_dataset
+from ddp_even.parquet.metadata import changed_row_groups
 from ddp_even.petastorm.planned_reader import build_reader, count_matching
 from ddp_even.petastorm.reader_options import (
     READING_ORDER_OPTIONS,
+    LoaderKind,
+    ReaderKind,
+    check_kinds,
     check_loader_options,
     check_reader_options,
     taken_once,
     why_not_in_plan_order,
 )
 from ddp_even.planning.pass_order import PassOrder, epoch_seed, pass_rows
-from ddp_even.planning.plans import ShardPlan, plan_shards
+from ddp_even.planning.plans import ShardPlan
 from ddp_even.planning.provenance import Provenance
+from ddp_even.planning.row_groups import RowGroups
 from ddp_even.planning.sharding import Sharding, sharding_from
 from ddp_even.sources import PlannedSource
-from ddp_even.storage import DatasetLocation, StorageOptions, resolve_dataset
+from ddp_even.storage import DatasetLocation, ResolvedDataset, StorageOptions
 
 if TYPE_CHECKING:
     from ddp_even.agreement.transport import Agreer
 
-__all__ = [
-    "LoaderKind",
-    "PlannedPasses",
-    "ReaderKind",
-    "make_shard_factory",
-    "petastorm_url",
-]
+__all__ = ["PlannedPasses", "make_shard_factory", "petastorm_url"]
 
 logger = logging.getLogger("ddp_even")
-
-#: What ``factory()`` wraps around the reader: ``petastorm.pytorch.BatchedDataLoader``,
-#: ``petastorm.pytorch.DataLoader``, or nothing (iterate the reader itself).
-LoaderKind = Literal["batched_dataloader", "dataloader", "reader"]
-#: ``"batch"``: ``make_batch_reader`` (plain Parquet); ``"row"``: ``make_reader`` (Unischema).
-ReaderKind = Literal["batch", "row"]
-
-_LOADER_KINDS: tuple[LoaderKind, ...] = ("batched_dataloader", "dataloader", "reader")
-_READER_KINDS: tuple[ReaderKind, ...] = ("batch", "row")
 
 
 def make_shard_factory(
@@ -139,12 +125,8 @@ def make_shard_factory(
         >>> rows == plan.rows_per_rank[1]
         True
     """
-    if loader not in _LOADER_KINDS:
-        raise ValueError(f"loader must be one of {', '.join(_LOADER_KINDS)}; got {loader!r}")
-    if reader not in _READER_KINDS:
-        raise ValueError(f"reader must be one of {', '.join(_READER_KINDS)}; got {reader!r}")
-    sharding = sharding_from(sharding, balanced)
-    options = check_reader_options(dict(reader_kwargs or {}), sharding)
+    check_kinds(loader, reader)
+    options = check_reader_options(dict(reader_kwargs or {}), sharding_from(sharding, balanced))
     storage_options = taken_once("storage_options", storage_options, options)
     filesystem = taken_once("filesystem", filesystem, options)
     predicate = taken_once("predicate", predicate, options)
@@ -154,35 +136,30 @@ def make_shard_factory(
             "rows it keeps per row group, not per part"
         )
     loader_options = check_loader_options(loader, dict(loader_kwargs or {}))
-    resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
     url = petastorm_url(dataset)
-    row_groups = read_row_groups(resolved)
-    # As the footers were at planning; each pass checks its files still match.
-    planned_footers = row_groups
+    counting = None
     if predicate is not None:
-        share = agreer.gather_counts if agreer is not None and agreer.world_size > 1 else None
-        fields, stored = check_predicate_fields(predicate, resolved, row_groups)
-        counted = row_groups
-
-        def count_share(indices: Sequence[int]) -> list[int]:
-            if reader == "batch" and stored:
-                # What make_batch_reader's worker does, without its per-row-group overheads.
-                return count_in_columns(resolved, counted, indices, predicate, fields)
-            return count_matching(
-                url, resolved, reader, counted, indices, predicate, fields, options
-            )
-
-        row_groups = matching_rows(
-            row_groups,
+        counting = PredicateCounting(
             predicate,
-            key_parts=[reader.encode()],
-            count_share=count_share,
-            rank=rank if share is not None else 0,
-            world_size=world_size if share is not None else 1,
-            share=share if share is not None else _alone,
+            kind=reader.encode(),
+            on_columns=reader == "batch",
+            by_reader=functools.partial(
+                _count_by_reader, url, reader, predicate=predicate, options=options
+            ),
         )
         options["predicate"] = predicate
-    plan = plan_shards(row_groups, world_size, batch_size, sharding=sharding)
+    planned = plan_dataset(
+        dataset,
+        world_size,
+        batch_size,
+        sharding=sharding_from(sharding, balanced),
+        storage_options=storage_options,
+        filesystem=filesystem,
+        counting=counting,
+        rank=rank,
+        share=agreer.gather_counts if agreer is not None else None,
+    )
+    plan, row_groups, resolved = planned.plan, planned.row_groups, planned.resolved
     plan.row_groups_of(rank)  # checks rank
     if plan.petastorm_error is not None:
         raise ValueError(f"{plan.describe_too_many_ranks()}. Use fewer ranks or sharding='rows'")
@@ -214,7 +191,7 @@ def make_shard_factory(
             # Another plan (a re-planned rest, remainder.py) is read in its own order.
             rows = pass_rows(shard_plan, rank, sizes, None)
         changed = changed_row_groups(
-            resolved, planned_footers, sorted({group for group, _, _ in rows})
+            resolved, planned.footers, sorted({group for group, _, _ in rows})
         )
         if changed is not None:
             # Before any row is read, so that it reaches every rank at the epoch's agreement.
@@ -242,7 +219,7 @@ def make_shard_factory(
 
     why_not = why_not_in_plan_order(options, loader_options, plan)
     provenance = Provenance.of(
-        data=planned_footers.identity(),
+        data=planned.footers.identity(),
         predicate=predicate,
         reader=reader,
         **{name: options.get(name) for name in READING_ORDER_OPTIONS},
@@ -251,7 +228,7 @@ def make_shard_factory(
         batch_size=batch_size,
         sharding=plan.sharding,
     )
-    return plan, PlannedPasses(build, plan, sizes, why_not, order, provenance, agreer)
+    return plan, PlannedPasses(build, planned, why_not, order, provenance, agreer)
 
 
 class PlannedPasses(PlannedSource):
@@ -267,8 +244,7 @@ class PlannedPasses(PlannedSource):
     def __init__(
         self,
         build: Callable[[int, ShardPlan | None], Any],
-        plan: ShardPlan,
-        row_group_sizes: list[int],
+        dataset_plan: DatasetPlan,
         why_not_in_plan_order: str | None,
         order: PassOrder,
         provenance: Provenance,
@@ -276,9 +252,10 @@ class PlannedPasses(PlannedSource):
     ) -> None:
         self._build = build
         self.provenance = provenance
-        self.plan = plan
+        self.dataset_plan = dataset_plan
+        self.plan = dataset_plan.plan
         #: Rows of every row group (after the predicate, if any), in petastorm's order.
-        self.row_group_sizes = row_group_sizes
+        self.row_group_sizes = dataset_plan.row_groups.num_rows.tolist()
         #: Why a pass may read the shard's rows in another order than ``order`` says, or None.
         self.why_not_in_plan_order = why_not_in_plan_order
         #: The order of a pass over a whole shard of ``plan``.
@@ -290,8 +267,20 @@ class PlannedPasses(PlannedSource):
         return self._build(epoch, shard_plan)
 
 
-def _alone(values: list[int]) -> list[list[int]]:
-    return [values]
+def _count_by_reader(
+    url: str | list[str],
+    reader: ReaderKind,
+    resolved: ResolvedDataset,
+    row_groups: RowGroups,
+    indices: Sequence[int],
+    fields: list[str],
+    *,
+    predicate: Any,
+    options: dict[str, Any],
+) -> list[int]:
+    """A predicate's kept rows counted through petastorm's own worker (a row reader's
+    decoded fields, hive partition keys): what the pipeline cannot count from columns."""
+    return count_matching(url, resolved, reader, row_groups, indices, predicate, fields, options)
 
 
 def petastorm_url(dataset: DatasetLocation) -> str | list[str]:

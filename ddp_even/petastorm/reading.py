@@ -187,11 +187,11 @@ def round_robin_plan(
     why_not = _why_rows_unknown(reader)
     said_by_this_rank = rank == 0
     if why_not is None:
-        from ddp_even.parquet import DatasetError, read_row_groups
-        from ddp_even.planning import plan_shards
+        from ddp_even.parquet import DatasetError
+        from ddp_even.parquet.dataset_plan import plan_dataset
 
         try:
-            plan = plan_shards(read_row_groups(reader.dataset.paths), world_size, batch_size)
+            plan = plan_dataset(reader.dataset.paths, world_size, batch_size).plan
         except DatasetError as error:
             why_not = f"rank {rank} could not read its metadata again ({error})"
             said_by_this_rank = True

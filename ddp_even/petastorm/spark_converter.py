@@ -30,23 +30,27 @@ petastorm and pyspark are imported only when a converter is seen, never by impor
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from ddp_even.checks import check_positive_int
 from ddp_even.errors import ConverterDeletedError, TooFewRowGroupsError, TooFewTaskSlotsError
+from ddp_even.process_group import group_is_up
 from ddp_even.sources.base import ShardPass, ShardSource
 from ddp_even.sources.iterables import open_context_pass
+
+if TYPE_CHECKING:
+    from ddp_even.parquet.dataset_plan import DatasetPlan
 
 __all__ = [
     "ConverterSource",
     "check_distributor",
     "converter_files",
     "is_spark_converter",
+    "parquet_dataset",
     "source_for",
 ]
 
@@ -250,7 +254,7 @@ class ConverterSource(ShardSource[Any]):
         self._files = converter_files(converter)
         # Rows per row group in petastorm's order, or None when ddp_even cannot read the
         # footers (storage it cannot reach): then nothing is checked or counted up front.
-        self._row_group_rows = _row_group_rows(self._files)
+        self._planned = _planned(self._files, batch_size)
         self._counts_exact = set(loader_kwargs) <= _COUNT_PRESERVING
         self._shard: tuple[int, int] | None = None
 
@@ -263,12 +267,11 @@ class ConverterSource(ShardSource[Any]):
         self._shard = (rank, world_size)
 
     def known_batches(self) -> int | None:
-        if self._row_group_rows is None or not self._counts_exact:
+        if self._planned is None or not self._counts_exact:
             return None
         rank, world_size = self._rank_and_world_size()
         # petastorm's round robin: row group i goes to shard i % shard_count.
-        rows = sum(self._row_group_rows[rank::world_size])
-        return math.ceil(rows / self._batch_size)
+        return self._planned.for_ranks(world_size).batches_per_rank[rank]
 
     def open_pass(self) -> ShardPass[Any]:
         rank, world_size = self._rank_and_world_size()
@@ -284,16 +287,16 @@ class ConverterSource(ShardSource[Any]):
         return open_context_pass(context)
 
     def _rank_and_world_size(self) -> tuple[int, int]:
-        if self._shard is None and dist.is_available() and dist.is_initialized():
+        if self._shard is None and group_is_up():
             # The loader was built before the process group: the world's shard.
             self._check_enough_row_groups(dist.get_world_size())
             self._shard = (dist.get_rank(), dist.get_world_size())
         return self._shard or (0, 1)
 
     def _check_enough_row_groups(self, world_size: int) -> None:
-        if self._row_group_rows is not None and len(self._row_group_rows) < world_size:
+        if self._planned is not None and len(self._planned.row_groups) < world_size:
             raise TooFewRowGroupsError(
-                len(self._row_group_rows), world_size, self._converter.cache_dir_url
+                len(self._planned.row_groups), world_size, self._converter.cache_dir_url
             )
 
 
@@ -319,10 +322,25 @@ class _ContextPassSource(ShardSource[Any]):
         except NoDataAvailableError as error:
             reader_kwargs = getattr(self._context, "petastorm_reader_kwargs", {})
             shard_count = int(reader_kwargs.get("shard_count") or 1)
-            sizes = _row_group_rows(files)
+            planned = _planned(files, 1)
             raise TooFewRowGroupsError(
-                len(sizes) if sizes is not None else 0, shard_count, cache_dir
+                len(planned.row_groups) if planned is not None else 0, shard_count, cache_dir
             ) from error
+
+
+def parquet_dataset(dataset: Any) -> Any:
+    """What ``EvenLoader.from_parquet`` plans and reads for ``dataset``.
+
+    A petastorm Spark converter (``make_spark_converter(df)``) stands for its Parquet files in
+    the order petastorm reads them (:func:`converter_files`); anything else is a dataset URL,
+    path or list of files, returned as it is (told by class name: a URL imports no Spark).
+
+    Example::
+
+        >>> parquet_dataset("file:///data/train")
+        'file:///data/train'
+    """
+    return converter_files(dataset) if is_spark_converter(dataset) else dataset
 
 
 def source_for(obj: Any, *, owned: bool) -> ShardSource[Any]:
@@ -404,13 +422,14 @@ def _storage_for(files: Sequence[str]) -> tuple[Any, tuple[str, ...]] | None:
     return resolved.storage, resolved.paths
 
 
-def _row_group_rows(files: Sequence[str]) -> list[int] | None:
-    """Rows per row group in petastorm's order, or None if the footers cannot be read here."""
+def _planned(files: Sequence[str], batch_size: int) -> DatasetPlan | None:
+    """The converter's files planned for one rank (their row groups in petastorm's order), or
+    None if the footers cannot be read here."""
     from ddp_even.errors import DatasetError
-    from ddp_even.parquet.metadata import read_row_groups
+    from ddp_even.parquet.dataset_plan import plan_dataset
 
     try:
-        return [int(rows) for rows in read_row_groups(list(files)).num_rows]
+        return plan_dataset(list(files), 1, batch_size)
     except (DatasetError, OSError) as error:
         logger.debug("ddp_even: cannot read the converter's row groups (%s)", error)
         return None

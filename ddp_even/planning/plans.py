@@ -11,6 +11,7 @@ them from a dataset's metadata first.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -353,3 +354,20 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise TypeError(f"rank must be an int, got {type(rank).__name__}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+
+
+def scan_plan(row_groups: RowGroups | Sequence[int], indices: Sequence[int]) -> ShardPlan:
+    """The plan of one reader reading the row groups ``indices`` whole, in petastorm's order (a
+    scan of some row groups, as a predicate's rows are counted through a reader).
+
+    Example:
+        >>> scan_plan([4, 5, 6], [2, 0]).shards
+        ((0, 2),)
+    """
+    sizes = row_groups.num_rows if isinstance(row_groups, RowGroups) else row_groups
+    wanted = set(indices)
+    return dataclasses.replace(
+        plan_shards(row_groups, 1, max(int(np.sum(sizes)), 1)),
+        sharding="row_groups",
+        shards=(tuple(index for index in range(len(sizes)) if index in wanted),),
+    )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from ddp_even.modes import Mode
 from ddp_even.planning.provenance import Provenance
 from ddp_even.planning.sharding import SHARDINGS
 from ddp_even.runtime.environment import rank_and_world_size
+from ddp_even.runtime.epoch_shape import EpochStart
 from ddp_even.sources import PlannedSource, ShardSource, as_source
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ def provenance_of(planned: PlannedSource | None, reading: PassReading | None) ->
 
 
 def refusal(
-    start: ResumedStart, provenance: Provenance | None, rank: int
+    start: EpochStart, provenance: Provenance | None, rank: int
 ) -> StateMismatchError | None:
     """Why the state ``start`` resumes from does not fit, checked once the epoch's first pass
     is open (every rank reports it at the resume agreement), or None."""
@@ -263,7 +264,7 @@ def pending_resume(
         return epoch, (pending if step > 0 else None)
     cannot = None
     plan = planned.plan
-    if mode.restarts_short_shards:
+    if mode.after_own_data == "restart":
         cannot = "cycle mode repeats rows, so 'the rows not yet read' is not one set"
     elif steps_per_epoch is not None:
         cannot = "steps_per_epoch caps the epoch by steps, not rows"
@@ -281,11 +282,7 @@ def pending_resume(
             f"{state.get('epoch')}, and this job has {plan.world_size}: {cannot}. "
             f"Resume on {saved_world_size} ranks, or start the next epoch (set_epoch)"
         )
-    from ddp_even.planning import plan_shards
-
-    saved_plan = plan_shards(
-        planned.row_group_sizes, saved_world_size, plan.batch_size, sharding=plan.sharding
-    )
+    saved_plan = planned.dataset_plan.for_ranks(saved_world_size)
     epoch, step = resume_point(
         state,
         settings=settings_for(saved_plan),
@@ -297,31 +294,6 @@ def pending_resume(
     return epoch, (PendingResume(epoch, step, saved_plan) if step > 0 else None)
 
 
-@dataclass(frozen=True)
-class ResumedStart:
-    """What an epoch reads, and where it starts, when it resumes."""
-
-    source: ShardSource[Any]
-    # The plan the epoch runs on instead of the loader's (a re-planned rest), if any.
-    plan: ShardPlan | None = None
-    # The plan of the rank's first pass when it differs (its rows not yet read), if any.
-    first_pass: ShardPlan | None = None
-    # The step every rank agrees to resume after, with the rows of the batches before it
-    # that the first pass starts after (None: unknown); None when it resumes elastically.
-    step: int | None = None
-    skipped: Sequence[int | None] = ()
-    # (step, world size) the state was saved at, for an elastic resume.
-    resumed_from: tuple[int, int] | None = None
-    # The state, when what it follows from is to be checked once the epoch's plan is settled.
-    unchecked: Mapping[str, Any] | None = None
-    strict: bool = True
-
-    @property
-    def resumes(self) -> bool:
-        """Whether the epoch starts part-way, from a loaded state."""
-        return self.step is not None or self.resumed_from is not None
-
-
 def resumed_start(
     pending: PendingResume | None,
     epoch: int,
@@ -330,12 +302,12 @@ def resumed_start(
     planned: PlannedSource | None,
     mode: Mode,
     agreer: Agreer,
-) -> ResumedStart:
+) -> EpochStart:
     """What ``epoch`` reads and where it starts on this rank: its source from the start, or
     where ``pending`` resumes it (the sources are told the epoch first)."""
     if pending is None or pending.epoch != epoch:
         source.start_epoch(epoch)
-        return ResumedStart(source)
+        return EpochStart(source)
     step, rank, world_size = pending.step, agreer.rank, agreer.world_size
     if pending.saved_plan is not None:
         assert planned is not None
@@ -344,7 +316,7 @@ def resumed_start(
             _log_rest(rest, pending.saved_plan, epoch, step)
         rest_source = as_source(functools.partial(planned, shard_plan=rest))
         rest_source.start_epoch(epoch)
-        return ResumedStart(
+        return EpochStart(
             rest_source, plan=rest, resumed_from=(step, pending.saved_plan.world_size)
         )
     unchecked, strict = pending.unchecked, pending.strict
@@ -355,7 +327,7 @@ def resumed_start(
         tails_source.start_epoch(epoch)
         batch_size, rows = plan.batch_size, plan.rows_per_rank[rank]
         skipped = [min(batch_size, rows - index * batch_size) for index in range(step)]
-        return ResumedStart(
+        return EpochStart(
             tails_source,
             first_pass=tails,
             step=step,
@@ -367,10 +339,10 @@ def resumed_start(
     # A repeated pass (cycle) cannot be reached by starting the first one later, nor can
     # padding (pad) that copies a batch before the step.
     if not mode.goes_past_own_data and source.starts_at(step):
-        return ResumedStart(
+        return EpochStart(
             source, step=step, skipped=[None] * step, unchecked=unchecked, strict=strict
         )
-    return ResumedStart(source, step=step, unchecked=unchecked, strict=strict)
+    return EpochStart(source, step=step, unchecked=unchecked, strict=strict)
 
 
 def _own_tails(
@@ -390,8 +362,8 @@ def _own_tails(
         or step > plan.batches_per_rank[rank]  # in a repeated pass
         # Padding copies the rank's last batch: a rank past its data reads it again; and a
         # rank with an empty shard pads with another's first batch, which is read again.
-        or (mode.pads_short_shards and step >= plan.batches_per_rank[rank])
-        or (mode.pads_short_shards and 0 in plan.batches_per_rank)
+        or (mode.after_own_data == "pad" and step >= plan.batches_per_rank[rank])
+        or (mode.after_own_data == "pad" and 0 in plan.batches_per_rank)
     ):
         return None
     from ddp_even.resume.remainder import plan_own_tails

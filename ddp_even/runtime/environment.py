@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from ddp_even.errors import EvenLoaderError
+from ddp_even.process_group import group_is_up
 
 if TYPE_CHECKING:
     from ddp_even.planning.plans import ShardPlan
@@ -26,7 +27,7 @@ logger = logging.getLogger("ddp_even")
 def rank_and_world_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """This process's rank in ``group`` (the world by default) and its size; ``(0, 1)`` without
     a process group."""
-    if dist.is_available() and dist.is_initialized():
+    if group_is_up():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 

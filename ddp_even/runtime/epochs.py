@@ -12,6 +12,8 @@
 * ``run_join`` (``join.py``): join; each rank hands out all its batches inside ``torch``'s
   ``Join``, and the loader itself is the first joinable so that ranks that have joined still
   take part in every window's agreement (errors and mismatches reach them too).
+
+Which shape an epoch takes is :mod:`ddp_even.runtime.epoch_shape`'s decision.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from torch.distributed.algorithms.join import Joinable
-
 from ddp_even.agreement.pending import Pending, PendingAgreement
 from ddp_even.agreement.transport import Agreer
 from ddp_even.agreement.wire import SHORT_MOST, Agreement, Report, error_from_reports
@@ -32,7 +32,6 @@ from ddp_even.errors import EmptyShardError, RankMismatchError
 from ddp_even.modes import WindowDecision
 from ddp_even.runtime.feed import FedBatch, ShardFeed
 from ddp_even.runtime.iteration import BatchMarks
-from ddp_even.runtime.join import run_join
 from ddp_even.runtime.padding import (
     PlannedRows,
     batch_weight,
@@ -89,7 +88,7 @@ class EpochRun(Generic[BatchT]):
     agreed_check_spacing: int = 0
 
     def __post_init__(self) -> None:
-        if self.settings.mode.pads_short_shards and self.settings.plan is not None:
+        if self.settings.mode.weighs_batches and self.settings.plan is not None:
             self.planned_rows = PlannedRows(self.settings.plan)
 
     def hand_out(self, fed: FedBatch[BatchT]) -> BatchT:
@@ -103,7 +102,7 @@ class EpochRun(Generic[BatchT]):
         """The loss weight of ``fed`` (of ``rows`` rows), handed out at ``step``."""
         if fed.padding:
             return 0.0
-        if not self.settings.mode.pads_short_shards:
+        if not self.settings.mode.weighs_batches:
             return 1.0
         world_size = self.agreer.world_size
         if self.planned_rows is not None:
@@ -150,7 +149,7 @@ class EpochRun(Generic[BatchT]):
         agreement = self.agreer.start(report).wait()
         self.check(report, agreement)
         step = agreement.max_own_available
-        if agreement.min_available != step and not self.settings.mode.shadows_finished_ranks:
+        if agreement.min_available != step and self.settings.mode.shares_steps:
             raise RankMismatchError(
                 "the ranks' loader states were saved at different steps "
                 f"({agreement.min_available} to {step}) of epoch {self.epoch}: load on every "
@@ -199,10 +198,7 @@ class EpochRun(Generic[BatchT]):
         opens_epoch = self.steps_done == (self.resumed_at or 0)
         failure = self.feed.failure
         mode = self.settings.mode
-        # Cycle cannot repeat an empty shard; pad needs a batch to pad it with.
-        needs_a_batch = mode.restarts_short_shards or (
-            mode.pads_short_shards and not self.feed.can_pad
-        )
+        needs_a_batch = mode.needs_a_batch(self.feed.can_pad)
         return Report(
             rank=self.agreer.global_ranks[self.agreer.rank],
             epoch=self.epoch,
@@ -232,7 +228,7 @@ class EpochRun(Generic[BatchT]):
 
     def settle_rows(self, window: int) -> None:
         """Pad without a plan: the real rows over all ranks at each step of this window."""
-        if not self.settings.mode.pads_short_shards or self.planned_rows is not None:
+        if not self.settings.mode.weighs_batches or self.planned_rows is not None:
             return
         if self.pending_rows is None:
             # The epoch's first window: its agreement showed that every rank runs this loop,
@@ -250,7 +246,7 @@ class EpochRun(Generic[BatchT]):
             return agreement
         reports = self.agreer.gather_reports(report)
         error = error_from_reports(reports, self.feed.failure, self.steps_done)
-        if isinstance(error, EmptyShardError) and self.settings.mode.pads_short_shards:
+        if isinstance(error, EmptyShardError) and self.settings.mode.after_own_data == "pad":
             fixed_steps = self.settings.steps_per_epoch is not None
             agreement = share_padding(self.agreer, self.feed, reports, fixed_steps)
             # A resumed epoch's steps before its resume point were padding on this rank too.
@@ -284,15 +280,6 @@ class EpochRun(Generic[BatchT]):
         return self.settings.mode.decide(
             agreement, window, self.steps_done, self.settings.steps_per_epoch
         )
-
-
-def run_epoch(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[BatchT]:
-    """The epoch in its shape: known lengths (no window), join (several ranks), or windows."""
-    if run.settings.sync_every is None:
-        return run_known_lengths(run, run.known_batches)
-    if run.settings.mode.shadows_finished_ranks and run.agreer.world_size > 1:
-        return run_join(run, joinables)
-    return run_windows(run)
 
 
 def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:

@@ -18,6 +18,7 @@ from ddp_even.errors import EvenLoaderError, SourceEndedEarlyError
 from ddp_even.sources import ShardPass, ShardSource
 
 if TYPE_CHECKING:
+    from ddp_even.modes import AfterOwnData
     from ddp_even.sources.base import PassReading
 
 logger = logging.getLogger("ddp_even")
@@ -56,23 +57,24 @@ class _ShardEnded(Exception):
 class ShardFeed(Generic[BatchT]):
     """Batches of one rank's shard for one epoch, read ahead into a buffer.
 
-    ``restarts``: start a fresh pass when the shard ends (cycle). ``steps_capped``: the epoch
-    has ``steps_per_epoch``, so a pass that never ends is fine. ``pads``: past the end of its
-    data, hand out its last batch again as padding (pad).
+    ``after_own_data`` (the mode's): past the end of the shard's first pass, read nothing more
+    (``"stop"``), start a fresh pass (``"restart"``), or hand out its last batch again as
+    padding (``"pad"``). ``steps_capped``: the epoch has ``steps_per_epoch``, so a pass that
+    never ends is fine.
     """
 
     def __init__(
         self,
         source: ShardSource[BatchT],
-        restarts: bool,
-        steps_capped: bool,
+        after_own_data: AfterOwnData = "stop",
+        *,
+        steps_capped: bool = False,
         starts_after: int = 0,
-        pads: bool = False,
     ) -> None:
         self._source = source
-        self._restarts = restarts
+        self._restarts = after_own_data == "restart"
         self._steps_capped = steps_capped
-        self._pads = pads
+        self._pads = after_own_data == "pad"
         # What padding hands out (pads): the last own batch read, or one given by a peer.
         self._padding: FedBatch[BatchT] | None = None
         self._pass: ShardPass[BatchT] | None = None

@@ -9,8 +9,8 @@ from collections import deque
 from collections.abc import Generator, Iterator
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
-from ddp_even.agreement.heartbeat import INSIDE, OUTSIDE, presence
 from ddp_even.errors import EvenLoaderError
+from ddp_even.liveness.heartbeat import INSIDE, OUTSIDE, presence
 from ddp_even.runtime.stats import EpochStats
 
 BatchT = TypeVar("BatchT")

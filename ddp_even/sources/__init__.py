@@ -1,9 +1,9 @@
 """Where batches come from: :func:`as_source` turns what the user passed into a shard source.
 
 ``base.py`` defines passes and sources and the registry of kinds; ``iterables.py`` holds the
-plain-Python kinds (factories may return a context manager: each pass enters and exits it);
-``petastorm.py`` holds petastorm's loaders and readers, and ``spark_converter.py`` petastorm's
-Spark converter: registered by class name, each imported (with petastorm) on first sight.
+plain-Python kinds (factories may return a context manager: each pass enters and exits it).
+Petastorm's loaders, readers and Spark converter are :mod:`ddp_even.petastorm`'s: registered
+here by class name, each imported (with petastorm) on first sight; nothing here imports it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ __all__ = [
     "ShardSource",
     "as_source",
     "count_rows",
-    "parquet_dataset",
 ]
 
 
@@ -63,21 +62,3 @@ def as_source(source: object) -> ShardSource[Any]:
         f"cannot read batches from {type(source).__name__}: pass a petastorm DataLoader or "
         "reader, an iterable (list, torch DataLoader), or a factory returning one"
     )
-
-
-def parquet_dataset(dataset: Any) -> Any:
-    """What ``EvenLoader.from_parquet`` plans and reads for ``dataset``.
-
-    A petastorm Spark converter (``make_spark_converter(df)``) stands for its Parquet files in
-    the order petastorm reads them (:func:`~ddp_even.petastorm.spark_converter.converter_files`);
-    anything else is a dataset URL, path or list of files, returned as it is.
-
-    Example::
-
-        >>> parquet_dataset("file:///data/train")
-        'file:///data/train'
-    """
-    # Told by class name: a URL never imports petastorm.
-    from ddp_even.petastorm.spark_converter import converter_files, is_spark_converter
-
-    return converter_files(dataset) if is_spark_converter(dataset) else dataset

@@ -19,6 +19,8 @@ import torch
 
 if TYPE_CHECKING:
     from ddp_even.agreement.transport import Agreer
+    from ddp_even.modes import AfterOwnData
+    from ddp_even.parquet.dataset_plan import DatasetPlan
     from ddp_even.planning.pass_order import PassOrder
     from ddp_even.planning.plans import ShardPlan
     from ddp_even.planning.provenance import Provenance
@@ -143,16 +145,17 @@ class ShardSource(ABC, Generic[BatchT]):
         checked at every epoch's start, with every rank (:mod:`ddp_even.runtime.first_pass`).
         """
 
-    def check_fits(self, restarts: bool, steps_per_epoch: int | None) -> None:
-        """Raise when a loader that ``restarts`` short shards (cycle), with ``steps_per_epoch``,
-        cannot run over this source; say what to pass instead."""
+    def check_fits(self, after_own_data: AfterOwnData, steps_per_epoch: int | None) -> None:
+        """Raise when a loader whose mode does ``after_own_data`` past a rank's data (cycle
+        restarts), with ``steps_per_epoch``, cannot run over this source; say what to pass
+        instead."""
         if self.endless and steps_per_epoch is None:
             raise ValueError(
                 "the petastorm reader has num_epochs=None, so it never ends and neither would "
                 "an epoch: pass steps_per_epoch=N (each epoch takes N steps and the next one "
                 "continues the reader), or build the reader with num_epochs=1"
             )
-        if restarts and not self.restartable and not self.endless:
+        if after_own_data == "restart" and not self.restartable and not self.endless:
             raise TypeError(
                 "cycle mode starts short shards again, which a one-shot iterator cannot do; "
                 "pass a factory instead, e.g. lambda: DataLoader(make_reader(url, num_epochs=1, "
@@ -177,6 +180,9 @@ class PlannedSource(ABC):
     groups (a re-planned rest of the epoch, :mod:`ddp_even.resume.remainder`).
     """
 
+    #: The dataset's plan (:mod:`ddp_even.parquet.dataset_plan`): the plan of a whole epoch,
+    #: the row groups it shares out, and the same row groups planned for other ranks.
+    dataset_plan: DatasetPlan
     #: The plan of a whole epoch.
     plan: ShardPlan
     #: Rows of every row group (after a predicate, if any), in petastorm's order.

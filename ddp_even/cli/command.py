@@ -8,7 +8,7 @@ shards than petastorm's round robin and compares them with it; with ``rows`` a t
 row groups split between ranks and each rank's range of them. ``--balanced`` is the deprecated
 spelling of ``--sharding row_groups``. ``--format`` prints tables (``table``, fitted to the
 terminal, 80 columns when piped), ``markdown`` or ``json`` (``--json`` for short); see
-:mod:`ddp_even.plan_output`.
+:mod:`ddp_even.cli.tables`.
 
 Remote datasets (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...) take their credentials
 and endpoint from the environment (``AWS_*`` including ``AWS_ENDPOINT_URL``,
@@ -25,11 +25,11 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Sequence
+from importlib.metadata import version
 from typing import Any, get_args
 
 import click
 
-from ddp_even import __version__
 from ddp_even.errors import DatasetError
 from ddp_even.names import Sharding
 
@@ -41,7 +41,7 @@ _MAX_LISTED = 32
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", "-V", prog_name="ddp-even")
+@click.version_option(version("ddp_even"), "--version", "-V", prog_name="ddp-even")
 def main() -> None:
     """ddp_even: equal steps on every DDP rank over uneven Petastorm/Parquet shards.
 
@@ -122,9 +122,8 @@ def plan_command(
     # Imported only now (see the module docstring): they take most of a second to import.
     from rich.console import Console
 
-    from ddp_even import plan_output
-    from ddp_even.parquet.metadata import read_row_groups
-    from ddp_even.planning.plans import plan_shards
+    from ddp_even.cli import tables
+    from ddp_even.parquet.dataset_plan import plan_dataset
     from ddp_even.planning.sharding import SHARDINGS, sharding_from
 
     try:
@@ -138,30 +137,35 @@ def plan_command(
     if balanced:
         click.echo("--balanced is deprecated: use --sharding row_groups", err=True)
     try:
-        with plan_output.MetadataProgress(Console(stderr=True)) as progress:
-            row_groups = read_row_groups(
-                location, storage_options=options or None, progress=progress
+        with tables.MetadataProgress(Console(stderr=True)) as progress:
+            planned = plan_dataset(
+                location,
+                world_size,
+                batch_size,
+                sharding=chosen,
+                storage_options=options or None,
+                progress=progress,
             )
     except DatasetError as error:
         raise click.ClickException(str(error)) from error
-    round_robin = plan_shards(row_groups, world_size, batch_size)
+    row_groups, plan = planned.footers, planned.plan
+    round_robin = planned.for_ranks(world_size, "round_robin")
     too_many = round_robin.describe_too_many_ranks()
     if too_many is not None and SHARDINGS[chosen].is_petastorms:
         raise click.ClickException(
             f"{too_many}. Use --world-size {len(row_groups)} or less, --sharding rows, or write "
             f"the dataset with at least {world_size} row groups"
         )
-    plan = plan_shards(row_groups, world_size, batch_size, sharding=chosen)
     if chosen_format == "json":
-        document = plan_output.json_document(location, row_groups, plan, round_robin)
+        document = tables.json_document(location, row_groups, plan, round_robin)
         click.echo(json.dumps(document, indent=2))
         return
-    header = plan_output.header_lines(location, row_groups, plan)
-    tables = plan_output.sections(plan, round_robin, row_groups, None if all_ranks else _MAX_LISTED)
+    header = tables.header_lines(location, row_groups, plan)
+    found = tables.sections(plan, round_robin, row_groups, None if all_ranks else _MAX_LISTED)
     if chosen_format == "markdown":
-        click.echo(plan_output.markdown(header, tables))
+        click.echo(tables.markdown(header, found))
         return
-    plan_output.print_tables(Console(highlight=False), header, tables)
+    tables.print_tables(Console(highlight=False), header, found)
 
 
 def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
@@ -189,7 +193,3 @@ def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
             level = nested
         level[leaf] = value
     return options
-
-
-if __name__ == "__main__":  # python -m ddp_even.cli, as before python -m ddp_even
-    main()

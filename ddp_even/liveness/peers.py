@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from ddp_even.agreement.heartbeat import (
+from ddp_even.liveness.heartbeat import (
     EXITED,
     INSIDE,
     LEFT,

@@ -16,8 +16,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ddp_even.agreement.heartbeat import stood_still_since
-from ddp_even.agreement.liveness import (
+from ddp_even.errors import PeerTimeoutError
+from ddp_even.liveness.heartbeat import stood_still_since
+from ddp_even.liveness.peers import (
     BUSY,
     DEAD,
     STALLED,
@@ -30,8 +31,7 @@ from ddp_even.agreement.liveness import (
     process_state,
     store_host,
 )
-from ddp_even.agreement.rollcall import Ticket
-from ddp_even.errors import PeerTimeoutError
+from ddp_even.liveness.rollcall import Ticket
 
 logger = logging.getLogger("ddp_even")
 

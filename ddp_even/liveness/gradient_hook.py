@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
-from ddp_even.agreement.heartbeat import loader_timeout
-from ddp_even.agreement.liveness import (
+from ddp_even.errors import EvenLoaderError
+from ddp_even.liveness.heartbeat import loader_timeout
+from ddp_even.liveness.peers import (
     Watch,
     connection_lost,
     current_watch,
@@ -46,7 +47,7 @@ from ddp_even.agreement.liveness import (
     poll_interval,
     store_host,
 )
-from ddp_even.agreement.verdict import (
+from ddp_even.liveness.verdict import (
     Board,
     Verdict,
     gloo_words,
@@ -54,7 +55,6 @@ from ddp_even.agreement.verdict import (
     store_silence,
     verdict_on,
 )
-from ddp_even.errors import EvenLoaderError
 
 __all__ = ["allreduce_hook"]
 

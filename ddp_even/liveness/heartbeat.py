@@ -45,6 +45,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddp_even.process_group import group_is_up
+
 logger = logging.getLogger("ddp_even")
 
 __all__ = [
@@ -165,7 +167,7 @@ def host_token() -> str:
 def default_store() -> Any:
     """The job's store, or None without a process group (also while it is being destroyed)."""
     try:
-        if not dist.is_initialized():
+        if not group_is_up():
             return None
         return dist.distributed_c10d._get_default_store()
     except Exception:  # destroyed meanwhile, from another thread
