@@ -109,3 +109,18 @@ def checked_loader_arguments(
     check_group(group)
     check_plan(plan)
     return checked_joinables(joinables)
+
+
+def taken_once(name: str, argument: Any, reader_options: dict[str, Any]) -> Any:
+    """An argument that may also come in ``reader_kwargs`` (petastorm's place for it), taken out
+    of them; ``ValueError`` when it is given both ways.
+
+    Example:
+        >>> options = {"seed": 1, "predicate": "p"}
+        >>> taken_once("predicate", None, options), options
+        ('p', {'seed': 1})
+    """
+    in_reader_options = reader_options.pop(name, None)
+    if argument is not None and in_reader_options is not None:
+        raise ValueError(f"{name} is given twice: pass it once, as an argument or in reader_kwargs")
+    return argument if argument is not None else in_reader_options

@@ -18,12 +18,8 @@ from typing import Any
 
 from ddp_even.checks import check_positive_int
 from ddp_even.parquet.metadata import read_row_groups
-from ddp_even.parquet.predicate_counts import (
-    Share,
-    check_predicate_fields,
-    count_in_columns,
-    matching_rows,
-)
+from ddp_even.parquet.predicate_counts import Share, count_in_columns, matching_rows
+from ddp_even.parquet.predicates import check_predicate_fields
 from ddp_even.planning.plans import ShardPlan, plan_shards
 from ddp_even.planning.row_groups import Progress, RowGroups
 from ddp_even.planning.sharding import Sharding, sharding_from

@@ -30,7 +30,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import posixpath
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +41,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ddp_even.parquet.predicates import check_mask, is_expression, kept_mask
 from ddp_even.planning.provenance import code_identity
 from ddp_even.planning.row_groups import RowGroups
 from ddp_even.storage import ResolvedDataset
@@ -49,7 +49,6 @@ from ddp_even.storage import ResolvedDataset
 __all__ = [
     "Share",
     "cache_directory",
-    "check_predicate_fields",
     "count_in_columns",
     "matching_rows",
 ]
@@ -82,36 +81,6 @@ def cache_directory() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "ddp_even"
 
 
-def check_predicate_fields(
-    predicate: Any, resolved: ResolvedDataset, row_groups: RowGroups
-) -> tuple[list[str], bool]:
-    """The predicate's fields, and whether all are stored columns (none a hive partition key);
-    a ``ValueError`` naming those the dataset does not have.
-
-    Every rank reads the same footer, so every rank raises the same error.
-    """
-    if not hasattr(predicate, "get_fields") or not hasattr(predicate, "do_include"):
-        raise TypeError(
-            f"predicate must be a petastorm predicate (petastorm.predicates.in_lambda, in_set, "
-            f"...), got {type(predicate).__name__}"
-        )
-    fields = sorted(predicate.get_fields())
-    if not fields:
-        raise ValueError("the predicate names no fields: its get_fields() must return some")
-    first_file = row_groups.files[0]
-    columns = set(resolved.storage.read_footer(first_file).schema.to_arrow_schema().names)
-    partitions = {
-        part.split("=", 1)[0] for part in posixpath.dirname(first_file).split("/") if "=" in part
-    }
-    missing = [field for field in fields if field not in columns | partitions]
-    if missing:
-        raise ValueError(
-            f"the predicate reads field(s) {', '.join(missing)}, which {resolved.describe()} "
-            f"does not have; its columns are: {', '.join(sorted(columns | partitions))}"
-        )
-    return fields, set(fields) <= columns
-
-
 def count_in_columns(
     resolved: ResolvedDataset,
     row_groups: RowGroups,
@@ -141,9 +110,15 @@ def count_in_columns(
             for batch in _read_batches(parquet_file, positions, fields):
                 table = parquet_file.read_row_groups(batch, columns=fields)
                 sizes = [parquet_file.metadata.row_group(position).num_rows for position in batch]
+                if is_expression(predicate):
+                    kept_rows.extend(
+                        int(np.count_nonzero(kept_mask(predicate, part)))
+                        for part in _slices(table, sizes)
+                    )
+                    continue
                 for frame in _frames_per_row_group(table, sizes):
                     kept = predicate.do_include(frame)
-                    _check_mask(kept)
+                    check_mask(kept)
                     kept_rows.append(int(np.count_nonzero(np.asarray(kept))))
         return list(zip(wanted, kept_rows, strict=True))
 
@@ -211,9 +186,15 @@ def _frames_per_row_group(table: pa.Table, sizes: list[int]) -> Iterator[Any]:
             yield frame
             offset += size
         return
+    for part in _slices(table, sizes):
+        yield part.to_pandas()
+
+
+def _slices(table: pa.Table, sizes: list[int]) -> Iterator[pa.Table]:
+    """The rows of each row group of ``table`` (consecutive row groups of ``sizes`` rows)."""
     offset = 0
     for size in sizes:
-        yield table.slice(offset, size).to_pandas()
+        yield table.slice(offset, size)
         offset += size
 
 
@@ -285,18 +266,6 @@ def matching_rows(
     # finds it (a rank that looked too early would send every rank counting again).
     share([0])
     return _with_counts(row_groups, everything)
-
-
-def _check_mask(kept: Any) -> None:
-    import pandas as pd
-
-    if not isinstance(kept, pd.Series):
-        # Petastorm's make_batch_reader worker calls .map on it: fail here, on every rank.
-        raise TypeError(
-            f"the predicate returned a {type(kept).__name__}; make_batch_reader needs a pandas "
-            "Series of booleans from it: compute on the Series it is given (ids % 2 == 0), "
-            "not on numpy arrays"
-        )
 
 
 def _counted_or_failed(

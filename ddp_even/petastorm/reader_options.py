@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any, Literal
 
+from ddp_even.planning.pass_order import PassOrder
 from ddp_even.planning.sharding import SHARDINGS, Sharding
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ __all__ = [
     "check_kinds",
     "check_loader_options",
     "check_reader_options",
-    "taken_once",
     "why_not_in_plan_order",
 ]
 
@@ -107,25 +107,15 @@ def why_not_in_plan_order(
     ``order.rows(plan, sizes, r, epoch)`` after ``step`` steps (a row offset inside a row group
     included), which resuming without reading them again, and elastic resume, rely on.
     """
-    seeded = (
-        reader_options.get("seed") is not None
-        or SHARDINGS[plan.sharding].every_rank_reads_everything
-    )
     if reader_options.get("shuffle_row_drop_partitions", 1) > 1:
         return (
             "row groups are read as separate parts (shuffle_row_drop_partitions > 1), and a "
             "row offset does not say which parts were read"
         )
-    if reader_options.get("shuffle_row_groups", True) and not seeded:
-        return (
-            "row groups are shuffled without a seed (pass seed=... in reader_kwargs, or "
-            "shuffle_row_groups=False)"
-        )
-    if reader_options.get("shuffle_rows", False) and not seeded:
-        return (
-            "rows are shuffled without a seed (pass seed=... in reader_kwargs, or "
-            "shuffle_rows=False)"
-        )
+    order = PassOrder(reader_options.get("seed"), reader_options.get("shuffle_row_groups", True))
+    unordered = order.why_not_known(plan, bool(reader_options.get("shuffle_rows", False)))
+    if unordered is not None:
+        return unordered
     if (
         reader_options.get("reader_pool_type", "thread") == "process"
         and reader_options.get("workers_count", 10) != 1
@@ -137,14 +127,6 @@ def why_not_in_plan_order(
     if loader_options.get("shuffling_queue_capacity", 0):
         return "the loader's shuffling queue mixes rows (shuffling_queue_capacity)"
     return None
-
-
-def taken_once(name: str, argument: Any, reader_options: dict[str, Any]) -> Any:
-    """An argument that may also come in ``reader_kwargs`` (petastorm's place for it)."""
-    in_reader_options = reader_options.pop(name, None)
-    if argument is not None and in_reader_options is not None:
-        raise ValueError(f"{name} is given twice: pass it once, as an argument or in reader_kwargs")
-    return argument if argument is not None else in_reader_options
 
 
 def check_reader_options(options: dict[str, Any], sharding: Sharding) -> dict[str, Any]:

@@ -27,10 +27,12 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ddp_even.checks import taken_once
 from ddp_even.errors import PlanMismatchError
 from ddp_even.modes import MODES
 from ddp_even.parquet.dataset_plan import DatasetPlan, PredicateCounting, plan_dataset
 from ddp_even.parquet.metadata import changed_row_groups
+from ddp_even.parquet.predicates import is_expression
 from ddp_even.petastorm.planned_reader import build_reader, count_matching
 from ddp_even.petastorm.reader_options import (
     READING_ORDER_OPTIONS,
@@ -39,7 +41,6 @@ from ddp_even.petastorm.reader_options import (
     check_kinds,
     check_loader_options,
     check_reader_options,
-    taken_once,
     why_not_in_plan_order,
 )
 from ddp_even.planning.pass_order import PassOrder, epoch_seed, pass_rows
@@ -130,6 +131,11 @@ def make_shard_factory(
     storage_options = taken_once("storage_options", storage_options, options)
     filesystem = taken_once("filesystem", filesystem, options)
     predicate = taken_once("predicate", predicate, options)
+    if is_expression(predicate):
+        raise TypeError(
+            "petastorm applies petastorm predicates (petastorm.predicates.in_lambda, ...), not "
+            "a pyarrow expression: pass engine='arrow' to filter with it"
+        )
     if predicate is not None and options.get("shuffle_row_drop_partitions", 1) != 1:
         raise ValueError(
             "shuffle_row_drop_partitions is not supported with a predicate: the plan counts the "
@@ -250,18 +256,8 @@ class PlannedPasses(PlannedSource):
         provenance: Provenance,
         agreer: Agreer | None = None,
     ) -> None:
+        super().__init__(dataset_plan, order, why_not_in_plan_order, provenance, agreer)
         self._build = build
-        self.provenance = provenance
-        self.dataset_plan = dataset_plan
-        self.plan = dataset_plan.plan
-        #: Rows of every row group (after the predicate, if any), in petastorm's order.
-        self.row_group_sizes = dataset_plan.row_groups.num_rows.tolist()
-        #: Why a pass may read the shard's rows in another order than ``order`` says, or None.
-        self.why_not_in_plan_order = why_not_in_plan_order
-        #: The order of a pass over a whole shard of ``plan``.
-        self.order = order
-        #: The agreer a predicate's rows were counted with (``EvenLoader.from_parquet``).
-        self.agreer = agreer
 
     def __call__(self, epoch: int = 0, shard_plan: ShardPlan | None = None) -> Any:
         return self._build(epoch, shard_plan)

@@ -104,6 +104,29 @@ class PassOrder:
             or SHARDINGS[plan.sharding].every_rank_reads_everything
         )
 
+    def why_not_known(self, plan: ShardPlan, shuffle_rows: bool) -> str | None:
+        """Why a pass's rows may come in another order than :meth:`rows` and a seeded row
+        shuffle say (an unseeded shuffle of row groups or rows), or None.
+
+        Example:
+            >>> from ddp_even.planning import plan_shards
+            >>> plan = plan_shards([3, 3], world_size=1, batch_size=2)
+            >>> print(PassOrder(shuffle_row_groups=True).why_not_known(plan, shuffle_rows=False))
+            row groups are shuffled without a seed (pass seed=... in reader_kwargs, or ...
+        """
+        if not self.is_known(plan):
+            return (
+                "row groups are shuffled without a seed (pass seed=... in reader_kwargs, or "
+                "shuffle_row_groups=False)"
+            )
+        seeded = self.seed is not None or SHARDINGS[plan.sharding].every_rank_reads_everything
+        if shuffle_rows and not seeded:
+            return (
+                "rows are shuffled without a seed (pass seed=... in reader_kwargs, or "
+                "shuffle_rows=False)"
+            )
+        return None
+
     def row_group_seed(self, plan: ShardPlan, rank: int, epoch: int) -> int | None:
         """The seed that permutes ``rank``'s row groups in ``epoch``, or None (plan order)."""
         return epoch_seed(self.seed, epoch, rank, plan) if self.shuffle_row_groups else None

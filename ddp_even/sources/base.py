@@ -172,31 +172,39 @@ class ShardSource(ABC, Generic[BatchT]):
 
 class PlannedSource(ABC):
     """A factory that can read any plan of one dataset (what ``EvenLoader.from_parquet`` gives
-    the loader): through it an epoch resumes without reading again what was consumed, and on
-    another number of ranks (:mod:`ddp_even.resume.state`).
+    the loader, whichever reader reads it): through it an epoch resumes without reading again
+    what was consumed, and on another number of ranks (:mod:`ddp_even.resume.state`).
 
     ``source(epoch=N)`` reads this rank's shard of :attr:`plan` for epoch ``N``;
     ``source(epoch=N, shard_plan=rest)`` this rank's pieces of another plan of the same row
     groups (a re-planned rest of the epoch, :mod:`ddp_even.resume.remainder`).
     """
 
-    #: The dataset's plan (:mod:`ddp_even.parquet.dataset_plan`): the plan of a whole epoch,
-    #: the row groups it shares out, and the same row groups planned for other ranks.
-    dataset_plan: DatasetPlan
-    #: The plan of a whole epoch.
-    plan: ShardPlan
-    #: Rows of every row group (after a predicate, if any), in petastorm's order.
-    row_group_sizes: list[int]
-    #: Why a pass may read the shard's rows in another order than :attr:`order` says, or None.
-    why_not_in_plan_order: str | None
-    #: The order of a pass over a whole shard of :attr:`plan`.
-    order: PassOrder
-    #: The agreement the ranks already met in while planning (counting a predicate's rows),
-    #: which the loader goes on with; None if they did not meet.
-    agreer: Agreer | None
-    #: What the plan and the reading order follow from: the data, the reader settings that
-    #: decide what is read and in which order, the predicate's code, the batch size.
-    provenance: Provenance
+    def __init__(
+        self,
+        dataset_plan: DatasetPlan,
+        order: PassOrder,
+        why_not_in_plan_order: str | None,
+        provenance: Provenance,
+        agreer: Agreer | None,
+    ) -> None:
+        #: The dataset's plan (:mod:`ddp_even.parquet.dataset_plan`): the plan of a whole
+        #: epoch, the row groups it shares out, the same row groups planned for other ranks.
+        self.dataset_plan = dataset_plan
+        #: The plan of a whole epoch.
+        self.plan: ShardPlan = dataset_plan.plan
+        #: Rows of every row group (after a predicate, if any), in petastorm's order.
+        self.row_group_sizes: list[int] = dataset_plan.row_groups.num_rows.tolist()
+        #: The order of a pass over a whole shard of :attr:`plan`.
+        self.order = order
+        #: Why a pass may read the shard's rows in another order than :attr:`order` says.
+        self.why_not_in_plan_order = why_not_in_plan_order
+        #: What the plan and the reading order follow from: the data, the reader settings
+        #: that decide what is read and in which order, the predicate's code, the batch size.
+        self.provenance = provenance
+        #: The agreement the ranks already met in while planning (counting a predicate's
+        #: rows), which the loader goes on with; None if they did not meet.
+        self.agreer = agreer
 
     @abstractmethod
     def __call__(self, epoch: int = 0, shard_plan: ShardPlan | None = None) -> Any:
