@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Installs ddp_even with its test tools into .venv (scripts/install.sh: skipped when nothing
-# changed), then tests. README's set-up commands; CI runs it without arguments.
-#   bash scripts/test.sh                  ruff, mypy, a short soak, then every test: the fast
+# Installs ddp_even with its test tools (scripts/install.sh: skipped when nothing changed),
+# then tests. README's set-up commands; CI runs it, then `--latest`, without other arguments.
+#   bash scripts/test.sh                  .venv, petastorm's dependency set (constraints.txt):
+#                                         ruff, mypy, a short soak, then every test: the fast
 #                                         ones as --fast runs them, the multi-rank and Spark
 #                                         ones also in 3 processes, then the timing ones apart,
 #                                         in 4
+#   bash scripts/test.sh --latest         .venv-latest, today's numpy and pyarrow without
+#                                         petastorm (constraints-latest.txt): every test that
+#                                         does not need petastorm (or Spark), the same tiers
 #   bash scripts/test.sh --fast [ARGS]    only the fast tests (no multi-rank jobs, no Spark), in
 #                                         3 processes (on 2 cores: many tests wait on a server
 #                                         or a subprocess; benchmarks/bench_suite.py)
@@ -12,37 +16,54 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/install.sh petastorm,dev
 # Python's default, even where PYTHONDONTWRITEBYTECODE is set: bytecode written beside the
 # sources (ignored by git). pytest rewrites the asserts of every test module, about 3 s of each
 # test process's start, and would otherwise do it again on every run.
 unset PYTHONDONTWRITEBYTECODE
 
+if [[ ${1:-} == --latest ]]; then
+    shift
+    DDP_EVEN_VENV=.venv-latest DDP_EVEN_CONSTRAINTS=constraints-latest.txt \
+        bash scripts/install.sh dev
+    python=.venv-latest/bin/python
+    # The tests petastorm or Spark need are deselected: this set has neither.
+    lane="not petastorm and not spark"
+else
+    bash scripts/install.sh petastorm,dev
+    python=.venv/bin/python
+    lane=""
+fi
+
 in_processes() {
     # loadgroup: the tests of the local S3 server share one process, and so one server; so do
     # those of the local Spark session.
-    local workers=$1
-    shift
-    .venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@"
+    local workers=$1 selected=$2
+    shift 2
+    "$python" -m pytest -n "$workers" --dist loadgroup -m "${lane:+($lane) and }$selected" "$@"
 }
 fast_tests() {
-    in_processes 3 -m "not multirank and not spark" "$@"
+    in_processes 3 "not multirank and not spark" "$@"
 }
 if [[ ${1:-} == --fast ]]; then
     shift
     fast_tests "$@"
     exit
 fi
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-.venv/bin/mypy
+if [[ -z $lane ]]; then
+    .venv/bin/ruff check .
+    .venv/bin/ruff format --check .
+    .venv/bin/mypy
+fi
+if [[ $# -gt 0 ]]; then
+    exec "$python" -m pytest ${lane:+-m "$lane"} "$@"
+fi
 # The whole run starts with a short soak (docs/performance.md, "Soak"): the
 # every-mode petastorm cases on 2 to 4 ranks beside a CPU hog and a disk hog, random pauses, a
-# hard timeout per run. Arguments (a selection of tests) skip it.
-if [[ $# -gt 0 ]]; then
-    exec .venv/bin/python -m pytest "$@"
+# hard timeout per run. Arguments (a selection of tests) skip it; so does the lane without
+# petastorm.
+if [[ -z $lane ]]; then
+    "$python" scripts/soak.py --minutes 3 --suite every-mode --hogs 1 --io-hogs 1
 fi
-.venv/bin/python scripts/soak.py --minutes 3 --suite every-mode --hogs 1 --io-hogs 1
 # Every test, in three runs. The fast ones in 3 processes (73 s in one process, 42 s in 3, the
 # same hour). Those that start ranks or use Spark also in 3 (667 s in one process, 508 s in 3,
 # the same morning: both cores busy, with the processes the tests start, much of it importing
@@ -54,6 +75,6 @@ fi
 # All three run even if one fails.
 status=0
 fast_tests || status=$?
-in_processes 3 -m "(multirank or spark) and not timing" || status=$?
-in_processes 4 -m "timing and (multirank or spark)" || status=$?
+in_processes 3 "(multirank or spark) and not timing" || status=$?
+in_processes 4 "timing and (multirank or spark)" || status=$?
 exit "$status"

@@ -13,6 +13,10 @@ credentials in the standard AWS variables while it runs. Every test that uses it
 in one ``xdist_group``, so that ``-n 3 --dist loadgroup`` (``scripts/test.sh --fast``) starts
 one server, not one per process.
 
+Without petastorm (``scripts/test.sh --latest``: today's numpy and pyarrow), the modules that
+import it at their top are not collected, and the tests marked ``petastorm`` are deselected
+there (``-m "not petastorm"``): every other test runs.
+
 Predicate counts (``DDP_EVEN_CACHE_DIR``) and the temporary files of the processes the tests
 start (``TMPDIR``) go to the run's temporary folder: the tests leave nothing in the user's
 ``~/.cache/ddp_even`` or in ``/tmp``.
@@ -20,9 +24,12 @@ start (``TMPDIR``) go to the run's temporary folder: the tests leave nothing in 
 
 from __future__ import annotations
 
+import ast
 import gc
+import importlib.util
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +42,34 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.helpers.s3_server import S3Server, start_s3_server
 from tests.helpers.spark import java_available, start_spark
+
+# What petastorm brings (pandas, pyspark) and its adapters that import it as they load.
+_NEEDS_PETASTORM = (
+    "petastorm",
+    "pandas",
+    "pyspark",
+    "ddp_even.petastorm.sources",
+    "ddp_even.petastorm.reading",
+    "ddp_even.petastorm.pools",
+)
+
+
+def _imports_petastorm_at_its_top(path: Path) -> bool:
+    for node in ast.parse(path.read_text()).body:
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        if any(name.startswith(_NEEDS_PETASTORM) for name in names):
+            return True
+    return False
+
+
+if importlib.util.find_spec("petastorm") is None:
+    collect_ignore = [
+        path.name
+        for path in sorted(Path(__file__).parent.glob("test_*.py"))
+        if _imports_petastorm_at_its_top(path)
+    ]
 
 
 def pytest_collection_finish() -> None:

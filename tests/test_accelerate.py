@@ -30,7 +30,11 @@ from tests.helpers.lightning_and_accelerate import (
     write_regression_dataset,
 )
 
-pytestmark = [pytest.mark.multirank, pytest.mark.skipif(sys.platform != "linux", reason="Linux")]
+pytestmark = [
+    pytest.mark.petastorm,
+    pytest.mark.multirank,
+    pytest.mark.skipif(sys.platform != "linux", reason="Linux"),
+]
 
 
 @pytest.fixture(autouse=True, scope="module")

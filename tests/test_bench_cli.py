@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+pytestmark = pytest.mark.petastorm
+
 
 @pytest.mark.timeout(120)
 def test_it_times_every_command_and_writes_json(tmp_path: Path) -> None:

@@ -25,6 +25,8 @@ from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.spawn import run_ranks
 
+pytestmark = pytest.mark.petastorm
+
 # sharding="rows" over 2 ranks: rank 0 reads part-00000 (10 + 30 rows), rank 1 part-00001.
 SIZES = [[10, 30], [20, 20]]
 BATCH = 4

@@ -53,6 +53,7 @@ def data_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_dataset(tmp_path_factory.mktemp("skewed"))
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(240)
 def test_a_two_node_torchrun_job_in_every_mode_exits_cleanly(data_url: str, tmp_path: Path) -> None:
     outcome = run_two_node_job(data_url, "all", tmp_path, timeout=120)
@@ -216,6 +217,7 @@ def _abandoning_rank(rank: int, world_size: int, port: int, url: str) -> None:
 READERS_AT_EXIT = re.compile(r"^rank (\d+) petastorm threads at exit: (\d+)$", re.MULTILINE)
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_petastorm_loop_left_early_in_every_way_exits_cleanly(

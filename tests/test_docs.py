@@ -183,6 +183,7 @@ LOCAL_DOCUMENTS = [
 ]
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("document", LOCAL_DOCUMENTS)
 def test_python_blocks_run(document: str, dataset: Path) -> None:
@@ -212,6 +213,7 @@ def s3_dataset(s3: S3Server, dataset: Path) -> S3Server:
     return s3
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("block", _of({"python"}, documents={"docs/remote-storage.md"}))
 def test_remote_storage_blocks_run_against_a_local_s3(block: Block, s3_dataset: S3Server) -> None:
@@ -223,6 +225,7 @@ def test_remote_storage_blocks_run_against_a_local_s3(block: Block, s3_dataset: 
 # --- Spark -------------------------------------------------------------------------------
 
 
+@pytest.mark.petastorm
 @pytest.mark.spark
 @pytest.mark.timeout(300)
 def test_spark_blocks_run_on_a_converter(spark: Any, tmp_path: Path) -> None:
@@ -297,6 +300,7 @@ def _run_shell_block(block: Block, dataset: Path, s3: S3Server | None) -> None:
 SHELL_BLOCKS = _of({"bash", "sh"})
 
 
+@pytest.mark.petastorm
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
@@ -306,6 +310,7 @@ def test_shell_blocks_run(block: Block, demo_data: Path) -> None:
     _run_shell_block(block, demo_data, None)
 
 
+@pytest.mark.petastorm
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(

@@ -32,6 +32,8 @@ from ddp_even import EvenLoader
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.lightning_and_accelerate import skip_without
 
+pytestmark = pytest.mark.petastorm
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

@@ -17,7 +17,7 @@ from tests.helpers.collectives import AllReduceCounter, source_checks
 from tests.helpers.datasets import shard_rows, write_plain_dataset
 from tests.helpers.spawn import run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.petastorm, pytest.mark.multirank]
 
 WORLD_SIZE = 4
 SIZES = [[40, 50, 25], [33, 30, 70], [12, 41, 20, 39, 16, 42]]

@@ -234,6 +234,7 @@ def _read_batch_ids(url: str, rank: int, world_size: int) -> list[int]:
         return sorted(int(i) for batch in reader for i in batch.id)
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(30)
 def test_plain_dataset_shards_exactly(tmp_path: Path) -> None:
     url = write_plain_dataset(tmp_path / "plain", SKEWED)
@@ -248,6 +249,7 @@ def test_plain_dataset_shards_exactly(tmp_path: Path) -> None:
         assert _read_batch_ids(url, rank, 3) == shard_ids(SKEWED, 3, rank)
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(30)
 def test_multi_file_dataset_shards_exactly(tmp_path: Path) -> None:
     url = write_plain_dataset(tmp_path / "multi", MULTI_FILE)
@@ -259,6 +261,7 @@ def test_multi_file_dataset_shards_exactly(tmp_path: Path) -> None:
             assert _read_batch_ids(url, rank, world_size) == shard_ids(MULTI_FILE, world_size, rank)
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(30)
 def test_partitioned_dataset_shards_exactly(tmp_path: Path) -> None:
     from petastorm import make_batch_reader
@@ -274,6 +277,7 @@ def test_partitioned_dataset_shards_exactly(tmp_path: Path) -> None:
     assert pairs == {(starts[k] + j, k) for k in range(12) for j in range(k + 1)}
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(30)
 def test_unischema_dataset_shards_exactly_and_decodes(tmp_path: Path) -> None:
     from petastorm import make_reader
@@ -294,6 +298,7 @@ def test_unischema_dataset_shards_exactly_and_decodes(tmp_path: Path) -> None:
                 assert (row.vec == row.id).all()
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(30)
 def test_batches_for_matches_petastorm_loader(tmp_path: Path) -> None:
     from petastorm import make_batch_reader

@@ -76,6 +76,7 @@ def trained(data_url: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return results
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(250)
 @pytest.mark.parametrize(("mode", "source"), RUNS)
 def test_every_epoch_has_the_right_steps_on_every_rank(
@@ -104,6 +105,7 @@ def test_every_epoch_has_the_right_steps_on_every_rank(
     assert ranks[0]["weights"] == ranks[1]["weights"]
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(250)
 @pytest.mark.parametrize(("mode", "source"), RUNS)
 def test_validation_in_pad_mode_logs_the_exact_mean_over_the_whole_dataset(
@@ -129,6 +131,7 @@ def test_validation_in_pad_mode_logs_the_exact_mean_over_the_whole_dataset(
             assert {name: epoch[name] for name in expected} == expected
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(250)
 @pytest.mark.parametrize(("mode", "source"), RUNS)
 def test_the_callback_logs_every_epoch_to_the_trainers_logger(
@@ -172,6 +175,7 @@ def test_the_callback_logs_every_epoch_to_the_trainers_logger(
     assert {int(row["ddp_even/steps_max"]) for row in rows} == {max(expected["steps"])}
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(90)
 def test_join_mode_under_lightning_ends_on_every_rank(data_url: str, tmp_path: Path) -> None:
     """Lightning's per-step broadcast would hang Join: every rank must stop, with a clear error

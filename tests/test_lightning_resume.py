@@ -30,7 +30,11 @@ from tests.helpers.datasets import shard_ids, write_plain_dataset
 from tests.helpers.lightning_and_accelerate import PYTHON, REPO, launch, read_ranks, skip_without
 from tests.helpers.lightning_resume_data import BATCH_SIZE, BATCHES, EPOCHS, PARQUET_ROW_GROUPS
 
-pytestmark = [pytest.mark.multirank, pytest.mark.skipif(sys.platform != "linux", reason="Linux")]
+pytestmark = [
+    pytest.mark.petastorm,
+    pytest.mark.multirank,
+    pytest.mark.skipif(sys.platform != "linux", reason="Linux"),
+]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -166,6 +166,7 @@ def handed_out(data: Data) -> list[dict[str, list[Seen]]]:
     return run_ranks(_hand_out, WORLD_SIZE, data, timeout=400)
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_real_row_once_and_padding_exactly_where_data_ends(
@@ -287,6 +288,7 @@ def _evaluate(rank: int, world_size: int, url: str) -> dict[str, float]:
     }
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(300)
 def test_torchmetrics_under_pad_equal_one_process_over_the_whole_dataset(data: Data) -> None:
     results = run_ranks(_evaluate, WORLD_SIZE, data.plain, timeout=250)
@@ -383,6 +385,7 @@ def _one_process_gradient(norm: bool, rows: list[tuple[torch.Tensor, torch.Tenso
     return [parameter.grad for parameter in model.parameters()]
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("norm", [False, True], ids=["mlp", "batch norm over the ranks"])
 def test_training_takes_the_gradient_of_the_mean_loss_over_the_real_rows(

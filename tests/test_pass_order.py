@@ -137,6 +137,7 @@ def _read(url: str, rank: int, world_size: int, epoch: int, **reader_kwargs: Any
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.petastorm
 @pytest.mark.parametrize(
     "options",
     [
@@ -161,6 +162,7 @@ def test_threaded_and_seeded_passes_read_in_the_computed_order(
         assert _read(url, 0, 2, 1, **options).ids != expected, "another order the next epoch"
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(120)
 def test_a_seeded_row_shuffle_is_the_same_on_every_pass_and_every_rank_keeps_its_part(
     url: str,
@@ -206,6 +208,7 @@ def test_a_seeded_row_shuffle_is_the_same_on_every_pass_and_every_rank_keeps_its
         ),
     ],
 )
+@pytest.mark.petastorm
 def test_what_reads_out_of_the_computed_order_says_why(
     url: str, reader_kwargs: dict[str, Any], loader_kwargs: dict[str, Any], words: str | None
 ) -> None:
@@ -224,6 +227,7 @@ def test_what_reads_out_of_the_computed_order_says_why(
         assert re.search(words, passes.why_not_in_plan_order or ""), passes.why_not_in_plan_order
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(60)
 def test_row_groups_read_in_parts_are_read_once_and_a_predicate_with_parts_is_refused(
     url: str,

@@ -28,7 +28,7 @@ from tests.helpers.datasets import (
 )
 from tests.helpers.spawn import run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.petastorm, pytest.mark.multirank]
 
 # The soak (scripts/soak.py) runs these cases on 2 to 4 ranks; the expectations below follow.
 WORLD_SIZE = int(os.environ.get("DDP_EVEN_SOAK_WORLD_SIZE", "4"))

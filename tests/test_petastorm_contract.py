@@ -25,6 +25,8 @@ from ddp_even import EvenLoader
 from ddp_even.petastorm.pools import close_end_of_results_race
 from tests.helpers.datasets import shard_rows, write_unischema_dataset
 
+pytestmark = pytest.mark.petastorm
+
 PINNED = "0.12.1"
 SIZES = [40, 5, 25, 3, 30, 7, 12, 1, 20, 9]
 WORLD_SIZE = 4

@@ -23,6 +23,8 @@ from tests.helpers.shard_reads import (
     read_shard,
 )
 
+pytestmark = pytest.mark.petastorm
+
 BATCH = 4
 # Skewed: round robin puts both big row groups on rank 0 of 2.
 SIZES = [[40, 3], [30, 5], [1, 6, 4, 2]]

@@ -56,6 +56,7 @@ SCENARIOS = [
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.petastorm
 @pytest.mark.parametrize(
     ("make_dataset", "reader", "loader"),
     SCENARIOS,
@@ -81,6 +82,7 @@ def test_plan_equals_petastorm_reads(
                 assert all(size == BATCH for size in got.batch_sizes[:-1]), where
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(60)
 def test_too_many_ranks_petastorm_refuses_and_the_plan_says_so(tmp_path: Path) -> None:
     from petastorm import make_batch_reader

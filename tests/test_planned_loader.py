@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import pandas as pd
 import pytest
 import torch
 
@@ -21,6 +20,7 @@ from ddp_even import EvenLoader
 from ddp_even.parquet import plan_for_dataset
 from tests.helpers.collectives import AllReduceCounter, source_checks
 from tests.helpers.datasets import shard_row_groups, write_plain_dataset
+from tests.helpers.engines import ENGINES, reader_options
 from tests.helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -51,21 +51,27 @@ class _Collect(logging.Handler):
 
 def _drop_one_row_of_rank_0(row_ids: Any) -> Any:
     # Row 0 lives in row group 0, which is rank 0's: its batch count stays 12, its rows drop by 1.
-    return row_ids != 0 if isinstance(row_ids, pd.Series) else int(row_ids) != 0
+    return row_ids != 0 if hasattr(row_ids, "index") else int(row_ids) != 0
 
 
 def run_planned(
-    rank: int, world_size: int, url: str, mode: str, balanced: bool, lossy: bool
+    rank: int,
+    world_size: int,
+    url: str,
+    mode: str,
+    balanced: bool,
+    lossy: bool,
+    engine: str = "petastorm",
 ) -> Run:
-    from petastorm import make_batch_reader
-    from petastorm.predicates import in_lambda
-    from petastorm.pytorch import BatchedDataLoader
-
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
     joinables = [model] if mode == "join" else ()
     if lossy:
+        from petastorm import make_batch_reader
+        from petastorm.predicates import in_lambda
+        from petastorm.pytorch import BatchedDataLoader
+
         # A reader that loses a row the footers promise, with the footers' plan.
         _, plan = plan_for_dataset(url, world_size, BATCH_SIZE)
         predicate = in_lambda(["id"], _drop_one_row_of_rank_0)
@@ -84,7 +90,8 @@ def run_planned(
             mode,
             sharding="row_groups" if balanced else "round_robin",
             joinables=joinables,
-            reader_kwargs={"workers_count": 2},
+            reader_kwargs=reader_options(engine, {"workers_count": 2}),
+            engine=engine,  # type: ignore[arg-type]
         )
     collected = _Collect()
     logging.getLogger("ddp_even").addHandler(collected)
@@ -118,8 +125,11 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["truncate", "cycle", "join"])
-def test_round_robin_plan_counts_match_what_petastorm_delivers(url: str, mode: str) -> None:
-    runs = run_ranks(run_planned, WORLD_SIZE, url, mode, False, False, timeout=240)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_round_robin_plan_counts_match_what_the_reader_delivers(
+    url: str, mode: str, engine: str
+) -> None:
+    runs = run_ranks(run_planned, WORLD_SIZE, url, mode, False, False, engine, timeout=240)
     groups = [shard_row_groups(len(ROW_GROUP_SIZES), WORLD_SIZE, rank) for rank in range(4)]
     rows = [_shard_rows(ROW_GROUP_SIZES, shard) for shard in groups]
     batches = [math.ceil(len(shard_rows) / BATCH_SIZE) for shard_rows in rows]
@@ -141,8 +151,11 @@ def test_round_robin_plan_counts_match_what_petastorm_delivers(url: str, mode: s
 
 
 @pytest.mark.timeout(300)
-def test_balanced_plan_reads_every_row_group_once_and_drops_at_most_one_batch(url: str) -> None:
-    runs = run_ranks(run_planned, WORLD_SIZE, url, "truncate", True, False, timeout=240)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_balanced_plan_reads_every_row_group_once_and_drops_at_most_one_batch(
+    url: str, engine: str
+) -> None:
+    runs = run_ranks(run_planned, WORLD_SIZE, url, "truncate", True, False, engine, timeout=240)
     _, plan = plan_for_dataset(url, WORLD_SIZE, BATCH_SIZE, sharding="row_groups")
     assert max(plan.rows_per_rank) - min(plan.rows_per_rank) <= max(ROW_GROUP_SIZES)
     for rank, run in enumerate(runs):
@@ -154,6 +167,7 @@ def test_balanced_plan_reads_every_row_group_once_and_drops_at_most_one_batch(ur
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.petastorm
 def test_a_reader_that_loses_rows_is_named_after_the_epoch(url: str) -> None:
     runs = run_ranks(run_planned, WORLD_SIZE, url, "cycle", False, True, timeout=240)
     warnings = runs[0].warnings

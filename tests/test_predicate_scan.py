@@ -30,6 +30,8 @@ from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.spawn import run_ranks
 
+pytestmark = pytest.mark.petastorm
+
 # Two files; row groups of a few rows, so that several are read and converted together.
 FILE_SIZES = [[5, 7, 3, 6], [4, 8, 2]]
 

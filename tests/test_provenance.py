@@ -58,6 +58,7 @@ def _module(path: Path, source: str) -> ModuleType:
     return module
 
 
+@pytest.mark.petastorm
 def test_an_edited_module_function_has_another_identity(tmp_path: Path) -> None:
     before = _module(tmp_path / "a.py", PREDICATE_MODULE.format(limit=10))
     again = _module(tmp_path / "b.py", PREDICATE_MODULE.format(limit=10))
@@ -116,6 +117,7 @@ def test_a_global_the_function_changes_counts_by_type_an_immutable_one_by_value(
     assert code_identity(module.record) != before, "an immutable global it reads is data"
 
 
+@pytest.mark.petastorm
 def test_the_identity_is_the_same_in_another_process(tmp_path: Path) -> None:
     here = _module(tmp_path / "user_predicates.py", PREDICATE_MODULE.format(limit=10))
     script = (
@@ -148,6 +150,7 @@ def test_provenance_names_every_part_that_differs_and_every_part_untold() -> Non
     assert Provenance.from_dict(hidden.as_dict()).compare(hidden) == ([], ["seed"])
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(120)
 def test_an_edited_predicate_misses_the_count_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -190,6 +193,7 @@ def test_partials_and_bound_builtins_count_by_what_they_hold() -> None:
         code_identity(threading.Lock())
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(120)
 def test_predicates_differing_in_partial_arguments_are_counted_apart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -212,6 +216,7 @@ def test_predicates_differing_in_partial_arguments_are_counted_apart(
     assert len(list((tmp_path / "cache").iterdir())) == 2, "one entry per predicate"
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(120)
 def test_a_predicate_that_cannot_be_identified_is_counted_every_time_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -252,6 +252,7 @@ def _endless_worker(rank: int, world_size: int, url: str, mode: str, how: str) -
         reader.join()
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("mode", "how"), [("truncate", "reader"), ("cycle", "loader")])
 def test_an_endless_reader_runs_any_number_of_epochs_with_steps_per_epoch(
@@ -288,6 +289,7 @@ def _endless_without_steps(rank: int, world_size: int, url: str, as_factory: boo
     return "accepted"
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("as_factory", [False, True])
 def test_an_endless_reader_without_steps_per_epoch_is_refused(
@@ -433,6 +435,7 @@ def _off_plan_worker(rank: int, world_size: int, url: str, mode: str) -> dict[st
     return {"error": None, "steps": steps}
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["truncate", "cycle"])
 def test_a_plan_that_does_not_match_the_readers_fails_on_every_rank_before_a_step(

@@ -26,6 +26,7 @@ from ddp_even import EvenLoader
 from ddp_even.planning import plan_shards
 from ddp_even.resume.remainder import plan_unread_rows, unread_rows
 from tests.helpers.datasets import flat_sizes, write_plain_dataset
+from tests.helpers.engines import ENGINES, reader_options
 from tests.helpers.logs import ddp_even_messages
 from tests.helpers.spawn import run_ranks
 
@@ -81,6 +82,7 @@ def train(
     states: list[dict[str, Any]] | None,
     stop_at: int | None = STOP_AT,
     reader_kwargs: dict[str, Any] = IN_PLAN_ORDER,
+    engine: str = "petastorm",
 ) -> dict[str, Any]:
     messages = ddp_even_messages()
     torch.manual_seed(0)
@@ -92,7 +94,8 @@ def train(
         mode,
         sharding=sharding,  # type: ignore[arg-type]
         joinables=[model] if mode == "join" else (),
-        reader_kwargs=reader_kwargs,
+        reader_kwargs=reader_options(engine, reader_kwargs),
+        engine=engine,  # type: ignore[arg-type]
     )
     if states is not None:
         loader.load_state_dict(states[rank])  # one of the old ranks' states: the same step
@@ -134,11 +137,15 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> str:
     [("truncate", "rows"), ("join", "row_groups"), ("pad", "round_robin")],
     ids=str,
 )
-def test_an_epoch_stopped_on_4_ranks_finishes_on_3(url: str, mode: str, sharding: str) -> None:
-    first = run_ranks(train, 4, url, mode, sharding, None, timeout=200)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_epoch_stopped_on_4_ranks_finishes_on_3(
+    url: str, mode: str, sharding: str, engine: str
+) -> None:
+    options = (url, mode, sharding)
+    first = run_ranks(train, 4, *options, None, STOP_AT, IN_PLAN_ORDER, engine, timeout=200)
     states = [run["state"] for run in first]
     assert {state["step"] for state in states} == {STOP_AT}
-    second = run_ranks(train, 3, url, mode, sharding, states[:3], timeout=200)
+    second = run_ranks(train, 3, *options, states[:3], STOP_AT, IN_PLAN_ORDER, engine, timeout=200)
     stats = second[0]["stats"]
     assert stats["resumed_at_step"] == STOP_AT and stats["resumed_from_world_size"] == 4
     assert stats["epoch"] == 0 and stats["world_size"] == 3
@@ -159,6 +166,7 @@ def test_an_epoch_stopped_on_4_ranks_finishes_on_3(url: str, mode: str, sharding
     assert sum(next_epoch.values()) + sum(second[0]["next_stats"]["dropped_rows"]) == TOTAL
 
 
+@pytest.mark.petastorm
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
 def test_what_cannot_resume_on_another_number_of_ranks_says_why(url: str) -> None:
@@ -242,6 +250,7 @@ def _torchrun(ranks: int, out: Path, url: str, *extra: str) -> subprocess.Comple
     )
 
 
+@pytest.mark.petastorm
 @pytest.mark.multirank
 @pytest.mark.timeout(420)
 def test_a_job_killed_on_4_ranks_under_torchrun_finishes_its_epoch_on_3(
@@ -263,6 +272,7 @@ def test_a_job_killed_on_4_ranks_under_torchrun_finishes_its_epoch_on_3(
     assert stats["resumed_at_step"] == step and stats["resumed_from_world_size"] == 4
 
 
+@pytest.mark.petastorm
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
 def test_on_as_many_ranks_a_planned_reader_starts_where_it_stopped(url: str) -> None:
@@ -331,6 +341,7 @@ def resume_in_one_job(rank: int, world_size: int, url: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.petastorm
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
 def test_a_seeded_threaded_reader_resumes_where_it_stopped_reading_only_the_rest(
@@ -357,6 +368,7 @@ def test_a_seeded_threaded_reader_resumes_where_it_stopped_reading_only_the_rest
     assert first_batch != sorted(first_batch), "the test must shuffle"
 
 
+@pytest.mark.petastorm
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
 def test_a_seeded_threaded_epoch_stopped_on_3_ranks_finishes_on_2_every_row_once(

@@ -125,6 +125,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.__name__)
 def test_order_and_sizes_match_petastorm(tmp_path: Path, layout: Any) -> None:
@@ -136,6 +137,7 @@ def test_order_and_sizes_match_petastorm(tmp_path: Path, layout: Any) -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.petastorm
 @pytest.mark.parametrize(
     ("layout", "source"),
     [(plain, "footers"), (with_metadata, "_metadata"), (unischema, "_common_metadata")],
@@ -157,6 +159,7 @@ def test_paths_and_urls_give_the_same_row_groups(tmp_path: Path) -> None:
     assert ours(url) == ours(str(tmp_path / "ds")) == ours(tmp_path / "ds") == ours(url + "/")
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(30)
 def test_row_group_counts_key_is_petastorms() -> None:
     from petastorm.etl.dataset_metadata import ROW_GROUPS_PER_FILE_KEY as PETASTORM_KEY
@@ -211,6 +214,7 @@ def test_common_metadata_without_row_group_counts(tmp_path: Path) -> None:
         read_row_groups(url)
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(30)
 def test_common_metadata_missing_a_file(tmp_path: Path) -> None:
     url = unischema(tmp_path)
@@ -267,6 +271,7 @@ def test_url_is_not_unquoted_like_petastorm(tmp_path: Path) -> None:
         read_row_groups(root.as_uri())
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(30)
 def test_row_group_counts_json_is_what_unischema_helper_wrote(tmp_path: Path) -> None:
     url = unischema(tmp_path)

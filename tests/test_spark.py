@@ -50,6 +50,8 @@ from tests.helpers.spark import (
 )
 from tests.helpers.spawn import run_ranks
 
+pytestmark = pytest.mark.petastorm
+
 WORLD_SIZE = 4
 # 152 rows in 10 partitions; which rank gets which depends on Spark's file order.
 SIZES = [40, 5, 25, 3, 30, 7, 12, 1, 20, 9]

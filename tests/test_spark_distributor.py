@@ -28,7 +28,7 @@ from ddp_even.petastorm.spark_converter import check_distributor
 from tests.helpers import distributor_job
 from tests.helpers.spark import round_robin_ids, skewed_dataframe
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.petastorm, pytest.mark.spark]
 
 WORLD_SIZE = 2
 # 110 rows in 6 partitions (one row group each): however Spark orders the files, the two

@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.spawn import run_ranks
 
+pytestmark = pytest.mark.petastorm
+
 # 17 rows: "rows" sharding gives rank 0 rows 0-7 (2 batches of 4) and rank 1 rows 8-16 (3).
 SIZES = [[5, 6], [6]]
 BATCH = 4

@@ -223,6 +223,7 @@ def parquet_url(tmp_path: Path) -> str:
     return tmp_path.as_uri()
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(60)
 def test_a_petastorm_reader_is_found_by_the_registry(parquet_url: str) -> None:
     from petastorm import make_batch_reader
@@ -248,6 +249,7 @@ def test_a_petastorm_reader_is_found_by_the_registry(parquet_url: str) -> None:
         reader.join()
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(60)
 def test_a_petastorm_loader_and_a_factory_of_readers(parquet_url: str) -> None:
     from petastorm import make_batch_reader
@@ -280,6 +282,7 @@ def test_a_petastorm_loader_and_a_factory_of_readers(parquet_url: str) -> None:
     assert made[0].stopped  # a reader the factory made is stopped with its pass
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(60)
 def test_a_petastorm_reader_stopped_mid_pass_gives_a_whole_next_pass(parquet_url: str) -> None:
     from petastorm import make_batch_reader

@@ -27,7 +27,7 @@ from ddp_even.modes import MODES
 from tests.helpers.datasets import shard_ids, shard_row_groups, write_plain_dataset
 from tests.helpers.spawn import run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.petastorm, pytest.mark.multirank]
 
 WORLD_SIZE = 2
 SIZES = [30, 30, 30, 30, 20, 10]

@@ -22,6 +22,8 @@ from ddp_even import EvenLoader, StateMismatchError
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.logs import ddp_even_messages
 
+pytestmark = pytest.mark.petastorm
+
 SIZES = [10] * 6
 BATCH = 4
 STOP = 3

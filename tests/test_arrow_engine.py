@@ -1,0 +1,279 @@
+"""The pyarrow reader of planned rows (``from_parquet(engine="arrow")``): every guarantee of the
+planned path, without petastorm.
+
+On 4 gloo ranks, real Parquet files, a DDP model taking optimizer steps: every sharding gives
+each rank exactly its planned rows; a pyarrow expression (and a petastorm-style predicate) is
+counted before planning and applied when reading; seeded shuffles repeat within an epoch and
+change between epochs; an epoch resumes exactly, also on another number of ranks; pad's weights
+follow the plan. In one process: what it refuses (petastorm's options, a changed dataset, rows
+that disagree with the plan), and that a pass let go of stops its threads.
+``tests/test_planned_loader.py`` and ``tests/test_resume_elastic.py`` run against both readers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+import torch
+
+from ddp_even import EvenLoader, StateMismatchError
+from ddp_even.arrow.passes import make_shard_factory
+from ddp_even.arrow.reader import ArrowPass, PassRows
+from ddp_even.errors import PlanMismatchError, RowCountMismatchError
+from ddp_even.parquet import plan_for_dataset
+from ddp_even.parquet.dataset_plan import plan_dataset
+from tests.helpers.collectives import AllReduceCounter, source_checks
+from tests.helpers.datasets import flat_sizes, write_plain_dataset
+from tests.helpers.logs import ddp_even_messages
+from tests.helpers.spawn import run_ranks
+
+SIZES = [[30, 7, 55], [12, 90, 3], [41, 20, 9, 33]]
+TOTAL = sum(flat_sizes(SIZES))
+BATCH = 8
+WORLD_SIZE = 4
+SHARDINGS = ["round_robin", "row_groups", "rows", "replicate"]
+KEEP = pc.field("label") != 2  # label is id % 3: two rows in three
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_plain_dataset(tmp_path_factory.mktemp("arrow") / "data", SIZES)
+
+
+def _ids(batch: dict[str, Any]) -> list[int]:
+    return [int(value) for value in batch["id"]]
+
+
+def _epoch(loader: EvenLoader[Any], model: Any) -> dict[str, Any]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    counter = AllReduceCounter()
+    ids: list[int] = []
+    steps = 0
+    length = len(loader)
+    for batch in loader:
+        if steps == 0:
+            counter.start()
+        assert isinstance(batch["value"], torch.Tensor) and batch["value"].dtype == torch.float32
+        loss = model(batch["value"].reshape(-1, 1) / 100).pow(2).mean()
+        (loss * loader.batch_weight).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if not loader.padding:
+            ids += _ids(batch)
+        steps += 1
+    counter.stop()
+    return {
+        "ids": ids,
+        "steps": steps,
+        "length": length,
+        "collectives": counter.calls,
+        "stats": loader.stats.as_dict(),
+        "weight": float(model.module.weight.item()),
+    }
+
+
+def _shardings_worker(rank: int, world_size: int, url: str, cache: str) -> dict[str, Any]:
+    import os
+
+    os.environ["DDP_EVEN_CACHE_DIR"] = cache
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    # A model of its own for join: torch's Join leaves a DDP model all-reducing at every step.
+    joined = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    runs: dict[str, Any] = {}
+    for sharding in SHARDINGS:
+        for mode in ("truncate", "pad", "join"):
+            loader = EvenLoader.from_parquet(
+                url,
+                BATCH,
+                mode,
+                sharding=sharding,  # type: ignore[arg-type]
+                joinables=[joined] if mode == "join" else (),
+                engine="arrow",
+                reader_kwargs={"seed": 3, "shuffle_rows": True},
+            )
+            runs[f"{sharding} {mode}"] = _epoch(loader, joined if mode == "join" else model)
+    messages = ddp_even_messages()
+    for attempt in ("counted", "cached"):
+        loader = EvenLoader.from_parquet(url, BATCH, "cycle", predicate=KEEP, engine="arrow")
+        runs[f"predicate {attempt}"] = _epoch(loader, model)
+    runs["messages"] = messages
+    return runs
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(420)
+def test_every_sharding_and_mode_reads_the_planned_rows_on_four_ranks(
+    url: str, tmp_path: Path
+) -> None:
+    runs = run_ranks(_shardings_worker, WORLD_SIZE, url, str(tmp_path / "cache"), timeout=360)
+    for sharding in SHARDINGS:
+        _, plan = plan_for_dataset(url, WORLD_SIZE, BATCH, sharding=sharding)  # type: ignore[arg-type]
+        for mode in ("truncate", "pad", "join"):
+            case = f"{sharding} {mode}"
+            outcomes = [run[case] for run in runs]
+            assert len({str(outcome["stats"]) for outcome in outcomes}) == 1, case
+            for rank, outcome in enumerate(outcomes):
+                assert outcome["length"] == outcome["steps"], case
+                if mode != "join":
+                    assert outcome["collectives"] == source_checks(outcome["steps"]), case
+                assert len(outcome["ids"]) == len(set(outcome["ids"])), "no row twice on a rank"
+                if mode != "truncate":
+                    assert len(outcome["ids"]) == plan.rows_per_rank[rank], case
+            if sharding == "replicate" and mode != "truncate":
+                assert all(sorted(o["ids"]) == list(range(TOTAL)) for o in outcomes), case
+                assert len({tuple(o["ids"]) for o in outcomes}) == WORLD_SIZE, "own orders"
+            elif mode != "truncate":
+                trained = sorted(i for outcome in outcomes for i in outcome["ids"])
+                assert trained == list(range(TOTAL)), f"{case}: every row once over the ranks"
+            if mode == "pad":
+                assert len({outcome["weight"] for outcome in outcomes}) == 1, "DDP in step"
+    kept = [row for row in range(TOTAL) if row % 3 != 2]
+    for attempt in ("counted", "cached"):
+        trained = Counter(i for run in runs for i in run[f"predicate {attempt}"]["ids"])
+        assert set(trained) == set(kept), attempt  # cycle: every kept row, short shards repeat
+    assert any("counted the rows the predicate keeps" in m for m in runs[0]["messages"])
+    assert any("from the cache" in m for m in runs[0]["messages"])
+
+
+def _resume_worker(
+    rank: int, world_size: int, url: str, mode: str, states: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    options = {"seed": 5, "shuffle_rows": True}
+
+    def loader() -> EvenLoader[Any]:
+        return EvenLoader.from_parquet(
+            url,
+            BATCH,
+            mode,
+            sharding="rows",
+            joinables=[model] if mode == "join" else (),
+            engine="arrow",
+            reader_kwargs=options,
+        )
+
+    if states is not None:  # on another number of ranks: finish the saved epoch
+        resumed = loader()
+        resumed.load_state_dict(states[rank])
+        return {"rest": _epoch(resumed, model)}
+    whole = [_ids(batch) for batch in _trained(loader(), model)]
+    stopped = loader()
+    epoch = _trained(stopped, model)
+    first = [_ids(next(epoch)) for _ in range(3)]
+    state = stopped.state_dict()
+    del epoch
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = [_ids(batch) for batch in _trained(resumed, model)]
+    return {"whole": whole, "first": first, "rest": rest, "state": state}
+
+
+def _trained(loader: EvenLoader[Any], model: Any) -> Any:
+    for batch in loader:
+        model(batch["value"].reshape(-1, 1)).sum().backward()
+        yield batch
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("mode", ["truncate", "join"])
+def test_an_epoch_resumes_exactly_and_on_fewer_ranks(url: str, mode: str) -> None:
+    first = run_ranks(_resume_worker, WORLD_SIZE, url, mode, None, timeout=240)
+    for run in first:
+        assert run["first"] + run["rest"] == run["whole"], "the uninterrupted epoch, exactly"
+    states = [run["state"] for run in first]
+    second = run_ranks(_resume_worker, 3, url, mode, states[:3], timeout=240)
+    read = Counter(row for run in first for batch in run["first"] for row in batch)
+    read.update(row for run in second for row in run["rest"]["ids"])
+    dropped = sum(second[0]["rest"]["stats"]["dropped_rows"])
+    assert max(read.values()) == 1, "no row twice"
+    assert sum(read.values()) + dropped == TOTAL
+    assert second[0]["rest"]["stats"]["resumed_from_world_size"] == WORLD_SIZE
+
+
+# --- one process ------------------------------------------------------------------------------
+
+
+def test_seeded_shuffles_repeat_within_an_epoch_and_change_between_epochs(url: str) -> None:
+    _, factory = make_shard_factory(
+        url, 0, 1, BATCH, reader_kwargs={"seed": 9, "shuffle_rows": True}
+    )
+
+    def order(epoch: int) -> list[int]:
+        reading = factory(epoch)
+        try:
+            return [i for batch in reading for i in _ids(batch)]
+        finally:
+            reading.close()
+
+    assert order(0) == order(0) and sorted(order(0)) == list(range(TOTAL))
+    assert order(1) != order(0) and sorted(order(1)) == list(range(TOTAL))
+
+
+def test_batches_are_tensors_of_the_columns_asked_for(url: str) -> None:
+    loader = EvenLoader.from_parquet(
+        url, BATCH, engine="arrow", reader_kwargs={"schema_fields": ["id", "label"]}
+    )
+    batches = list(loader)
+    assert set(batches[0]) == {"id", "label"} and batches[0]["id"].dtype == torch.int64
+    assert [len(batch["id"]) for batch in batches] == [BATCH] * (TOTAL // BATCH) + [TOTAL % BATCH]
+
+
+def test_what_only_petastorm_has_is_refused_in_one_line(url: str) -> None:
+    for options in ({"workers_count": 4}, {"transform_spec": object()}):
+        with pytest.raises(ValueError, match=r"petastorm's .*engine='petastorm'"):
+            EvenLoader.from_parquet(url, BATCH, engine="arrow", reader_kwargs=options)
+    with pytest.raises(ValueError, match="engine='petastorm'"):
+        EvenLoader.from_parquet(url, BATCH, engine="arrow", reader="row")
+    with pytest.raises(ValueError, match="not an option of the pyarrow reader"):
+        EvenLoader.from_parquet(url, BATCH, engine="arrow", loader_kwargs={"nope": 1})
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin_memory=True needs a CUDA device"):
+            EvenLoader.from_parquet(url, BATCH, engine="arrow", loader_kwargs={"pin_memory": True})
+
+
+def test_a_changed_dataset_and_rows_other_than_planned_are_named(tmp_path: Path) -> None:
+    changing = write_plain_dataset(tmp_path / "changing", [10, 10])
+    _, factory = make_shard_factory(changing, 0, 1, 4)
+    write_plain_dataset(tmp_path / "changing", [10, 9])
+    with pytest.raises(PlanMismatchError, match="the dataset changed since it was planned"):
+        factory()  # before a row is read: the epoch's agreement carries it to every rank
+    # A row group that yields other rows than the plan counted (a predicate that is not
+    # deterministic, footers that disagree with the data): the pass names it.
+    planned = plan_dataset(write_plain_dataset(tmp_path / "counted", [6, 5]), 1, 4)
+    miscounted = dataclasses.replace(planned.row_groups, num_rows=np.array([6, 4]))
+    rows = PassRows(planned.resolved, miscounted, [(0, 0, 6), (1, 0, 4)], None, None, [], False, 0)
+    reading = ArrowPass(rows, batch_size=4, prefetch=2, threads=1, pin_memory=False)
+    with pytest.raises(RowCountMismatchError, match="yielded 5 rows, the shard plan counted 4"):
+        list(reading)
+    reading.close()
+
+
+def test_a_pass_let_go_of_stops_its_threads(url: str) -> None:
+    def readers() -> int:
+        return sum(thread.name.startswith("ddp_even-arrow") for thread in threading.enumerate())
+
+    before = readers()
+    loader = EvenLoader.from_parquet(url, BATCH, engine="arrow")
+    for step, _ in enumerate(loader):
+        if step == 2:
+            break
+    assert readers() == before
+
+
+@pytest.mark.petastorm
+def test_a_state_of_the_petastorm_reader_does_not_fit_the_arrow_one(url: str) -> None:
+    stopped = EvenLoader.from_parquet(url, BATCH, engine="petastorm")
+    epoch = iter(stopped)
+    next(epoch)
+    state = stopped.state_dict()
+    del epoch
+    with pytest.raises(StateMismatchError, match="reader"):
+        EvenLoader.from_parquet(url, BATCH, engine="arrow").load_state_dict(state)
