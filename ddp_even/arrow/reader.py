@@ -34,9 +34,10 @@ from ddp_even.errors import RowCountMismatchError
 from ddp_even.parquet.predicates import kept_mask
 from ddp_even.planning.row_groups import RowGroups
 from ddp_even.planning.sharding import RowRange
+from ddp_even.sources.base import ShardPass, ShardSource
 from ddp_even.storage import ResolvedDataset
 
-__all__ = ["ArrowPass", "PassRows"]
+__all__ = ["ArrowPass", "PassRows", "source_for"]
 
 logger = logging.getLogger("ddp_even")
 
@@ -291,3 +292,27 @@ def _kept_rows(
 
 def _pinned(values: Any) -> Any:
     return values.pin_memory() if hasattr(values, "pin_memory") else values
+
+
+def source_for(reading: ArrowPass, *, owned: bool) -> ShardSource[Columns]:
+    """A pass the factory made, as the source of one pass (the source registry's hook): its
+    batches counted by their first column, which every column matches."""
+    return _OnePass(reading)
+
+
+class _OnePass(ShardSource[Columns]):
+    def __init__(self, reading: ArrowPass) -> None:
+        self._reading = reading
+
+    @property
+    def restartable(self) -> bool:
+        return False  # a factory makes a pass for each pass
+
+    def open_pass(self) -> ShardPass[Columns]:
+        return ShardPass(self._reading, on_close=self._reading.close, count_samples=_rows)
+
+
+def _rows(batch: Columns) -> int | None:
+    for values in batch.values():
+        return len(values)
+    return None

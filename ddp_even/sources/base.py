@@ -325,6 +325,8 @@ _REGISTERED_KINDS: dict[str, str] = {
     "petastorm.spark.spark_dataset_converter.TorchDatasetContextManager": (
         "ddp_even.petastorm.spark_converter"
     ),
+    # A pass of the pyarrow reader (what its factory returns).
+    "ddp_even.arrow.reader.ArrowPass": "ddp_even.arrow.reader",
 }
 
 
