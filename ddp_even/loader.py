@@ -395,9 +395,10 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
                 record=self.history.append,
             )
             if start.unchecked is not None:
-                feed.first_pass_reading()  # what the resumed epoch reads, checked against the state
-            provenance = provenance_of(self._passes, feed.reading)
-            feed.failure = feed.failure or refusal(start, provenance, agreer.rank)
+                # What the resumed epoch reads (its first pass opened), checked against the state.
+                feed.first_pass_reading()
+                provenance = provenance_of(self._passes, feed.reading)
+                feed.failure = feed.failure or refusal(start, provenance, agreer.rank)
             if not self._mode.shares_steps and agreer.world_size > 1:
                 refuse_join_inside_lightning()
             self._current_run = run

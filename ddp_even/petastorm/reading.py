@@ -166,7 +166,7 @@ class ReaderReading(PassReading):
             for path in paths:
                 with filesystem.open(path, "rb") as file:
                     digest.update(footer_digest(pq.read_metadata(file)))
-        except (OSError, ValueError) as error:
+        except Exception as error:  # any filesystem's failure: what cannot be read is untold
             return Untold(f"its footers could not be read again ({error})")
         return digest.digest()
 
