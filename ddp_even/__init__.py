@@ -2,7 +2,8 @@
 
 Two names to remember: :class:`EvenLoader` wraps the loader a rank already has;
 :class:`EpochStats` says what every rank did in an epoch. The exceptions are raised on every
-rank at the same step, instead of a hang. A third, :func:`allreduce_hook`, registered on the
+rank at the same step, instead of a hang; every error ddp_even raises of its own is an
+:class:`EvenLoaderError`. A third, :func:`allreduce_hook`, registered on the
 DDP model, names a rank that dies inside DDP's own all-reduce of the gradients.
 
 ``EvenLoader``, ``EpochStats`` and ``allreduce_hook`` are imported on first use (PEP 562): they
@@ -17,15 +18,21 @@ import importlib.metadata
 from typing import TYPE_CHECKING
 
 from ddp_even.errors import (
+    ConverterDeletedError,
+    DatasetError,
     EmptyShardError,
     EvenLoaderError,
     OffPlanError,
     PeerSourceError,
     PeerTimeoutError,
+    PlanMismatchError,
     RankMismatchError,
+    RowCountMismatchError,
     ShardCoverageError,
     SourceEndedEarlyError,
     StateMismatchError,
+    TooFewRowGroupsError,
+    TooFewTaskSlotsError,
 )
 
 if TYPE_CHECKING:
@@ -34,6 +41,8 @@ if TYPE_CHECKING:
     from ddp_even.runtime.stats import EpochStats
 
 __all__ = [
+    "ConverterDeletedError",
+    "DatasetError",
     "EmptyShardError",
     "EpochStats",
     "EvenLoader",
@@ -41,10 +50,14 @@ __all__ = [
     "OffPlanError",
     "PeerSourceError",
     "PeerTimeoutError",
+    "PlanMismatchError",
     "RankMismatchError",
+    "RowCountMismatchError",
     "ShardCoverageError",
     "SourceEndedEarlyError",
     "StateMismatchError",
+    "TooFewRowGroupsError",
+    "TooFewTaskSlotsError",
     "allreduce_hook",
 ]
 # The installed distribution's version: pyproject.toml is the one place it is written.

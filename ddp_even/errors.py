@@ -264,11 +264,12 @@ class PeerTimeoutError(EvenLoaderError):
         super().__init__(f"rank(s) {names} did not answer {what}: {detail}")
 
 
-class DatasetError(ValueError):
+class DatasetError(EvenLoaderError, ValueError):
     """The dataset cannot be planned: missing, unreachable, not Parquet, or laid out so petastorm
     fails too.
 
-    The message is one line: it names the path or URL and says what to do.
+    The message is one line: it names the path or URL and says what to do. A ``ValueError``
+    too: the dataset given is wrong.
 
     Example:
         >>> from ddp_even.parquet import read_row_groups
@@ -280,7 +281,7 @@ class DatasetError(ValueError):
     """
 
 
-class PlanMismatchError(RuntimeError):
+class PlanMismatchError(EvenLoaderError):
     """The dataset is no longer the one planned: its files or row groups changed.
 
     Raised by ``factory()`` before any data is read, when the footers of the pass's files
@@ -289,16 +290,22 @@ class PlanMismatchError(RuntimeError):
     dataset changed, or ddp_even lists row groups wrongly: please report it).
 
     Example:
-        >>> issubclass(PlanMismatchError, RuntimeError)
+        >>> issubclass(PlanMismatchError, EvenLoaderError)
         True
     """
 
 
-class RowCountMismatchError(RuntimeError):
+class RowCountMismatchError(EvenLoaderError):
     """A row group yielded a different number of rows from the plan's count.
 
     The dataset changed since it was planned, its footers disagree with its data, or a row
-    predicate or transform is not deterministic (the plan counted its rows once).
+    predicate or transform is not deterministic (the plan counted its rows once). Raised by the
+    rank that read the row group, while it reads; the others learn it at their next agreement
+    (:class:`PeerSourceError`).
+
+    Example:
+        >>> issubclass(RowCountMismatchError, EvenLoaderError)
+        True
     """
 
 

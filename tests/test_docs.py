@@ -13,8 +13,10 @@
   (:data:`NOT_RUN_HERE`: another test runs them, or nothing here can) say why, and run with
   ``--help`` instead where they have it.
 
-Also: README stays within 200 lines, and docs/design.md's "Where things live" names every
-module of the package and no other.
+Also: README stays within 200 lines; docs/design.md's "Where things live" names every module
+of the package and no other; every relative link leads to a file and heading that exist; every
+error of ddp_even's that the docs name is importable from ``ddp_even`` and an
+``EvenLoaderError``.
 """
 
 from __future__ import annotations
@@ -342,4 +344,57 @@ def test_where_things_live_names_every_module() -> None:
     assert listed == modules, {
         "not listed": sorted(modules - listed),
         "listed but missing": sorted(listed - modules),
+    }
+
+
+# --- links and names --------------------------------------------------------------------------
+
+# A Markdown link to a path of this repository (not a URL), with its optional #anchor.
+_RELATIVE_LINK = re.compile(r"\]\((?![a-z][a-z0-9+.-]*:)([^)\s#]*)(?:#([^)\s]*))?\)")
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a document's headings."""
+    headings = re.findall(r"^#+ (.+)$", markdown, flags=re.MULTILINE)
+    return {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings
+    }
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_relative_links_lead_to_a_file_and_heading_that_exist(document: str) -> None:
+    source = ROOT / document
+    text = source.read_text()
+    broken = []
+    for target, anchor in _RELATIVE_LINK.findall(text):
+        linked = (source.parent / target).resolve() if target else source
+        if not linked.exists():
+            broken.append(f"{target}: no such file from {document}'s folder")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked.read_text()):
+            broken.append(f"{target}#{anchor}: no such heading")
+    assert not broken, broken
+
+
+def test_every_error_the_docs_name_is_one_of_ddp_evens_importable_from_the_package() -> None:
+    import ddp_even
+    from ddp_even import errors
+
+    named = {
+        name
+        for document in DOCUMENTS
+        for name in re.findall(r"`(\w+Error)`", (ROOT / document).read_text())
+    }
+    ours = {name for name in named if hasattr(errors, name)}
+    assert ours, "the docs name ddp_even's errors"
+    for name in sorted(ours):
+        error = getattr(ddp_even, name, None)
+        assert error is getattr(errors, name), f"{name} is not importable from ddp_even"
+        assert issubclass(error, ddp_even.EvenLoaderError), f"{name} is no EvenLoaderError"
+    # The others are Python's, petastorm's or Spark's own, and the docs say whose.
+    assert named - ours <= {
+        "RuntimeError",
+        "TypeError",
+        "ValueError",
+        "NoDataAvailableError",
+        "Py4JJavaError",
     }

@@ -4,8 +4,9 @@ training's own inside the loop.
 
 Every source kind runs in one process group: lists, petastorm's loaders (footer-known lengths,
 and agreeing every step), ``from_parquet`` in every sharding, and a balanced plan with an empty
-rank. What each rank must hand out is checked against the dataset's ids, not against ddp_even's
-arithmetic; the metrics and gradients against one process computing them over the same rows.
+rank; ``from_parquet``'s cases again, read by the pyarrow reader, in another. What each rank
+must hand out is checked against the dataset's ids, not against ddp_even's arithmetic; the
+metrics and gradients against one process computing them over the same rows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed.nn.functional as distributed_functional
 
 from ddp_even import EvenLoader
 from tests.helpers.datasets import write_plain_dataset, write_unischema_dataset
+from tests.helpers.engines import reader_options
 from tests.helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -46,8 +48,9 @@ LIST_BATCH = 7
 @dataclass(frozen=True)
 class Data:
     plain: str
-    unischema: str
     few: str
+    # make_reader's dataset: written where petastorm is installed.
+    unischema: str | None = None
 
 
 @dataclass
@@ -66,7 +69,6 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Data:
     root = tmp_path_factory.mktemp("pad")
     return Data(
         plain=write_plain_dataset(root / "plain", SIZES),
-        unischema=write_unischema_dataset(root / "unischema", SIZES),
         few=write_plain_dataset(root / "few", FEW_SIZES),
     )
 
@@ -86,12 +88,11 @@ def _list_shard(url: str, rank: int) -> list[dict[str, torch.Tensor]]:
 
 
 def _loader(source: str, data: Data, rank: int) -> EvenLoader[Any]:
-    from petastorm import make_batch_reader, make_reader
-    from petastorm.pytorch import BatchedDataLoader, DataLoader
-
     if source == "list":
         return EvenLoader(_list_shard(data.plain, rank), mode="pad")
     if source.startswith("batched"):
+        from petastorm import make_batch_reader
+        from petastorm.pytorch import BatchedDataLoader
 
         def batches() -> BatchedDataLoader:
             reader = make_batch_reader(
@@ -104,6 +105,10 @@ def _loader(source: str, data: Data, rank: int) -> EvenLoader[Any]:
             batches, mode="pad", sync_every=1 if source.endswith("every step") else None
         )
     if source == "rows of make_reader":
+        from petastorm import make_reader
+        from petastorm.pytorch import DataLoader
+
+        assert data.unischema is not None
 
         def rows() -> DataLoader:
             reader = make_reader(
@@ -116,18 +121,20 @@ def _loader(source: str, data: Data, rank: int) -> EvenLoader[Any]:
             return DataLoader(reader, batch_size=BATCH_SIZE)
 
         return EvenLoader(rows, mode="pad")
-    sharding = source.removeprefix("from_parquet ").removesuffix(" with an empty rank")
+    engine, sharding = source.removesuffix(" with an empty rank").split(" ")
     url = data.few if source.endswith("empty rank") else data.plain
     return EvenLoader.from_parquet(
         url,
         BATCH_SIZE,
         mode="pad",
-        sharding=sharding,
-        reader_kwargs={"workers_count": 2},
+        sharding=sharding,  # type: ignore[arg-type]
+        engine="arrow" if engine == "arrow" else "petastorm",
+        reader_kwargs=reader_options(engine, {"workers_count": 2}),
     )
 
 
-SOURCES = [
+# "from_parquet" reads with petastorm, "arrow" (from_parquet(engine="arrow")) with pyarrow alone.
+PETASTORM_SOURCES = [
     "list",
     "batched",
     "batched, every step",
@@ -135,13 +142,23 @@ SOURCES = [
     *(f"from_parquet {sharding}" for sharding in SHARDINGS),
     "from_parquet row_groups with an empty rank",
 ]
+ARROW_SOURCES = [
+    *(f"arrow {sharding}" for sharding in SHARDINGS),
+    "arrow row_groups with an empty rank",
+]
+SOURCES = [
+    *(pytest.param(source, marks=pytest.mark.petastorm) for source in PETASTORM_SOURCES),
+    *ARROW_SOURCES,
+]
 
 
-def _hand_out(rank: int, world_size: int, data: Data) -> dict[str, list[Seen]]:
+def _hand_out(
+    rank: int, world_size: int, data: Data, sources: Sequence[str]
+) -> dict[str, list[Seen]]:
     """Worker: two epochs of every source; each step takes part in a DDP all-reduce."""
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     seen: dict[str, list[Seen]] = {}
-    for source in SOURCES:
+    for source in sources:
         loader = _loader(source, data, rank)
         epochs = []
         for _ in range(2):
@@ -162,16 +179,26 @@ def _hand_out(rank: int, world_size: int, data: Data) -> dict[str, list[Seen]]:
 
 
 @pytest.fixture(scope="module")
-def handed_out(data: Data) -> list[dict[str, list[Seen]]]:
-    return run_ranks(_hand_out, WORLD_SIZE, data, timeout=400)
+def handed_out_by_petastorm(
+    data: Data, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, list[Seen]]]:
+    unischema = write_unischema_dataset(tmp_path_factory.mktemp("pad") / "unischema", SIZES)
+    with_unischema = Data(plain=data.plain, few=data.few, unischema=unischema)
+    return run_ranks(_hand_out, WORLD_SIZE, with_unischema, PETASTORM_SOURCES, timeout=400)
 
 
-@pytest.mark.petastorm
+@pytest.fixture(scope="module")
+def handed_out_by_arrow(data: Data) -> list[dict[str, list[Seen]]]:
+    return run_ranks(_hand_out, WORLD_SIZE, data, ARROW_SOURCES, timeout=400)
+
+
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_real_row_once_and_padding_exactly_where_data_ends(
-    handed_out: list[dict[str, list[Seen]]], source: str
+    request: pytest.FixtureRequest, source: str
 ) -> None:
+    reader = "arrow" if source in ARROW_SOURCES else "petastorm"
+    handed_out: list[dict[str, list[Seen]]] = request.getfixturevalue(f"handed_out_by_{reader}")
     dataset_rows = 39 if source.endswith("empty rank") else TOTAL_ROWS
     for epoch in range(2):
         ranks = [per_rank[source][epoch] for per_rank in handed_out]

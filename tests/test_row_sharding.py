@@ -1,8 +1,9 @@
 """Equal shards by construction: ``sharding="rows"``, row predicates counted up front, and
-``sharding="replicate"``, over real Parquet read by petastorm.
+``sharding="replicate"``, over real Parquet read by petastorm (and by the pyarrow reader).
 
 The fast tests read every rank's shard in turn in one process; the multirank ones train a DDP
-model on 4 gloo ranks with ``EvenLoader.from_parquet`` and check what each rank trained on.
+model on 4 gloo ranks with ``EvenLoader.from_parquet`` (petastorm's readers, and the pyarrow
+reader) and check what each rank trained on.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ from tests.helpers.logs import ddp_even_messages
 from tests.helpers.shard_reads import collect
 from tests.helpers.spawn import run_ranks
 
-pytestmark = pytest.mark.petastorm
-
 # Skewed on purpose: one row group holds most rows, several hold a handful.
 SIZES = [[3, 400, 5], [4, 6, 100], [7, 8, 9, 10, 11, 12, 125]]
 TOTAL = sum(flat_sizes(SIZES))
@@ -56,13 +55,23 @@ def kept_ids() -> list[int]:
     return [row for row in range(TOTAL) if keeps(row)]
 
 
+class Datasets(dict[str, str]):
+    """The test datasets' URLs by layout, each written when a test first asks for it (the
+    Unischema one needs petastorm)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self._root = root
+
+    def __missing__(self, layout: str) -> str:
+        write = {"plain": write_plain_dataset, "unischema": write_unischema_dataset}[layout]
+        self[layout] = url = write(self._root / layout, SIZES)
+        return url
+
+
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("row-sharding")
-    return {
-        "plain": write_plain_dataset(root / "plain", SIZES),
-        "unischema": write_unischema_dataset(root / "unischema", SIZES),
-    }
+    return Datasets(tmp_path_factory.mktemp("row-sharding"))
 
 
 @pytest.fixture(autouse=True)
@@ -102,6 +111,7 @@ def test_rows_sharding_gives_every_row_to_exactly_one_rank(
     assert max(plan.batches_per_rank) - min(plan.batches_per_rank) <= 1
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("predicate", [False, True], ids=["all-rows", "predicate"])
 @pytest.mark.parametrize(
@@ -140,6 +150,7 @@ def test_rows_readers_read_every_row_exactly_once(
     assert plan.split_row_groups >= 1, "the test must split row groups"
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(120)
 def test_replicate_reads_everything_on_every_rank_in_different_orders(
     datasets: dict[str, str],
@@ -160,6 +171,7 @@ def test_replicate_reads_everything_on_every_rank_in_different_orders(
         assert collect(shard_pass).ids == orders[world_size - 1, 1], "seeded: the same again"
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(120)
 def test_petastorm_shuffle_rows_with_a_predicate_mixes_rows_but_planned_readers_do_not(
     datasets: dict[str, str],
@@ -185,6 +197,7 @@ def test_petastorm_shuffle_rows_with_a_predicate_mixes_rows_but_planned_readers_
         assert wrong_rows(shard_pass) == 0
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(120)
 def test_predicate_counts_are_cached_per_predicate(
     datasets: dict[str, str], private_cache: Path, caplog: pytest.LogCaptureFixture
@@ -203,6 +216,7 @@ def test_predicate_counts_are_cached_per_predicate(
     assert len(list(private_cache.glob("predicate-counts-*.npy"))) == 2, "another predicate"
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(60)
 def test_bad_predicates_say_what_is_wrong(datasets: dict[str, str]) -> None:
     from petastorm.predicates import in_lambda
@@ -215,6 +229,7 @@ def test_bad_predicates_say_what_is_wrong(datasets: dict[str, str]) -> None:
         make_shard_factory(datasets["plain"], 0, 2, BATCH, predicate=lambda row: True)
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(60)
 def test_a_row_group_that_yields_other_rows_than_planned_is_named(tmp_path: Path) -> None:
     from petastorm.transform import TransformSpec
@@ -233,12 +248,22 @@ def test_a_row_group_that_yields_other_rows_than_planned_is_named(tmp_path: Path
 def train_rows(
     rank: int, world_size: int, url: str, reader: str, sharding: str, predicate: bool
 ) -> dict[str, Any]:
-    """One truncate epoch of a DDP model over ``from_parquet(sharding=...)``."""
+    """One truncate epoch of a DDP model over ``from_parquet(sharding=...)``; ``reader`` is
+    petastorm's ("batch" or "row") or "arrow" (pyarrow alone, an expression predicate)."""
     caught = ddp_even_messages()
-    from petastorm.predicates import in_lambda
+    if reader == "arrow":
+        import pyarrow.compute as pc
 
+        options: dict[str, Any] = {"engine": "arrow"}
+        missing, kept = pc.field("missing") == 1, pc.field("id").isin(kept_ids())
+    else:
+        from petastorm.predicates import in_lambda
+
+        loader = "dataloader" if reader == "row" else "batched_dataloader"
+        options = {"reader": reader, "loader": loader, "reader_kwargs": THREADS}
+        missing, kept = in_lambda(["missing"], bool), _in_lambda()
     try:
-        EvenLoader.from_parquet(url, BATCH, predicate=in_lambda(["missing"], bool))
+        EvenLoader.from_parquet(url, BATCH, predicate=missing, **options)
         bad_predicate = ""
     except ValueError as error:
         bad_predicate = str(error)
@@ -249,10 +274,8 @@ def train_rows(
             BATCH,
             "truncate",
             sharding=sharding,  # type: ignore[arg-type]
-            reader=reader,  # type: ignore[arg-type]
-            loader="dataloader" if reader == "row" else "batched_dataloader",
-            predicate=_in_lambda() if predicate else None,
-            reader_kwargs=THREADS,
+            predicate=kept if predicate else None,
+            **options,
         )
 
     loader = make()
@@ -293,11 +316,19 @@ def train_rows(
 @pytest.mark.parametrize(
     ("layout", "reader", "sharding", "predicate"),
     [
-        ("plain", "batch", "rows", False),
-        ("unischema", "row", "rows", True),
-        ("plain", "batch", "replicate", True),
+        pytest.param("plain", "batch", "rows", False, marks=pytest.mark.petastorm),
+        pytest.param("unischema", "row", "rows", True, marks=pytest.mark.petastorm),
+        pytest.param("plain", "batch", "replicate", True, marks=pytest.mark.petastorm),
+        ("plain", "arrow", "rows", True),
+        ("plain", "arrow", "replicate", True),
     ],
-    ids=["plain-rows", "unischema-rows-predicate", "plain-replicate-predicate"],
+    ids=[
+        "plain-rows",
+        "unischema-rows-predicate",
+        "plain-replicate-predicate",
+        "arrow-rows-predicate",
+        "arrow-replicate-predicate",
+    ],
 )
 def test_four_ranks_train_on_equal_shards(
     datasets: dict[str, str],

@@ -22,9 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.datasets import write_plain_dataset
+from tests.helpers.engines import ENGINES, reader_options
 from tests.helpers.spawn import run_ranks
-
-pytestmark = pytest.mark.petastorm
 
 # 17 rows: "rows" sharding gives rank 0 rows 0-7 (2 batches of 4) and rank 1 rows 8-16 (3).
 SIZES = [[5, 6], [6]]
@@ -36,7 +35,7 @@ def _ids(batch: Any) -> list[int]:
 
 
 def _cycle_resumed_after_a_ranks_last_own_batch(
-    rank: int, world_size: int, url: str, sync_every: int | None
+    rank: int, world_size: int, url: str, sync_every: int | None, engine: str
 ) -> dict[str, Any]:
     from ddp_even import EvenLoader
 
@@ -47,7 +46,8 @@ def _cycle_resumed_after_a_ranks_last_own_batch(
             "cycle",
             sharding="rows",
             sync_every=sync_every,
-            reader_kwargs={"seed": 3, "workers_count": 2},
+            engine=engine,  # type: ignore[arg-type]
+            reader_kwargs=reader_options(engine, {"seed": 3, "workers_count": 2}),
         )
 
     torch.manual_seed(0)
@@ -67,13 +67,14 @@ def _cycle_resumed_after_a_ranks_last_own_batch(
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sync_every", [None, 1], ids=["known-lengths", "every-step"])
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.multirank
 def test_cycle_resumes_right_after_a_ranks_last_own_batch(
-    tmp_path: Path, sync_every: int | None
+    tmp_path: Path, sync_every: int | None, engine: str
 ) -> None:
     url = write_plain_dataset(tmp_path / "ds", SIZES)
     results = run_ranks(
-        _cycle_resumed_after_a_ranks_last_own_batch, 2, url, sync_every, timeout=200
+        _cycle_resumed_after_a_ranks_last_own_batch, 2, url, sync_every, engine, timeout=200
     )
     for rank, result in enumerate(results):
         assert len(result["whole"]) == 3, "cycle runs the longest shard's 3 steps"
@@ -85,13 +86,20 @@ def test_cycle_resumes_right_after_a_ranks_last_own_batch(
 # --- a state loaded into a loader of other data or another reading order (cases 2 and 7) ----
 
 
-def _state_loaded_elsewhere(
-    rank: int, world_size: int, url: str, other_url: str, change: str
-) -> dict[str, Any]:
-    from petastorm import make_batch_reader
-    from petastorm.predicates import in_lambda
-    from petastorm.pytorch import BatchedDataLoader
+def _keep_all_two_ways(engine: str) -> tuple[Any, Any]:
+    """Two predicates that keep every row: the same rows, another predicate."""
+    if engine == "arrow":
+        import pyarrow.compute as pc
 
+        return pc.field("id") >= 0, pc.field("id") > -1
+    from petastorm.predicates import in_lambda
+
+    return in_lambda(["id"], lambda ids: ids >= 0), in_lambda(["id"], lambda ids: ids > -1)
+
+
+def _state_loaded_elsewhere(
+    rank: int, world_size: int, url: str, other_url: str, change: str, engine: str
+) -> dict[str, Any]:
     from ddp_even import EvenLoader
 
     def planned(url: str, **reader_kwargs: Any) -> EvenLoader[Any]:
@@ -100,10 +108,14 @@ def _state_loaded_elsewhere(
             BATCH,
             "truncate",
             sharding="rows",
-            reader_kwargs={"seed": 3, "workers_count": 2, **reader_kwargs},
+            engine=engine,  # type: ignore[arg-type]
+            reader_kwargs=reader_options(engine, {"seed": 3, "workers_count": 2, **reader_kwargs}),
         )
 
     def footers(batch_size: int) -> EvenLoader[Any]:
+        from petastorm import make_batch_reader
+        from petastorm.pytorch import BatchedDataLoader
+
         def one_pass() -> Any:
             reader = make_batch_reader(
                 url, num_epochs=1, cur_shard=rank, shard_count=world_size, workers_count=2
@@ -112,8 +124,8 @@ def _state_loaded_elsewhere(
 
         return EvenLoader(one_pass, "truncate")
 
-    keep_all = in_lambda(["id"], lambda ids: ids >= 0)
-    keep_all_too = in_lambda(["id"], lambda ids: ids > -1)
+    if change == "predicate":
+        keep_all, keep_all_too = _keep_all_two_ways(engine)
     saved_by, loaded_by = {
         "seed": (lambda: planned(url), lambda: planned(url, seed=4)),
         "predicate": (
@@ -141,10 +153,20 @@ def _state_loaded_elsewhere(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("change", ["seed", "predicate", "data", "batch_size"])
+@pytest.mark.parametrize(
+    ("change", "engine"),
+    [
+        *(
+            pytest.param(change, "petastorm", marks=pytest.mark.petastorm)
+            for change in ("seed", "predicate", "data", "batch_size")
+        ),
+        # The wrapped loop whose batch size changes is petastorm's own.
+        *((change, "arrow") for change in ("seed", "predicate", "data")),
+    ],
+)
 @pytest.mark.multirank
 def test_a_state_of_other_data_or_order_is_refused_on_every_rank_naming_what_differs(
-    tmp_path: Path, change: str
+    tmp_path: Path, change: str, engine: str
 ) -> None:
     url = write_plain_dataset(tmp_path / "ds", SIZES)
     # The same row-group sizes, other rows: the plan alone cannot tell the two apart.
@@ -152,7 +174,7 @@ def test_a_state_of_other_data_or_order_is_refused_on_every_rank_naming_what_dif
     Path(other_url.removeprefix("file://"), "part-00001.parquet").rename(
         Path(other_url.removeprefix("file://"), "part-00001b.parquet")
     )
-    results = run_ranks(_state_loaded_elsewhere, 2, url, other_url, change, timeout=250)
+    results = run_ranks(_state_loaded_elsewhere, 2, url, other_url, change, engine, timeout=250)
     for result in results:
         assert result["trained"] == [], "refused before any step"
         assert result["error"] is not None, result
@@ -186,6 +208,7 @@ def _partition_kept(rank: int, world_size: int, url: str, how: str) -> dict[str,
     return {"epochs": epochs, "stats": loader.stats.as_dict()}
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("how", ["filters", "partition-predicate"])
 @pytest.mark.multirank
@@ -237,6 +260,7 @@ def _rewritten_between_epochs(
     return {"epochs": epochs, "stats": [stats.as_dict() for stats in loader.history]}
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["truncate", "cycle"])
 @pytest.mark.parametrize("rows_after", [1, 14], ids=["shrunk", "grown"])
@@ -283,6 +307,7 @@ def _rewrite_with_ids_from(root: Path, start: int) -> None:
                 start += size
 
 
+@pytest.mark.petastorm
 def test_a_summary_dataset_rewritten_misses_the_count_cache_and_refuses_an_old_plan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -412,6 +437,7 @@ def _check_resumed(case: tuple[str, str, str, float], outcomes: list[dict[str, A
     # Between epochs (stop 0) nothing was read: the next epoch may start with other settings.
 
 
+@pytest.mark.petastorm
 @pytest.mark.multirank  # slow: three real petastorm loaders per example
 @pytest.mark.timeout(600)
 @settings(
@@ -453,6 +479,7 @@ def _resume_cases_on_ranks(
     ]
 
 
+@pytest.mark.petastorm
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_on_two_ranks_random_changes_resume_exactly_or_are_refused_alike(tmp_path: Path) -> None:
@@ -511,6 +538,7 @@ def _resume_a_factory(rank: int, world_size: int, url: str, seeded: bool) -> dic
     return {"warnings": warnings, "rest": rest}
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(240)
 @pytest.mark.multirank
 def test_resuming_a_reader_that_cannot_replay_warns_once_on_rank_0_with_the_recipe(
@@ -536,7 +564,9 @@ def test_resuming_a_reader_that_cannot_replay_warns_once_on_rank_0_with_the_reci
 
 # --- a predicate's cached counts, in a new job after an edit --------------------------------
 
-KEEP_BELOW_MODULE = """
+# The user's module, as each reader takes a predicate.
+KEEP_BELOW_MODULE = {
+    "petastorm": """
 from petastorm.predicates import in_lambda
 
 LIMIT = {limit}
@@ -547,11 +577,19 @@ def keep(ids):
 
 
 PREDICATE = in_lambda(["id"], keep)
-"""
+""",
+    "arrow": """
+import pyarrow.compute as pc
+
+LIMIT = {limit}
+
+PREDICATE = pc.field("id") < LIMIT
+""",
+}
 
 
 def _job_with_a_module_predicate(
-    rank: int, world_size: int, url: str, module_path: str
+    rank: int, world_size: int, url: str, module_path: str, engine: str
 ) -> dict[str, Any]:
     """A job whose predicate comes from the user's own module (as a process pool needs it):
     one cycle epoch on every rank, and what ddp_even said about the count cache."""
@@ -565,7 +603,13 @@ def _job_with_a_module_predicate(
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    loader = EvenLoader.from_parquet(url, BATCH, "cycle", predicate=module.PREDICATE)
+    loader = EvenLoader.from_parquet(
+        url,
+        BATCH,
+        "cycle",
+        predicate=module.PREDICATE,
+        engine=engine,  # type: ignore[arg-type]
+    )
     trained = sorted({row for batch in loader for row in _ids(batch)})
     cached = any("from the cache" in message for message in messages)
     return {"trained": trained, "cached": cached}
@@ -574,8 +618,9 @@ def _job_with_a_module_predicate(
 @pytest.mark.timeout(400)
 @pytest.mark.multirank
 @pytest.mark.parametrize("edit", ["predicate", "summary-dataset"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_new_job_after_an_edit_counts_anew_and_trains_what_is_kept_on_every_rank(
-    tmp_path: Path, edit: str
+    tmp_path: Path, edit: str, engine: str
 ) -> None:
     """Case 5 (a predicate edited in the user's module) and case 6 (a dataset with a
     ``_metadata`` summary rewritten with other values): the second job on 2 ranks misses the
@@ -588,10 +633,12 @@ def test_a_new_job_after_an_edit_counts_anew_and_trains_what_is_kept_on_every_ra
         write_summary_metadata(root, common=True)
     env = {"DDP_EVEN_CACHE_DIR": str(tmp_path / "cache")}
     first = tmp_path / "first.py"
-    first.write_text(KEEP_BELOW_MODULE.format(limit=12))
+    first.write_text(KEEP_BELOW_MODULE[engine].replace("{limit}", "12"))
 
     def job(module: Path) -> list[dict[str, Any]]:
-        return run_ranks(_job_with_a_module_predicate, 2, url, str(module), env=env, timeout=200)
+        return run_ranks(
+            _job_with_a_module_predicate, 2, url, str(module), engine, env=env, timeout=200
+        )
 
     before = job(first)
     assert sorted(row for rank in before for row in rank["trained"]) == list(range(12))
@@ -599,7 +646,7 @@ def test_a_new_job_after_an_edit_counts_anew_and_trains_what_is_kept_on_every_ra
     assert any(rank["cached"] for rank in again), "an unchanged job reuses the counts"
     if edit == "predicate":
         changed = tmp_path / "edited.py"  # a new job imports the edited file
-        changed.write_text(KEEP_BELOW_MODULE.format(limit=15))
+        changed.write_text(KEEP_BELOW_MODULE[engine].replace("{limit}", "15"))
         kept = list(range(15))
     else:
         time.sleep(0.01)  # a later modification time on any file system

@@ -63,7 +63,8 @@ class PassRows:
 
 
 class ArrowPass:
-    """One pass's batches, read ahead by a thread of its own; close it when done."""
+    """One pass's batches, read ahead by a thread of its own; close it when done (or use it in
+    a ``with`` block, as petastorm's readers)."""
 
     def __init__(
         self, reading: PassRows, batch_size: int, prefetch: int, threads: int, pin_memory: bool
@@ -84,6 +85,12 @@ class ArrowPass:
 
     def __iter__(self) -> Iterator[Columns]:
         return self
+
+    def __enter__(self) -> ArrowPass:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def __next__(self) -> Columns:
         while not self._ready:

@@ -17,6 +17,7 @@ what is read.
 from __future__ import annotations
 
 import posixpath
+import re
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,6 +47,8 @@ def predicate_fields(predicate: Any, schema: pa.Schema) -> list[str]:
         >>> schema = pa.schema([("id", pa.int64()), ("label", pa.int64()), ("x", pa.float32())])
         >>> predicate_fields(pc.field("label") == 1, schema)
         ['label']
+        >>> predicate_fields(pc.field("lable") == 1, schema)  # the caller names what is missing
+        ['lable']
     """
     if not is_expression(predicate):
         return sorted(predicate.get_fields())
@@ -53,8 +56,14 @@ def predicate_fields(predicate: Any, schema: pa.Schema) -> list[str]:
     mentioned = [name for name in schema.names if name in text]
     try:
         kept_mask(predicate, schema.empty_table().select(mentioned))
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, KeyError):
-        return list(schema.names)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, KeyError) as error:
+        # A field the schema lacks: named, so that the caller's check says which is missing.
+        unknown = [
+            name
+            for name in re.findall(r"FieldRef\.Name\(([^)]*)\)", str(error))
+            if name not in schema.names
+        ]
+        return [*mentioned, *unknown] if unknown else list(schema.names)
     return mentioned
 
 
