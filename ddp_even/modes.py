@@ -256,7 +256,9 @@ class Cycle(Mode):
     name = "cycle"
     summary = "shorter shards start over until the longest ends"
     after_own_data = "restart"
-    waste_means = "rows repeated as % of all rows"
+    # In batches, as EpochStats.oversampling counts what a loop hands out (its rows may be
+    # unknown): one over-sampling figure in the plan, the statistics and the logs.
+    waste_means = "batches repeated as % of the ranks' own batches (over-sampling)"
 
     def agreed_steps(
         self, agreement: Agreement, window: int | None, steps_per_epoch: int | None
@@ -274,8 +276,8 @@ class Cycle(Mode):
         repeated_rows = np.where(batches > 0, whole_passes * rows + extra_batches * batch_size, 0)
         return EpochOutcome.of(
             steps,
-            float(repeated_rows.sum()),
-            int(rows.sum()),
+            float(repeated_batches.sum()),
+            int(batches.sum()),
             repeated_batches=repeated_batches,
             repeated_rows=repeated_rows,
         )

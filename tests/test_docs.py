@@ -398,3 +398,55 @@ def test_every_error_the_docs_name_is_one_of_ddp_evens_importable_from_the_packa
         "NoDataAvailableError",
         "Py4JJavaError",
     }
+
+
+# --- the README's loop, as a user runs it -------------------------------------------------------
+
+# What the README's loop calls "yours", on every rank of a torchrun job.
+_README_LOOP_PROLOGUE = """
+import sys
+
+import torch
+import torch.distributed as dist
+from petastorm import make_batch_reader
+from petastorm.pytorch import BatchedDataLoader
+
+dist.init_process_group("gloo")
+rank, world_size = dist.get_rank(), dist.get_world_size()
+url, epochs = sys.argv[1], 2
+torch.manual_seed(0)
+ddp_model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+"""
+
+
+@pytest.mark.petastorm
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_the_readmes_loop_runs_quietly_and_says_each_epoch_once(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """Copied into a script and run by torchrun on 2 ranks: no warning from any library, and
+    one summary per epoch (rank 0's log)."""
+    (loop,) = [block for block in _python_of("README.md") if "EvenLoader(one_pass" in block.code]
+    script = tmp_path / "train.py"
+    script.write_text(_README_LOOP_PROLOGUE + loop.code + "\ndist.destroy_process_group()\n")
+    command = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc-per-node=2",
+        str(script),
+        dataset.as_uri(),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200, check=False
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "Warning" not in output, output
+    summaries = [line for line in output.splitlines() if line.startswith("epoch ")]
+    assert [line.split()[:3] for line in summaries] == [
+        ["epoch", "0", "cycle"],
+        ["epoch", "1", "cycle"],
+    ], output

@@ -148,6 +148,10 @@ def test_round_robin_plan_counts_match_what_the_reader_delivers(
             assert run.stats["dropped_batches"][rank] == 0
             assert set(rows[rank]) <= set(run.rows)
         assert run.warnings == []
+    # One over-sampling figure: the statistics' and `ddp-even plan`'s cycle waste are the same.
+    _, plan = plan_for_dataset(url, WORLD_SIZE, BATCH_SIZE)
+    expected_oversampling = plan.stats("cycle").waste_percent if mode == "cycle" else 0.0
+    assert 100 * runs[0].stats["oversampling"] == pytest.approx(expected_oversampling, abs=1e-3)
 
 
 @pytest.mark.timeout(300)

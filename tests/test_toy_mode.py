@@ -35,7 +35,7 @@ class Capped(Mode):
     name: ClassVar[str] = "capped"
     summary: ClassVar[str] = f"shorter shards start over until the longest ends, {LIMIT} at most"
     after_own_data: ClassVar[AfterOwnData] = "restart"
-    waste_means: ClassVar[str] = "rows repeated as % of all rows"
+    waste_means: ClassVar[str] = "batches repeated as % of own batches"
 
     def agreed_steps(
         self, agreement: Agreement, window: int | None, steps_per_epoch: int | None

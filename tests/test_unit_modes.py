@@ -324,7 +324,9 @@ def test_cycle_outcome_repeats_short_shards_from_the_start(shards: tuple[list[in
     assert outcome.dropped_batches.tolist() == [0] * len(rows)
     assert outcome.dropped_rows.tolist() == [0] * len(rows)
     assert outcome.idle_steps.tolist() == [0] * len(rows)
-    expected = Fraction(100 * sum(repeated_rows), sum(rows))
+    # Over-sampling, as EpochStats.oversampling counts it: repeated batches over own batches.
+    repeated = steps * len(rows) - sum(len(shard) for shard in sizes)
+    expected = Fraction(100 * repeated, sum(len(shard) for shard in sizes))
     assert _rounded_percent(outcome.waste_percent, expected)
 
 
@@ -379,7 +381,7 @@ def test_outcomes_on_a_worked_example() -> None:
     # Rank 1: a whole second pass (8 rows) and one full batch of a third; rank 2: two batches.
     assert cycle.repeated_batches.tolist() == [0, 3, 2]
     assert cycle.repeated_rows.tolist() == [0, 13, 10]
-    assert _rounded_percent(cycle.waste_percent, Fraction(100 * 23, 43))
+    assert _rounded_percent(cycle.waste_percent, Fraction(100 * 5, 10))
     pad = PAD.epoch_outcome(rows, batches, 5)
     assert pad.steps == 5
     # Rank 1 hands out its last batch (3 rows) 3 more times, rank 2 its last (2 rows) twice.

@@ -13,6 +13,12 @@
 Nothing here is imported by ``import ddp_even``: the sources register by class name
 (:mod:`ddp_even.sources.base`) and the rest is imported when used.
 
+Once it is, petastorm's own warnings about the pinned stack are ignored (the two filters
+below): petastorm 0.12.1 calls pyarrow APIs that pyarrow 14 deprecates (a dozen
+``FutureWarning`` lines per reader, per rank) and hands torch read-only numpy arrays (torch's
+"not writable" warning); neither is anything a user of these pins can act on. Only warnings
+raised from petastorm's modules are ignored.
+
 Private petastorm 0.12.1 attributes relied on (pinned in ``constraints.txt``), each with why;
 ``tests/test_petastorm_contract.py`` checks every one of them against the installed petastorm
 and fails first, naming the attribute, if a release changes it:
@@ -50,3 +56,10 @@ and fails first, naming the attribute, if a release changes it:
   its public ``fs`` warns that it is deprecated): the files a reader reads and whether they are
   local (``reading.py``).
 """
+
+import warnings
+
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"petastorm\.")
+warnings.filterwarnings(
+    "ignore", message="The given NumPy array is not writable", module=r"petastorm\."
+)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import warnings
 from typing import Any
 
 import pyarrow.filesystem
@@ -145,10 +144,7 @@ class ReaderReading(PassReading):
             else:
                 from petastorm.etl.dataset_metadata import load_row_groups
 
-                # pyarrow 14's legacy dataset API, as petastorm uses it, warns at every call.
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)
-                    self._known_pieces = list(load_row_groups(self._reader.dataset))
+                self._known_pieces = list(load_row_groups(self._reader.dataset))
         return self._known_pieces
 
     def _data_identity(self) -> bytes | Untold:
@@ -200,7 +196,8 @@ def round_robin_plan(
                 if said_by_this_rank:
                     logger.info(
                         "ddp_even: batches per rank follow from the Parquet footers (%s): one "
-                        "agreement per epoch, no collective between steps",
+                        "agreement per epoch; between steps only checks, spaced out and not "
+                        "waited for, that no source failed",
                         ", ".join(map(str, plan.batches_per_rank)),
                     )
                 return plan

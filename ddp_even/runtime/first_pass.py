@@ -14,8 +14,8 @@ reads or several do.
 **The batch counts.** A petastorm loader sharded with ``cur_shard``/``shard_count`` reads rows
 that follow from the footers when nothing drops rows
 (:func:`ddp_even.petastorm.reading.round_robin_plan` says when). Whether the epoch then runs
-with known lengths (one agreement, no collective between steps) or agrees as it goes must be
-one decision for every rank: a rank with the plan and a rank without would wait in different
+with known lengths (one agreement; between steps only spaced-out checks) or agrees as it goes
+must be one decision for every rank: a rank with the plan and a rank without would wait in different
 collectives. So the same agreement compares the plans the ranks worked out: the plan is used
 when every rank has the same one, and otherwise every rank agrees as it goes. It is worked
 out again at every epoch's start, so lengths are never reused from a dataset that has changed.
