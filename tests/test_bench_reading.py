@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.bench_reading import (
     HELD_TOGETHER,
+    PER_STEP,
     PETASTORM,
     QUICK,
     READER_KINDS,
@@ -33,7 +34,7 @@ CONFIG = BenchConfig(
 VARIANTS = {
     PETASTORM,
     "factory, footer lengths",
-    "factory, sync_every=1",
+    PER_STEP,
     *(f"from_parquet {sharding}" for sharding in SHARDINGS),
 }
 
@@ -63,14 +64,15 @@ def test_one_and_two_ranks_read_every_variant(tmp_path: Path) -> None:
             assert row["vs_petastorm_paired"] > 0
             if variant == PETASTORM:
                 assert row["vs_petastorm"] == 1
-        # The target's lines: every ddp_even row, each reader, with the held-together share
-        # where ranks are held together.
+        # The target's lines: in one process every ddp_even row against petastorm's own loop;
+        # on ranks, the rows of known lengths against the loop held together by hand, which
+        # does the same collectives.
         judged = {(target["target"], target["variant"]) for target in result["targets"]}
+        baseline = "petastorm held together by hand" if world_size > 1 else "petastorm's own loop"
+        judged_variants = VARIANTS - {PETASTORM} - ({PER_STEP} if world_size > 1 else set())
         assert judged == {
-            (f"{READER_TITLES[kind]}: >= {TARGET_RATIO} of petastorm's own loop", variant)
+            (f"{READER_TITLES[kind]}: >= {TARGET_RATIO} of {baseline}", variant)
             for kind in READER_KINDS
-            for variant in VARIANTS - {PETASTORM}
+            for variant in judged_variants
         }
-        for target in result["targets"]:
-            assert isinstance(target["passed"], bool)
-            assert ("held together" in target["detail"]) == (world_size > 1), target
+        assert {type(target["passed"]) for target in result["targets"]} == {bool}
