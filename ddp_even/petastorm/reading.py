@@ -10,8 +10,10 @@ its worker processes, so a provenance names them :class:`~ddp_even.planning.prov
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import os
 from typing import Any
 
 import pyarrow.filesystem
@@ -184,11 +186,12 @@ def round_robin_plan(
     said_by_this_rank = rank == 0
     if why_not is None:
         from ddp_even.parquet import DatasetError
-        from ddp_even.parquet.dataset_plan import plan_dataset
 
+        paths = reader.dataset.paths
         try:
-            plan = plan_dataset(reader.dataset.paths, world_size, batch_size).plan
-        except DatasetError as error:
+            key = paths if isinstance(paths, str) else tuple(paths)
+            plan = _footer_plan(key, _local_stamps(paths), world_size, batch_size)
+        except (DatasetError, OSError) as error:
             why_not = f"rank {rank} could not read its metadata again ({error})"
             said_by_this_rank = True
         else:
@@ -208,6 +211,39 @@ def round_robin_plan(
             "ddp_even: the petastorm reader's batch counts are not known up front: %s", why_not
         )
     return None
+
+
+def _local_stamps(paths: str | list[str]) -> tuple[tuple[str, int, int, int], ...]:
+    """Every file under ``paths`` (local) with its inode, size and modification time: what a
+    plan of their footers is worked out from. A stat each: an epoch plans again from them."""
+    stamps = []
+    for path in [paths] if isinstance(paths, str) else paths:
+        files = [path]
+        if os.path.isdir(path):
+            files = sorted(
+                os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+            )
+        for file in files:
+            info = os.stat(file)
+            stamps.append((file, info.st_ino, info.st_size, info.st_mtime_ns))
+    return tuple(stamps)
+
+
+@functools.lru_cache(maxsize=8)
+def _footer_plan(
+    paths: str | tuple[str, ...],
+    stamps: tuple[tuple[str, int, int, int], ...],
+    world_size: int,
+    batch_size: int,
+) -> ShardPlan:
+    """The round robin of the dataset at ``paths``, kept while its files' ``stamps`` stay (a
+    file added, removed or rewritten plans again): planning reads every footer, in threads
+    that would compete with the reader's at every epoch's start."""
+    from ddp_even.parquet.dataset_plan import plan_dataset
+
+    return plan_dataset(
+        paths if isinstance(paths, str) else list(paths), world_size, batch_size
+    ).plan
 
 
 def _why_rows_unknown(reader: Reader) -> str | None:
