@@ -67,7 +67,7 @@ fi
 # Every test, in three runs. The fast ones in 3 processes (73 s in one process, 42 s in 3, the
 # same hour). Those that start ranks or use Spark also in 3 (667 s in one process, 508 s in 3,
 # the same morning: both cores busy, with the processes the tests start, much of it importing
-# torch; docs/performance.md, "The test suite"), but for the timing ones, which bound
+# torch; CONTRIBUTING.md, "Set-up and the test run"), but for the timing ones, which bound
 # in seconds how soon a fault is named: beside the other jobs on 2 cores the machine's
 # contention would set that time, so they run last, by themselves. There they wait rather than
 # compute (a quarter of the machine in 4 processes), so they run in 4: each test's time and

@@ -331,6 +331,22 @@ def test_the_readme_fits_the_first_hour() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
 
 
+def test_the_docs_are_reference_not_a_diary() -> None:
+    """One current table per benchmark: no commit hashes, dates or CI logs (history is git's, a
+    change's measurements go in its closing note), and a performance page of at most 300 lines."""
+    assert len((ROOT / "docs" / "performance.md").read_text().splitlines()) <= 300
+    for document in DOCUMENTS:
+        text = (ROOT / document).read_text()
+        hashes = [
+            word
+            for word in re.findall(r"\b[0-9a-f]{7,40}\b", text)
+            if re.search(r"[a-f]", word) and re.search(r"[0-9]", word)
+        ]
+        assert not hashes, (document, hashes)
+        assert not re.findall(r"\b20\d\d-\d\d-\d\d\b", text), document
+        assert "commit" not in text.lower(), document
+
+
 def test_where_things_live_names_every_module() -> None:
     design = (ROOT / "docs" / "design.md").read_text()
     tree = design.split("## Where things live", 1)[1].split("```", 2)[1]

@@ -1,7 +1,7 @@
 """What each rank says before a window of steps, and what all of them hear back.
 
 Two forms travel, because gloo's cost grows with the element count even for tiny messages
-(``docs/performance.md``: one int64 about 250 µs with 2 ranks, two about 400).
+(``docs/performance.md``: one int64 about 320 µs a call with 2 ranks, two about 450).
 
 **The short form: one int64, combined by ``all_reduce(BOR)``.** Most agreements carry counts
 of at most :data:`SHORT_MOST` (a window of ``sync_every <= 16`` batches, a check of the

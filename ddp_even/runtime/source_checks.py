@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 #: fails is waited for at the next one).
 CHECK_EVERY = 16
 #: The time the steps between two checks take at least, where :data:`CHECK_EVERY` steps take
-#: less: a check then costs about 1 % of the time or less (docs/performance.md).
+#: less: a check (an all-reduce of a few hundred µs, docs/performance.md) then costs about 1 %
+#: of the time or less.
 CHECK_PERIOD_S = 0.05
 #: The most steps between two checks: bounds the batches a rank whose source failed hands out
 #: again before every rank hears of it.
