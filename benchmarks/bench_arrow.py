@@ -20,7 +20,9 @@ rows, and on every rank, side by side in the same process:
 Every loader reads the row groups in file order (``shuffle_row_groups=False``) with petastorm's
 default pool (10 threads); the planned paths plan once, before the rounds (not timed). One
 epoch of every variant per round, in an order turned by one each round, the ranks starting
-each variant together; round 0 is a warm-up and is discarded. The loops only take batches.
+each variant together; round 0 is a warm-up and is discarded. The loops only take batches;
+an epoch is timed from asking for its first batch to the loop's end (closing the reader and
+ddp_even's statistics included).
 
 Per variant (rank 0, medians over rounds): rows/s, its ratio to petastorm's own loop (``vs
 petastorm``, and ``paired``: the median of the per-round ratios), the CPU time of the whole
@@ -123,12 +125,12 @@ def timed_epoch(batches: Callable[[], Iterable[Mapping[str, Any]]]) -> EpochRun:
     rows = count = 0
     with PeakRss() as memory:
         start = (time.perf_counter(), time.process_time())
-        last = start
         for batch in batches():
-            last = (time.perf_counter(), time.process_time())
             rows += len(batch["id"])
             count += 1
-    return EpochRun(rows, count, last[0] - start[0], last[1] - start[1], memory.above_start)
+        # At the loop's end: closing the reader and ddp_even's statistics included.
+        end = (time.perf_counter(), time.process_time())
+    return EpochRun(rows, count, end[0] - start[0], end[1] - start[1], memory.above_start)
 
 
 def variants_for(url: str, rank: int, world_size: int, config: BenchConfig) -> list[Variant]:
