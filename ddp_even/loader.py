@@ -18,6 +18,7 @@ from torch.distributed.algorithms.join import Joinable
 from ddp_even.agreement.control_group import start_heartbeat_for
 from ddp_even.agreement.transport import Agreer, agreer_for
 from ddp_even.checks import check_batching_loader, check_timeout, checked_loader_arguments
+from ddp_even.liveness.gradient_hook import register_on
 from ddp_even.modes import Mode, mode_named
 from ddp_even.process_group import group_is_up
 from ddp_even.resume.state import (
@@ -81,7 +82,10 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         group: the training's process group (default: the world group).
         joinables: join mode only, and required there: the DDP model and any other
             :class:`~torch.distributed.algorithms.join.Joinable` (e.g. a
-            ``ZeroRedundancyOptimizer``) whose collectives joined ranks must shadow.
+            ``ZeroRedundancyOptimizer``) whose collectives joined ranks must shadow. The DDP
+            model is made to average its gradients through :func:`~ddp_even.allreduce_hook`
+            (unless it has a communication hook of its own), so that a rank that dies inside
+            ``backward()`` is named on every survivor.
         timeout: seconds a peer may show no sign of life (its heartbeat stopped: dead or
             frozen) before every rank raises :class:`~ddp_even.PeerTimeoutError` naming it; a
             live peer is waited for up to the training group's timeout (also the default).
@@ -140,6 +144,8 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             plan=plan,
         )
         self._mode.check(steps_per_epoch=steps_per_epoch, has_joinables=bool(joinables))
+        for joinable in joinables:
+            register_on(joinable)
         self._source = as_source(source)
         self._source.check_fits(self._mode.after_own_data, steps_per_epoch)
         if group_is_up():

@@ -57,7 +57,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics.regression import MeanSquaredError
 
-from ddp_even import EvenLoader, EvenLoaderError, allreduce_hook
+from ddp_even import EvenLoader, EvenLoaderError
 from ddp_even.integrations.lightning import EvenLoaderStats
 
 # petastorm 0.12.1 drives pyarrow 14 through its deprecated legacy API (FutureWarnings), and
@@ -110,6 +110,12 @@ class Regression(pl.LightningModule):
         self.val_loader: EvenLoader[dict[str, torch.Tensor]] | None = None
         # Synced over the ranks when computed, at the end of each validation epoch.
         self.val_mse = MeanSquaredError()
+        # The hooks DDP averages the gradients through (EvenLoaderStats registers ddp_even's).
+        self.comm_hooks: list[str] = []
+
+    def on_train_start(self) -> None:
+        model = self.trainer.strategy.model
+        self.comm_hooks = [hook.__name__ for hook, _ in getattr(model, "_comm_hooks", [])]
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.loader is not None
@@ -142,13 +148,6 @@ class Regression(pl.LightningModule):
             sync_dist=True,
             batch_size=0 if padding else len(labels),
         )
-
-    def on_fit_start(self) -> None:
-        # DDP's own all-reduce, except that a rank dying in it is named by ddp_even's error.
-        # Lightning registers DDPStrategy(ddp_comm_hook=...) on CUDA only; this works on both.
-        model = self.trainer.strategy.model
-        if isinstance(model, DistributedDataParallel):
-            model.register_comm_hook(None, allreduce_hook)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.settings.lr)
@@ -244,6 +243,7 @@ def train(run: Run) -> dict[str, Any]:
         },
         "logged_metrics": stats_callback.metrics,
         "global_step": trainer.global_step,
+        "comm_hooks": module.comm_hooks,
         "weights": [value for tensor in module.parameters() for value in tensor.flatten().tolist()],
         "error": error,
         "seconds": seconds,

@@ -149,11 +149,14 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _yours(url: str) -> dict[str, Any]:
+def _yours(url: str, ddp: bool = False) -> dict[str, Any]:
+    """What the blocks call yours; with ``ddp``, the model is a DDP model (a group must be up)."""
     import torch
 
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
     return {
         "url": url,
         "rank": 0,
@@ -189,7 +192,17 @@ LOCAL_DOCUMENTS = [
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("document", LOCAL_DOCUMENTS)
 def test_python_blocks_run(document: str, dataset: Path) -> None:
-    _run_in_order(_python_of(document), _yours(dataset.as_uri()), {})
+    import torch.distributed as dist
+
+    # Rank 0 of a one-rank gloo group, so that the DDP model is one (the README registers
+    # ddp_even's hook on it).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        namespace = _yours(dataset.as_uri(), ddp=True)
+        _run_in_order(_python_of(document), namespace, {})
+        namespace.clear()  # the model and loaders before the group: docs/using.md
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("block", _of({"python"}, documents={"docs/trainers.md"}))

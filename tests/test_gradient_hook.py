@@ -6,11 +6,14 @@
   within ``timeout`` + 2 s, instead of gloo's ``RuntimeError``;
 * SIGSTOP there: named as stalled when gloo gives up on it, at the training group's timeout;
   continued, it raises too (``late``);
+* in join mode the loop need not register the hook: ddp_even registers it on the joinable
+  DDP model, and the kill is named on 2 ranks and on 8;
 * a pause there of 2x the timeout is waited for, as DDP waits: no error, the same batches;
 * the gradients are DDP's own: a model trained through the hook ends with the parameters of
   one trained without it, in truncate mode and in join mode (where the ranks that ran out
   shadow the others' all-reduces through the hook, outside any backward pass);
-* the torch internal the hook relies on behaves as assumed.
+* a model with a communication hook of its own keeps it (ddp_even says so);
+* the torch internals the hook relies on behave as assumed.
 """
 
 from __future__ import annotations
@@ -44,6 +47,26 @@ def test_a_rank_killed_in_ddps_all_reduce_is_named_dead(victim: int, ranks: int)
         assert [len(epoch) for epoch in survivor["seen"]] == [3], survivor
     died = f"rank {victim} died (signal SIGKILL) without a result"
     assert results[victim] == RankError("ProcessExited", died)
+
+
+@pytest.mark.multirank
+@pytest.mark.timing
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("victim", "ranks"), [(1, 2), (5, 8)], ids=str)
+def test_in_join_mode_ddp_even_registers_the_hook_itself(victim: int, ranks: int) -> None:
+    """The loop registers no hook: the DDP model is join mode's joinable, and ddp_even makes
+    it average through its hook, so a rank killed in ``backward()`` is named on every survivor
+    (8 ranks: the survivors' last within ``timeout`` + 5 s)."""
+    job = Job((Act("inside_backward", victim, "kill"),), "known", TIMEOUT, True, False, "join")
+    results, faults = run_on_ranks(job, ranks, timeout=200)
+    killed_at = faults[victim, "inside_backward"]
+    survivors = [result for rank, result in enumerate(results) if rank != victim]
+    for survivor in survivors:
+        assert isinstance(survivor, dict), survivor  # ddp_even's error, not gloo's RuntimeError
+        assert survivor["error"] == "PeerTimeoutError", survivor
+        assert survivor["missing"] == (victim,) and survivor["states"] == {victim: "dead"}
+        assert "DDP's gradient all-reduce" in survivor["message"], survivor
+    assert max(survivor["at"] for survivor in survivors) - killed_at <= TIMEOUT + 5, survivors
 
 
 @pytest.mark.multirank
@@ -142,3 +165,24 @@ def test_the_engine_runs_a_queued_callback_at_the_end_of_backward_and_raises_its
     with pytest.raises(Failed, match="from the callback"):
         weight.sum().backward()
     assert ran == ["callback"]
+
+
+def test_a_model_with_a_hook_of_its_own_keeps_it(caplog: pytest.LogCaptureFixture) -> None:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from ddp_even.liveness.gradient_hook import register_on
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+        model.register_comm_hook(None, allreduce_hook)  # torch's own
+        with caplog.at_level("INFO", logger="ddp_even"):
+            assert not register_on(model)
+        assert [hook for hook, _ in model._comm_hooks] == [allreduce_hook]
+        assert "a communication hook of its own (allreduce_hook)" in caplog.text
+        model(torch.ones(3, 2)).sum().backward()  # still trains, through torch's hook
+        assert model.module.bias.grad is not None and float(model.module.bias.grad) == 3.0
+        del model
+    finally:
+        dist.destroy_process_group()

@@ -94,6 +94,8 @@ def test_every_epoch_has_the_right_steps_on_every_rank(
     for rank, result in enumerate(ranks):
         assert result["error"] is None
         assert (result["rank"], result["world_size"]) == (rank, WORLD_SIZE)
+        # EvenLoaderStats made Lightning's DDP model average through ddp_even's hook.
+        assert result["comm_hooks"] == ["allreduce_hook"], result["comm_hooks"]
         history = result["history"]
         assert [epoch["epoch"] for epoch in history] == list(range(EPOCHS))
         for epoch in history:

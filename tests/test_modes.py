@@ -1,4 +1,4 @@
-"""Every mode on 2, 3 and 4 gloo ranks with uneven in-memory shards and a real DDP model.
+"""Every mode on 2, 3, 4 and 8 gloo ranks with uneven in-memory shards and a real DDP model.
 
 Each test starts one process group and runs all its scenarios in it; what every rank must
 yield is computed from the definition of the mode (``expected_batches``), not by ddp_even.
@@ -128,6 +128,18 @@ def _check(scenario: Scenario, outcomes: list[Outcome]) -> None:
 def test_every_mode_yields_the_prescribed_batches(lengths: tuple[int, ...]) -> None:
     scenarios = _scenarios(lengths)
     per_rank = run_ranks(run_scenarios, len(lengths), scenarios, timeout=200)
+    for index, scenario in enumerate(scenarios):
+        _check(scenario, [outcomes[index] for outcomes in per_rank])
+
+
+@pytest.mark.timeout(300)
+def test_eight_ranks_take_the_prescribed_steps_in_every_mode() -> None:
+    lengths = (6, 2, 9, 1, 4, 7, 3, 5)
+    scenarios = [
+        *(Scenario(lengths, mode) for mode in ("truncate", "cycle", "pad", "join")),
+        *(Scenario(lengths, mode, source="list") for mode in ("truncate", "cycle", "pad")),
+    ]
+    per_rank = run_ranks(run_scenarios, len(lengths), scenarios, timeout=250)
     for index, scenario in enumerate(scenarios):
         _check(scenario, [outcomes[index] for outcomes in per_rank])
 

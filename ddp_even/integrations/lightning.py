@@ -28,6 +28,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loops.progress import _ProcessedTracker
 
+from ddp_even.liveness.gradient_hook import register_on
 from ddp_even.loader import EvenLoader
 from ddp_even.resume.state import STATE_FORMAT
 from ddp_even.runtime.stats import EpochStats
@@ -124,6 +125,11 @@ class EvenLoaderStats(Callback):
     (``ddp_even/<name>/steps_max``). The statistics are equal on every rank, so nothing is
     reduced; ``metrics`` keeps what was logged, on every rank.
 
+    At ``on_fit_start`` it makes the DDP model Lightning wrapped average its gradients through
+    :func:`~ddp_even.allreduce_hook` (unless the model has a communication hook of its own:
+    ``DDPStrategy(ddp_comm_hook=...)``), so that a rank that dies inside ``backward()`` is named
+    on every survivor, as ``DDPStrategy(ddp_comm_hook=allreduce_hook)`` would do on CUDA only.
+
     When Lightning knows the loader's length (a shard plan: ``EvenLoader.from_parquet``) it
     stops after the last batch without asking for more, which leaves the loader's epoch open
     until the next ``iter()``. The callback closes it there with ``iter(loader)`` (every rank
@@ -162,6 +168,9 @@ class EvenLoaderStats(Callback):
         self._logged: weakref.WeakKeyDictionary[EvenLoader[Any], EpochStats] = (
             weakref.WeakKeyDictionary()
         )
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        register_on(trainer.strategy.model)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loaders = find_even_loaders(trainer.train_dataloader)

@@ -24,6 +24,13 @@ Torch internals relied on (torch 2.13):
 * ``torch._C._distributed_c10d.GradBucket``: the class ``torch.distributed`` re-exports as
   ``GradBucket``, imported from where its type information is; DDP refuses a hook whose
   ``bucket`` annotation is anything else.
+* ``DistributedDataParallel._comm_hooks``: the hooks registered on a model, read by
+  :func:`register_on` before it registers one (a second registration raises, after changing
+  the model's records); ``tests/test_gradient_hook.py`` fails first if it changes.
+
+Where ddp_even knows the DDP model (join mode's ``joinables``, Lightning's
+:class:`~ddp_even.integrations.lightning.EvenLoaderStats`), :func:`register_on` registers the
+hook itself, unless the model has a hook of its own.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
@@ -56,7 +63,7 @@ from ddp_even.liveness.verdict import (
     verdict_on,
 )
 
-__all__ = ["allreduce_hook"]
+__all__ = ["allreduce_hook", "register_on"]
 
 logger = logging.getLogger("ddp_even")
 
@@ -120,6 +127,45 @@ def allreduce_hook(
         )
         _pending.append(averaged)
     return cast(torch.futures.Future[torch.Tensor], averaged)
+
+
+def register_on(model: object) -> bool:
+    """Make a DDP ``model`` average its gradients through :func:`allreduce_hook`; True if it
+    does now. A model with a communication hook of its own keeps it (logged once); anything
+    but a ``DistributedDataParallel`` is left alone.
+
+    Example::
+
+        >>> import torch, torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+        >>> register_on(model), register_on(model), register_on(torch.nn.Linear(2, 1))
+        (True, True, False)
+        >>> del model
+        >>> dist.destroy_process_group()
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return False
+    hooks = [hook for hook, _ in model._comm_hooks]
+    if allreduce_hook in hooks:
+        return True
+    if hooks:
+        logger.info(
+            "ddp_even: the DDP model has a communication hook of its own (%s): a rank that dies "
+            "inside its gradient all-reduce is not named by ddp_even",
+            getattr(hooks[0], "__qualname__", hooks[0]),
+        )
+        return False
+    try:
+        model.register_comm_hook(model.process_group, allreduce_hook)
+    except RuntimeError as error:  # a built-in hook, which the model does not list
+        model._comm_hooks.pop()
+        logger.info("ddp_even: allreduce_hook not registered on the DDP model: %s", error)
+        return False
+    logger.debug("ddp_even: the DDP model's gradients are averaged through allreduce_hook")
+    return True
 
 
 def _value_or_failure_kept(

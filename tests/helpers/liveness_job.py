@@ -59,14 +59,16 @@ class Act:
 
 @dataclass(frozen=True)
 class Job:
-    """Two epochs of truncate in ``shape``, doing ``acts`` on the way."""
+    """Two epochs of ``mode`` (truncate, or join with the DDP model as its joinable) in
+    ``shape``, doing ``acts`` on the way."""
 
     acts: tuple[Act, ...]
     shape: str = "known"
     timeout: float = 2.0
     ddp: bool = False
-    # The DDP model averages its gradients through ``ddp_even.allreduce_hook``.
+    # The loop registers ``ddp_even.allreduce_hook`` on the DDP model itself.
     hook: bool = False
+    mode: str = "truncate"
 
 
 def shard_of(rank: int) -> list[list[int]]:
@@ -157,10 +159,15 @@ def run_job(rank: int, world_size: int, job: Job, marks: str, group: Any = None)
 
         source = one_pass
     sync_every = 1 if job.shape == "windows" else None
+    step, model = _step_function(job.ddp, job.hook)
     loader: EvenLoader[Any] = EvenLoader(
-        source, "truncate", sync_every=sync_every, group=group, timeout=job.timeout
+        source,
+        job.mode,  # type: ignore[arg-type]
+        sync_every=sync_every,
+        group=group,
+        timeout=job.timeout,
+        joinables=[model] if job.mode == "join" else (),
     )
-    step = _step_function(job.ddp, job.hook)
     seen: list[list[list[int]]] = []
     began = time.time()
     try:
@@ -211,15 +218,15 @@ def run_on_ranks(
     return results, faults
 
 
-def _step_function(ddp: bool, hook: bool) -> Any:
+def _step_function(ddp: bool, hook: bool) -> tuple[Any, Any]:
     """One training step, ``step(inputs, before_backward)``: a real DDP step, or a short sleep
-    with no collective."""
+    with no collective; and the DDP model (None without)."""
     import torch
 
     import ddp_even
 
     if not ddp:
-        return lambda inputs, before_backward: time.sleep(0.002)
+        return lambda inputs, before_backward: time.sleep(0.002), None
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     if hook:
@@ -233,7 +240,7 @@ def _step_function(ddp: bool, hook: bool) -> Any:
         loss.backward()
         optimizer.step()
 
-    return step
+    return step, model
 
 
 def main() -> None:
