@@ -10,7 +10,6 @@ one-line :class:`~ddp_even.errors.DatasetError` that says what to check
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from abc import ABC, abstractmethod
@@ -276,22 +275,13 @@ class LocalStorage(Storage):
         return [_stamp(info.st_size, info.st_mtime_ns) for info in map(os.stat, paths)]
 
     def read_footer(self, path: str) -> pq.FileMetaData:
-        # Keyed by what the footer was read from: a file rewritten (another size or
-        # modification time) is read again. An epoch of the wrapped loop plans again from its
-        # files' footers: a stat each, not a read and a parse each.
-        info = os.stat(path)
-        return _local_footer(path, (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
+        return pq.read_metadata(path)
 
     def read_summary(self, path: str) -> pq.FileMetaData:
         return pq.read_metadata(path)
 
     def url(self, path: str) -> str:
         return path
-
-
-@functools.lru_cache(maxsize=256)
-def _local_footer(path: str, stat_key: tuple[int, ...]) -> pq.FileMetaData:
-    return pq.read_metadata(path)
 
 
 class ArrowStorage(Storage):
