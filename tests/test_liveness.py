@@ -8,7 +8,8 @@ sign of life):
   epoch), with a real DDP model taking optimizer steps: no error, the same batches;
 * SIGKILL of a rank at each point where the others then wait in ddp_even (also of rank 0
   hosting the TCP store, and on three ranks): every survivor raises ddp_even's
-  ``PeerTimeoutError`` naming it as dead within ``timeout`` + 2 s, not gloo's error;
+  ``PeerTimeoutError`` naming it as dead within ``timeout`` + 2 s, not gloo's error; so does
+  a rank that makes its loader only after rank 0, the store's host, died;
 * SIGSTOP of a rank (also of rank 0 with the store frozen in its process, and at the last
   step) and a main thread holding the GIL: named as stalled, with what it was doing, within
   ``timeout`` + 2 s of its freezing; continued, it raises too (``late``);
@@ -63,6 +64,25 @@ def test_a_live_rank_that_pauses_anywhere_is_waited_for(shape: str, ddp: bool, f
     for rank, result in enumerate(results):
         assert isinstance(result, dict) and result["error"] is None, (rank, result)
         assert result["seen"] == expected_epochs(rank), (rank, result)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_makes_its_loader_after_the_store_host_died_names_it_dead() -> None:
+    # Its connections of its own to the store are made then: each gives up at once (the
+    # server's port refuses), where a clone of the job's store would retry for the store's
+    # timeout (30 minutes by default).
+    acts = (
+        Act("before_first_epoch", 0, "kill"),
+        Act("before_loader", 1, "await_fault", seconds=0.3),
+    )
+    results, faults = run_on_ranks(
+        Job(acts, timeout=TIMEOUT, ddp=True), 2, timeout=45, tcp_store=True
+    )
+    survivor = results[1]
+    assert isinstance(survivor, dict), survivor
+    assert survivor["error"] == "PeerTimeoutError", survivor
+    assert survivor["states"] == {0: "dead"}, survivor
+    assert survivor["at"] - faults[0, "before_first_epoch"] <= TIMEOUT + 2, survivor
 
 
 @pytest.mark.timeout(150)

@@ -25,8 +25,9 @@ Torch internals relied on (torch 2.13; each guarded, with a fallback where one e
 * ``ProcessGroup._get_backend(device)._set_default_timeout``: the group is created with a
   short timeout of ddp_even's own, then given the training group's (:func:`_create`; created
   with the training group's timeout when ``_set_default_timeout`` is missing);
-* ``torch._C._distributed_c10d``'s ``ProcessGroupGloo``, ``PrefixStore`` and ``TCPStore``
-  (here and in ``liveness.py``): the classes ``torch.distributed`` re-exports, imported from
+* ``torch._C._distributed_c10d``'s ``ProcessGroupGloo`` (here), ``PrefixStore`` and
+  ``TCPStore`` (``liveness/heartbeat.py``: a prefix store's ``underlying_store``, a TCP
+  store's ``host`` and ``port``): the classes ``torch.distributed`` re-exports, imported from
   where their type information is.
 
 ``tests/test_clean_exit.py`` fails first if any of them changes.

@@ -24,8 +24,9 @@ slow the thread; the thread's own clone of the store has a short timeout all the
 thread stops when the process group it beats into is destroyed (writing :data:`LEFT`) and at
 interpreter exit (writing :data:`EXITED`), from an ``atexit`` hook that joins it: a daemon
 thread coming back from a store call while the interpreter finalizes would abort the process.
-The job's store is torch's private ``distributed_c10d._get_default_store()`` (listed with
-the other torch internals in ``control_group.py``).
+The job's store is torch's private ``distributed_c10d._get_default_store()``, and its
+classes are imported from ``torch._C._distributed_c10d`` (listed with the other torch
+internals in ``control_group.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from ddp_even.process_group import group_is_up
 
@@ -64,6 +66,7 @@ __all__ = [
     "presence",
     "start_heartbeat",
     "stood_still_since",
+    "tcp_store_behind",
     "waiting",
 ]
 
@@ -174,16 +177,55 @@ def default_store() -> Any:
         return None
 
 
+# One clone at a time: each lends the job's store a short timeout for its connect.
+_clone_lock = threading.Lock()
+# The most a new connection to the store may take: milliseconds while its server answers;
+# one that fails returns after about twice this (torch tries once more).
+_CONNECT_S = 0.5
+
+
 def own_connection(store: Any, timeout_s: float) -> Any:
     """A connection of one's own to ``store`` whose calls give up after ``timeout_s``; the
-    job's own connection where the store type cannot be cloned."""
-    try:
-        connection = store.clone()
-        connection.set_timeout(datetime.timedelta(seconds=timeout_s))
-    except Exception:  # a store type without clone
-        logger.debug("the default store cannot be cloned; sharing the job's connection")
-        return store
+    job's own connection where the store type cannot be cloned.
+
+    Raises the connect's error when the store's server does not answer within
+    :data:`_CONNECT_S`: ``OSError`` (``ConnectionRefusedError`` once its process is gone) or
+    ``torch.distributed``'s ``DistNetworkError``. A clone connects with the timeout of the
+    store it is cloned from (30 minutes by default) and retries a server that is gone for that
+    long. ``PrefixStore`` does not say its prefix, so a client of one's own cannot be built
+    beside it: a plain TCP connect first finds the server listening (refused at once when its
+    process is gone), then the job's store lends a short timeout for the clone's connect.
+    """
+    connect_s = min(timeout_s, _CONNECT_S)
+    _connect_to_server(store, connect_s)
+    with _clone_lock:
+        previous = store.timeout
+        store.set_timeout(datetime.timedelta(seconds=connect_s))
+        try:
+            connection = store.clone()
+        except dist.DistNetworkError:
+            raise
+        except Exception:  # a store type without clone
+            logger.debug("the default store cannot be cloned; sharing the job's connection")
+            return store
+        finally:
+            store.set_timeout(previous)
+    connection.set_timeout(datetime.timedelta(seconds=timeout_s))
     return connection
+
+
+def tcp_store_behind(store: Any) -> TCPStore | None:
+    """The TCP store under ``store``'s prefixes; None for stores of other kinds."""
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return store if isinstance(store, TCPStore) else None
+
+
+def _connect_to_server(store: Any, timeout_s: float) -> None:
+    """One TCP connect to the server behind ``store`` (none for stores of other kinds)."""
+    tcp_store = tcp_store_behind(store)
+    if tcp_store is not None:
+        socket.create_connection((tcp_store.host, tcp_store.port), timeout=timeout_s).close()
 
 
 class _Beater(threading.Thread):
@@ -205,8 +247,15 @@ class _Beater(threading.Thread):
         self._since = time.monotonic()
         # This process's last standstill: (time.time() when it ended, its seconds).
         self.stood_still: tuple[float, float] | None = None
-        # Its own connection, with its own timeout: the job's store is shared.
-        self._store = own_connection(origin, _STORE_TIMEOUT_S)
+        # Its own connection, with its own timeout: the job's store is shared. None while
+        # the store's server does not answer; each beat tries again.
+        self._store: Any = None
+        with contextlib.suppress(Exception):
+            self._store = own_connection(origin, _STORE_TIMEOUT_S)
+
+    @property
+    def connected(self) -> bool:
+        return self._store is not None
 
     def beat(self, doing: str | None = None) -> None:
         """Write one heartbeat (``doing`` overrides what the main thread says)."""
@@ -225,7 +274,10 @@ class _Beater(threading.Thread):
             self._host,
         )
         try:
-            self._store.set(self._key, beat.encode())
+            if self._store is None:
+                self._store = own_connection(self.origin, _STORE_TIMEOUT_S)
+            if self._store is not None:
+                self._store.set(self._key, beat.encode())
         except Exception as error:  # a store gone or slow: the next beat tries again
             logger.debug("heartbeat not written: %r", error)
 
@@ -278,8 +330,10 @@ def start_heartbeat(timeout: float) -> None:
         if beater is not None:
             beater.stop(LEFT, _JOIN_AT_EXIT_S)  # a process group made again: beat into the new one
         beater = _beater = _Beater(store, dist.get_rank(), timeout)
-        # The first beat before this returns, so that every rank that reaches the others has one.
-        beater.beat()
+        # The first beat before this returns, so that every rank that reaches the others has
+        # one; a store that did not answer the connect is left to the thread's next beats.
+        if beater.connected:
+            beater.beat()
         beater.start()
         if not _stop_at_exit_registered:
             atexit.register(_stop_at_exit)

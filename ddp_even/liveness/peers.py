@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from torch._C._distributed_c10d import PrefixStore, TCPStore
-
 from ddp_even.liveness.heartbeat import (
     EXITED,
     INSIDE,
@@ -45,6 +43,7 @@ from ddp_even.liveness.heartbeat import (
     heartbeat_key,
     host_token,
     own_connection,
+    tcp_store_behind,
 )
 
 logger = logging.getLogger("ddp_even")
@@ -105,9 +104,8 @@ class Watch:
     def connect(self) -> None:
         """Open this watch's own connection to the store, with a short timeout of its own.
 
-        Done when the loader is made (:func:`watch_from_now`): a clone connects with the job's
-        store's timeout (30 minutes by default), so one made once the store's host is gone
-        would hang for that long instead of failing within a second.
+        First tried when the loader is made (:func:`watch_from_now`), then by each question
+        until the store's server answers; raises what :func:`own_connection` raises.
         """
         if self._store is None:
             self._store = own_connection(self.origin, _READ_TIMEOUT_S)
@@ -188,7 +186,10 @@ _watch: Watch | None = None
 def watch_from_now() -> None:
     """Connect the current process group's watch now, while the store's host is alive."""
     if default_store() is not None:
-        current_watch().connect()
+        try:
+            current_watch().connect()
+        except Exception as error:  # asked again by the first question, which records it
+            logger.debug("the job's store does not answer a new connection: %r", error)
 
 
 def current_watch() -> Watch:
@@ -295,10 +296,7 @@ def store_host() -> int | None:
     ``torch.multiprocessing.spawn``; torchrun's own agent hosts it when
     ``TORCHELASTIC_USE_AGENT_STORE`` says so; a file store has no host.
     """
-    store = default_store()
-    while isinstance(store, PrefixStore):
-        store = store.underlying_store
-    if not isinstance(store, TCPStore):
+    if tcp_store_behind(default_store()) is None:
         return None
     return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
 

@@ -15,6 +15,9 @@ epochs. The points (:data:`POINTS`):
 * ``inside_backward`` (with ``ddp`` only): in the third step, just before ``backward()``, so that
   the others wait for it in DDP's own all-reduce of the gradients.
 
+And ``before_loader`` (not among :data:`POINTS`): before the loader is made, for a rank whose
+set-up ends after another rank's fault (the ``await_fault`` action).
+
 Shapes: ``known`` (a sized sequence: one agreement per epoch, then checks of the sources every
 16 steps and after the last) and ``windows`` (a factory: an agreement before every step).
 """
@@ -52,7 +55,8 @@ class Act:
     victim: int
     # "pause" (sleeps ``seconds``), "kill" (SIGKILL to itself), "stop" (SIGSTOP to itself,
     # continued ``seconds`` later by a helper process) or "hold_gil" (one call into C that keeps
-    # the GIL for several seconds: no other thread of the process runs meanwhile).
+    # the GIL for several seconds: no other thread of the process runs meanwhile) or
+    # "await_fault" (waits until another rank's fault has begun, then ``seconds`` more).
     action: str
     seconds: float = 0.0
 
@@ -121,6 +125,10 @@ def act_now(act: Act, marks: Path) -> None:
         # A stopped process cannot continue itself: a helper in its process group does.
         subprocess.Popen(["sh", "-c", f"sleep {act.seconds}; kill -CONT {os.getpid()}"])
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif act.action == "await_fault":
+        while not any(mark.name != f"fault-{act.victim}-{act.point}" for mark in marks.iterdir()):
+            time.sleep(0.02)
+        time.sleep(act.seconds)
     elif act.action == "hold_gil":
         # A regular expression that backtracks 2**27 times: 5 to 20 s in C, the GIL held.
         re.match(r"(a+)+$", "a" * 27 + "b")
@@ -160,6 +168,7 @@ def run_job(rank: int, world_size: int, job: Job, marks: str, group: Any = None)
         source = one_pass
     sync_every = 1 if job.shape == "windows" else None
     step, model = _step_function(job.ddp, job.hook)
+    at("before_loader")
     loader: EvenLoader[Any] = EvenLoader(
         source,
         job.mode,  # type: ignore[arg-type]

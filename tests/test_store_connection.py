@@ -1,0 +1,68 @@
+"""ddp_even's own connections to the job's store (``liveness/heartbeat.own_connection``).
+
+Real TCP stores, no process group: a connection of one's own reads what the job's store
+holds under its prefixes, with its own short timeout, and leaves the job's store's timeout as
+it was; once the store's server process is gone, making one fails at once instead of
+retrying for the store's timeout (30 minutes by default).
+"""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from ddp_even.liveness.heartbeat import own_connection
+
+LONG = datetime.timedelta(minutes=30)
+
+
+def _prefixed(client: dist.Store) -> dist.Store:
+    # As init_process_group and torchrun wrap theirs.
+    return dist.PrefixStore("default_pg", dist.PrefixStore("rendezvous/0", client))
+
+
+def test_an_own_connection_reads_the_jobs_keys_with_its_own_timeout() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=LONG)
+    job_store = _prefixed(server)
+    job_store.set("ddp_even/heartbeat/0", "7")
+
+    connection = own_connection(job_store, 1.5)
+
+    assert connection is not job_store
+    assert connection.get("ddp_even/heartbeat/0") == b"7"
+    assert connection.timeout == datetime.timedelta(seconds=1.5)
+    assert job_store.timeout == LONG
+
+
+@pytest.mark.timeout(60)
+def test_no_connection_is_made_to_a_store_whose_server_is_gone() -> None:
+    hosting = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, datetime, torch.distributed as dist\n"
+            "store = dist.TCPStore('127.0.0.1', 0, 1, True, timeout=datetime.timedelta(seconds=60))\n"
+            "print(store.port, flush=True)\n"
+            "sys.stdin.read()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert hosting.stdout is not None
+    port = int(hosting.stdout.readline())
+    job_store = _prefixed(dist.TCPStore("127.0.0.1", port, 1, False, timeout=LONG))
+    hosting.kill()
+    hosting.wait()
+
+    began = time.monotonic()
+    with pytest.raises(ConnectionRefusedError):
+        own_connection(job_store, 5.0)
+
+    assert time.monotonic() - began < 1.0
+    assert job_store.timeout == LONG
