@@ -9,10 +9,14 @@ it makes of the store (gloo's rendezvous, ddp_even's heartbeats and waiting read
 rank, in turn:
 
 1. creates the process group (the time to ``init_process_group``);
-2. trains a one-parameter DDP model one epoch in each mode (truncate, cycle, pad, join) over
-   uneven in-memory shards (rank r: ``6 + r % 5`` batches): the steps each rank takes are
-   checked against the mode's definition; the first epoch's first batch includes ddp_even's
-   control group, created there (the time to the first step);
+2. creates ddp_even's control group (its time apart), then trains a one-parameter DDP model
+   one epoch in each mode (truncate, cycle, pad, join) over uneven in-memory shards (rank r:
+   ``6 + r % 5`` batches): the steps each rank takes are checked against the mode's
+   definition (the time to the first step);
+   and over one Parquet dataset of ``2 W + 3`` uneven row groups read by the pyarrow reader,
+   round robin and by equal row ranges, every mode, then a resume
+   (:mod:`benchmarks.scale_parquet`: each checked against the mode's definition, the resumed
+   epoch against the uninterrupted one);
 3. agreement cost per step: the time of each ``next()`` of an epoch of 200 steps with no
    compute, agreeing every step (``sync_every=1``) and with known lengths (a list), medians and
    99th percentiles, and each epoch's collectives;
@@ -20,7 +24,11 @@ rank, in turn:
    every rank waits in an agreement for one rank that pauses 3 s;
 5. a SIGKILL: the last rank kills itself just before its third ``backward()`` (the DDP model
    averaging through ``ddp_even.allreduce_hook``), and every survivor records when it raised
-   what: the time from the kill to the last survivor's error, against the loader's ``timeout``.
+   what: the time from the kill to the last survivor's error, against the loader's ``timeout``
+   (:mod:`benchmarks.scale_faults`).
+
+Then a second job of W ranks: the last rank SIGSTOPs itself in a loop agreeing every step,
+every survivor names it ``stalled``, the time from the stop to the last survivor's error.
 
 Peak resident memory per rank (``ru_maxrss``). Where W stops (memory, time) the run says so
 and what was measured before. On 2 cores every rank's process competes for them: times here
@@ -35,7 +43,6 @@ import json
 import multiprocessing
 import os
 import resource
-import signal
 import socket
 import statistics
 import sys
@@ -50,6 +57,8 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.report import write_results
+from benchmarks.scale_faults import fault_summary, kill_phase, stop_phase
+from benchmarks.scale_parquet import check_parquet, measure_parquet, write_dataset
 from ddp_even.names import ModeName
 
 MODES: tuple[ModeName, ...] = ("truncate", "cycle", "pad", "join")
@@ -147,7 +156,7 @@ def _epoch_times(loader: Any, step_s: float = 0.0) -> list[float]:
             time.sleep(step_s)
 
 
-def _rank_main(rank: int, world_size: int, port: int, workdir: str) -> None:
+def _rank_main(rank: int, world_size: int, port: int, workdir: str, phase: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -166,7 +175,10 @@ def _rank_main(rank: int, world_size: int, port: int, workdir: str) -> None:
         )  # fmt: skip
         result["group_s"] = time.perf_counter() - started
         dist.barrier()
-        _measure(rank, world_size, store, result, Path(workdir))
+        if phase == "stop":
+            result["fault"] = stop_phase(rank, world_size, Path(workdir), KILL_TIMEOUT_S)
+        else:
+            _measure(rank, world_size, store, result, Path(workdir))
     except BaseException as error:  # written down: the parent reads every rank's outcome
         result["error"] = f"{type(error).__name__}: {error}"[:500]
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -179,7 +191,8 @@ def _measure(rank: int, world_size: int, store: Any, result: dict[str, Any], her
     import torch
     import torch.distributed as dist
 
-    from ddp_even import EvenLoader, PeerTimeoutError, allreduce_hook
+    from ddp_even import EvenLoader
+    from ddp_even.agreement.control_group import control_group_for
 
     calls = collections.Counter[str]()
     real_all_reduce, real_all_gather = dist.all_reduce, dist.all_gather
@@ -195,7 +208,11 @@ def _measure(rank: int, world_size: int, store: Any, result: dict[str, Any], her
     dist.all_gather = counted("all_gather", real_all_gather)
     shard = [torch.full((4, 1), float(rank))] * shard_length(rank)
 
-    # 2. Every mode, one epoch each; the first includes the control group's creation.
+    # 2. ddp_even's control group (the first loader's first batch would create it), then every
+    # mode, one epoch each, in memory and over Parquet.
+    started = time.perf_counter()
+    control_group_for(None, TIMEOUT_S)
+    result["control_group_s"] = time.perf_counter() - started
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     steps = {}
     for mode in MODES:
@@ -211,6 +228,9 @@ def _measure(rank: int, world_size: int, store: Any, result: dict[str, Any], her
             count += 1
         steps[mode] = count
     result["steps"] = steps
+    result["parquet"] = measure_parquet(
+        here / "scale.parquet", lambda inputs: model(inputs).sum().backward(), [model], TIMEOUT_S
+    )
 
     # 3. The agreement's cost per step, and the collectives of an epoch.
     long_shard = [torch.zeros(1)] * (AGREEMENT_STEPS + rank % 3)
@@ -246,27 +266,11 @@ def _measure(rank: int, world_size: int, store: Any, result: dict[str, Any], her
         "waiting": requests_during(20, 0.0, paused=True),
     }
 
-    # 5. A SIGKILL just before the last rank's third backward().
-    victim = world_size - 1
-    hooked = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
-    hooked.register_comm_hook(None, allreduce_hook)
-    loader = EvenLoader(shard, "truncate", timeout=KILL_TIMEOUT_S)
-    dist.barrier()
-    try:
-        for step, batch in enumerate(loader):
-            loss = hooked(batch).sum()
-            if step == 2 and rank == victim:
-                (here / "killed_at").write_text(repr(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
-            loss.backward()
-        result["fault"] = {"error": None}
-    except PeerTimeoutError as error:
-        result["fault"] = {
-            "error": "PeerTimeoutError",
-            "at": time.time(),
-            "missing": list(error.missing_ranks),
-            "states": {str(key): value for key, value in error.states.items()},
-        }
+    # 5. A SIGKILL just before the last rank's third backward(); what the victim measured is
+    # written first.
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    (here / f"rank-{rank}.json").write_text(json.dumps(result))
+    result["fault"] = kill_phase(rank, world_size, shard, here, KILL_TIMEOUT_S)
 
 
 def _free_port() -> int:
@@ -276,14 +280,24 @@ def _free_port() -> int:
 
 
 def run_world(world_size: int) -> dict[str, Any]:
-    """One job of ``world_size`` ranks; what each rank measured, summed up."""
+    """The jobs of ``world_size`` ranks (measures and a SIGKILL, then a SIGSTOP), summed up."""
+    summary = _run_job(world_size, "main")
+    if "group_s" in summary:
+        stopped = _run_job(world_size, "stop")
+        summary["stop"] = stopped.get("fault") or {"named": False, "outcomes": stopped}
+    return summary
+
+
+def _run_job(world_size: int, phase: str) -> dict[str, Any]:
+    """One job of ``world_size`` ranks doing ``phase``; what each rank measured, summed up."""
     os.environ["OMP_NUM_THREADS"] = "1"
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as workdir:
+        write_dataset(Path(workdir), world_size)
         port = _free_port()
         started = time.perf_counter()
         ranks = [
-            context.Process(target=_rank_main, args=(rank, world_size, port, workdir))
+            context.Process(target=_rank_main, args=(rank, world_size, port, workdir, phase))
             for rank in range(world_size)
         ]
         for process in ranks:
@@ -299,9 +313,16 @@ def run_world(world_size: int) -> dict[str, Any]:
             json.loads(path.read_text())
             for path in sorted(Path(workdir).glob("rank-*.json"), key=lambda p: int(p.stem[5:]))
         ]
-        killed_at = Path(workdir, "killed_at")
-        kill_time = float(killed_at.read_text()) if killed_at.exists() else None
-        return summarize(world_size, results, hung, kill_time, time.perf_counter() - started)
+        fault_mark = Path(workdir, "fault_at")
+        fault_at = float(fault_mark.read_text()) if fault_mark.exists() else None
+        seconds = time.perf_counter() - started
+    if phase == "stop":
+        survivors = [result for result in results if result["rank"] != world_size - 1]
+        faults = [result["fault"] for result in survivors if "fault" in result]
+        if hung or len(faults) < world_size - 1:
+            return {"hung": hung, "errors": [result.get("error") for result in results]}
+        return {"fault": fault_summary(faults, world_size - 1, "stalled", fault_at)}
+    return summarize(world_size, results, hung, fault_at, seconds)
 
 
 def _expected_steps(world_size: int) -> dict[str, list[int]]:
@@ -331,14 +352,15 @@ def summarize(
         "hung": hung,
         "errors": errors,
     }
-    if errors or len(results) < world_size - 1:
+    if errors or len(results) < world_size:
         return summary
-    steps = {mode: [result["steps"][mode] for result in survivors] for mode in MODES}
     expected = _expected_steps(world_size)
     summary["modes_as_defined"] = all(
-        steps[mode] == [expected[mode][result["rank"]] for result in survivors] for mode in MODES
+        [result["steps"][mode] for result in results] == expected[mode] for mode in MODES
     )
+    summary["parquet_wrong"] = check_parquet(results, world_size)
     summary["group_s"] = max(result["group_s"] for result in survivors)
+    summary["control_group_s"] = max(result["control_group_s"] for result in survivors)
     summary["first_step_s"] = max(result["first_step_s"] for result in survivors)
     for name in ("every_step", "known"):
         summary[name] = {
@@ -347,15 +369,9 @@ def summarize(
             "collectives": results[0][name]["collectives"],
         }
     summary["store_requests_per_s"] = results[0]["store_requests_per_s"]
-    faults = [result["fault"] for result in survivors]
-    summary["fault_named"] = all(
-        fault["error"] == "PeerTimeoutError"
-        and fault["missing"] == [victim]
-        and fault["states"] == {str(victim): "dead"}
-        for fault in faults
+    summary["kill"] = fault_summary(
+        [result["fault"] for result in survivors], victim, "dead", kill_time
     )
-    if kill_time is not None and summary["fault_named"]:
-        summary["kill_to_last_error_s"] = max(fault["at"] for fault in faults) - kill_time
     summary["peak_rss_mib"] = max(result["peak_rss_mib"] for result in results)
     return summary
 
@@ -363,8 +379,9 @@ def summarize(
 def results_table(runs: list[dict[str, Any]]) -> Table:
     table = Table(title=f"ddp_even on W gloo ranks of one machine ({os.cpu_count()} CPUs)")
     for column in (
-        "W", "group s", "first step s", "modes", "K=1 median / p99", "known median / p99",
-        "collectives K=1 / known", "store req/s train / wait", "kill → last error",
+        "W", "group s", "control group s", "first step s", "modes", "Parquet, resume",
+        "K=1 median / p99", "known median / p99", "collectives K=1 / known",
+        "store req/s train / wait", "SIGKILL → last error", "SIGSTOP → last error",
         "peak RSS/rank", "job s",
     ):  # fmt: skip
         table.add_column(column, justify="right")
@@ -374,24 +391,31 @@ def results_table(runs: list[dict[str, Any]]) -> Table:
             continue
         every, known = run["every_step"], run["known"]
         rates = run["store_requests_per_s"]
-        kill = run.get("kill_to_last_error_s")
         table.add_row(
             str(run["world_size"]),
             f"{run['group_s']:.1f}",
+            f"{run['control_group_s']:.1f}",
             f"{run['first_step_s']:.1f}",
             "as defined" if run["modes_as_defined"] else "WRONG",
+            "as defined" if not run["parquet_wrong"] else "WRONG",
             f"{every['median_us']:.0f} / {every['p99_us']:.0f} us",
             f"{known['median_us']:.0f} / {known['p99_us']:.0f} us",
             f"{every['collectives']} / {known['collectives']}",
             f"{rates['training']:.0f} / {rates['waiting']:.0f}",
-            "not named" if kill is None else f"{kill:.1f} s",
+            _fault_cell(run["kill"]),
+            _fault_cell(run.get("stop", {"named": False})),
             f"{run['peak_rss_mib']:.0f} MiB",
             f"{run['seconds']:.0f}",
         )
     table.caption = (
-        f"known lengths: {AGREEMENT_STEPS} steps; kill: the loader's timeout {KILL_TIMEOUT_S:g} s"
+        f"known lengths: {AGREEMENT_STEPS} steps; faults: the loader's timeout {KILL_TIMEOUT_S:g} s"
     )
     return table
+
+
+def _fault_cell(fault: dict[str, Any]) -> str:
+    seconds = fault.get("to_last_error_s")
+    return "not named" if seconds is None else f"{seconds:.1f} s"
 
 
 @click.command()

@@ -410,7 +410,8 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             self._current_run = run
             self._handed_out.epoch_started()
             if start.step is not None:
-                run.resume_after(start.step, start.skipped)
+                out_of_order = None if self._passes is None else self._passes.why_not_in_plan_order
+                run.resume_after(start.step, start.skipped, out_of_order)
             yield from run_epoch(run, self._joinables)
         finally:
             self._handed_out.epoch_ended()

@@ -46,7 +46,8 @@ def test_no_connection_is_made_to_a_store_whose_server_is_gone() -> None:
             sys.executable,
             "-c",
             "import sys, datetime, torch.distributed as dist\n"
-            "store = dist.TCPStore('127.0.0.1', 0, 1, True, timeout=datetime.timedelta(seconds=60))\n"
+            "timeout = datetime.timedelta(seconds=60)\n"
+            "store = dist.TCPStore('127.0.0.1', 0, 1, True, timeout=timeout)\n"
             "print(store.port, flush=True)\n"
             "sys.stdin.read()\n",
         ],

@@ -562,6 +562,56 @@ def test_resuming_a_reader_that_cannot_replay_warns_once_on_rank_0_with_the_reci
     assert [len(rank["rest"]) for rank in defaults + seeded] == [2, 2, 2, 2]
 
 
+def _resume_from_parquet(
+    rank: int, world_size: int, url: str, engine: str, seeded: bool
+) -> dict[str, Any]:
+    """``from_parquet`` stopped after 2 steps and resumed by a new loader: with the readers'
+    defaults (row groups shuffled without a seed) or a seed; and an uninterrupted epoch."""
+    from ddp_even import EvenLoader
+    from tests.helpers.logs import ddp_even_messages
+
+    warnings = ddp_even_messages(logging.WARNING)
+
+    def loader() -> EvenLoader[Any]:
+        return EvenLoader.from_parquet(
+            url, 2, "truncate", engine=engine,  # type: ignore[arg-type]
+            reader_kwargs={"seed": 7} if seeded else None,
+        )  # fmt: skip
+
+    uninterrupted = [_ids(batch) for batch in loader()]
+    stopped, before = loader(), []
+    for batch in stopped:
+        before.append(_ids(batch))
+        if len(before) == 2:
+            state = stopped.state_dict()
+            break
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = [_ids(batch) for batch in resumed]
+    return {"warnings": warnings, "epoch": before + rest, "uninterrupted": uninterrupted}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.multirank
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_planned_reader_shuffling_without_a_seed_warns_on_resume_and_a_seeded_one_is_exact(
+    tmp_path: Path, engine: str
+) -> None:
+    url = write_plain_dataset(tmp_path / "data", [[4, 4, 4, 4, 4, 4, 4, 4]])
+    defaults = run_ranks(_resume_from_parquet, 2, url, engine, False, timeout=200)
+    seeded = run_ranks(_resume_from_parquet, 2, url, engine, True, timeout=200)
+    replay_warnings = [
+        [message for message in rank["warnings"] if "is not the interrupted run's" in message]
+        for rank in defaults
+    ]
+    assert len(replay_warnings[0]) == 1 and replay_warnings[1] == [], replay_warnings
+    assert "without a seed" in replay_warnings[0][0]
+    assert "reader_kwargs={'seed': 7}" in replay_warnings[0][0]
+    for rank in seeded:
+        assert not [m for m in rank["warnings"] if "is not the interrupted run's" in m]
+        assert rank["epoch"] == rank["uninterrupted"]
+
+
 # --- a predicate's cached counts, in a new job after an edit --------------------------------
 
 # The user's module, as each reader takes a predicate.

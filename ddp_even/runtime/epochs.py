@@ -130,7 +130,12 @@ class EpochRun(Generic[BatchT]):
             )
         )
 
-    def resume_after(self, saved_step: int, skipped: Sequence[int | None] = ()) -> None:
+    def resume_after(
+        self,
+        saved_step: int,
+        skipped: Sequence[int | None] = (),
+        out_of_order: str | None = None,
+    ) -> None:
         """Continue this epoch after the step a loader state was saved at.
 
         Every rank first agrees on the step (one agreement under a key of its own): in
@@ -139,7 +144,8 @@ class EpochRun(Generic[BatchT]):
         batches it handed out before that step (all of its shard if it ran out), so that the
         epoch's statistics are the uninterrupted run's: ``skipped`` gives the rows of those its
         source already starts after (a planned reader started at the saved position), the
-        rest are read again.
+        rest are read again; where the source or ``out_of_order`` (a planned reader's) says
+        that a pass may read them in another order, rank 0 warns.
         """
         report = dataclasses.replace(
             self.report(saved_step, saved_step, shard_is_empty=False),
@@ -157,13 +163,16 @@ class EpochRun(Generic[BatchT]):
             )
         for rows in skipped:
             self.counts.count_batch(1, rows)
-        unrepeatable = self.feed.first_pass_unrepeatable() if len(skipped) < step else None
+        unrepeatable = (
+            (self.feed.first_pass_unrepeatable() or out_of_order) if len(skipped) < step else None
+        )
         if unrepeatable is not None and self.agreer.rank == 0:
             logger.warning(
                 "ddp_even: epoch %d resumes by reading again what was handed out before step %d, "
                 "but %s: the rest of the epoch is not the interrupted run's. For an exact "
                 "resume, read with a seed: EvenLoader.from_parquet(..., reader_kwargs={'seed': "
-                "7}), or shuffle_row_groups=False and workers_count=1 (docs/resume.md)",
+                "7}), or shuffle_row_groups=False (and workers_count=1 with petastorm) "
+                "(docs/resume.md)",
                 self.epoch,
                 step,
                 unrepeatable,
