@@ -276,8 +276,7 @@ class _Beater(threading.Thread):
         try:
             if self._store is None:
                 self._store = own_connection(self.origin, _STORE_TIMEOUT_S)
-            if self._store is not None:
-                self._store.set(self._key, beat.encode())
+            self._store.set(self._key, beat.encode())
         except Exception as error:  # a store gone or slow: the next beat tries again
             logger.debug("heartbeat not written: %r", error)
 
