@@ -3,7 +3,8 @@
 Real TCP stores, no process group: a connection of one's own reads what the job's store
 holds under its prefixes, with its own short timeout, and leaves the job's store's timeout as
 it was; once the store's server process is gone, making one fails at once instead of
-retrying for the store's timeout (30 minutes by default).
+retrying for the store's timeout (30 minutes by default), and a connection the server's death
+broke is dropped (the next use connects again, and is refused).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ddp_even.liveness.heartbeat import own_connection
+from ddp_even.liveness.heartbeat import _Beater, own_connection
+from ddp_even.liveness.peers import Watch, connection_lost
 
 LONG = datetime.timedelta(minutes=30)
 
@@ -39,31 +41,66 @@ def test_an_own_connection_reads_the_jobs_keys_with_its_own_timeout() -> None:
     assert job_store.timeout == LONG
 
 
+class HostedStore:
+    """A TCP store served by a process of its own, which the test can kill."""
+
+    def __init__(self) -> None:
+        self._process = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys, datetime, torch.distributed as dist\n"
+                "timeout = datetime.timedelta(seconds=60)\n"
+                "store = dist.TCPStore('127.0.0.1', 0, 1, True, timeout=timeout)\n"
+                "print(store.port, flush=True)\n"
+                "sys.stdin.read()\n",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._process.stdout is not None
+        port = int(self._process.stdout.readline())
+        self.job_store = _prefixed(dist.TCPStore("127.0.0.1", port, 1, False, timeout=LONG))
+
+    def kill(self) -> None:
+        self._process.kill()
+        self._process.wait()
+
+
 @pytest.mark.timeout(60)
 def test_no_connection_is_made_to_a_store_whose_server_is_gone() -> None:
-    hosting = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, datetime, torch.distributed as dist\n"
-            "timeout = datetime.timedelta(seconds=60)\n"
-            "store = dist.TCPStore('127.0.0.1', 0, 1, True, timeout=timeout)\n"
-            "print(store.port, flush=True)\n"
-            "sys.stdin.read()\n",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert hosting.stdout is not None
-    port = int(hosting.stdout.readline())
-    job_store = _prefixed(dist.TCPStore("127.0.0.1", port, 1, False, timeout=LONG))
-    hosting.kill()
-    hosting.wait()
+    hosted = HostedStore()
+    hosted.kill()
 
     began = time.monotonic()
     with pytest.raises(ConnectionRefusedError):
-        own_connection(job_store, 5.0)
+        own_connection(hosted.job_store, 5.0)
 
     assert time.monotonic() - began < 1.0
-    assert job_store.timeout == LONG
+    assert hosted.job_store.timeout == LONG
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_the_servers_death_broke_is_dropped_and_the_death_named(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # A rank that outlives its job (a SIGSTOPped one woken after the others left) would
+    # otherwise send each heartbeat and each look at its peers on the broken connection, and
+    # torch logs every such send with its stack.
+    hosted = HostedStore()
+    beater = _Beater(hosted.job_store, 1, 10.0)
+    watch = Watch(hosted.job_store)
+    beater.beat()
+    assert watch.look([1]) is not None
+    hosted.kill()
+
+    for _ in range(5):
+        beater.beat()
+        assert watch.look([1]) is None
+
+    assert isinstance(watch.store_error, ConnectionRefusedError)
+    assert connection_lost(str(watch.store_error))
+    logged = capfd.readouterr().err
+    # At most one failed request per connection (the heartbeat's, the watch's).
+    assert logged.count("TCPStore.cpp") <= 2, logged

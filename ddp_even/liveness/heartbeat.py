@@ -59,6 +59,7 @@ __all__ = [
     "WAITING",
     "Beat",
     "beat_interval",
+    "connection_broken",
     "default_store",
     "heartbeat_key",
     "loader_timeout",
@@ -214,6 +215,13 @@ def own_connection(store: Any, timeout_s: float) -> Any:
     return connection
 
 
+def connection_broken(error: BaseException) -> bool:
+    """Whether ``error`` ended a connection to the store: it is dropped, and the next use
+    connects again (torch logs every request sent on a broken connection, with its stack;
+    a refused connect logs nothing)."""
+    return isinstance(error, (OSError, dist.DistNetworkError))
+
+
 def tcp_store_behind(store: Any) -> TCPStore | None:
     """The TCP store under ``store``'s prefixes; None for stores of other kinds."""
     while isinstance(store, PrefixStore):
@@ -279,6 +287,8 @@ class _Beater(threading.Thread):
             self._store.set(self._key, beat.encode())
         except Exception as error:  # a store gone or slow: the next beat tries again
             logger.debug("heartbeat not written: %r", error)
+            if connection_broken(error):
+                self._store = None
 
     def run(self) -> None:
         while True:

@@ -39,6 +39,7 @@ from ddp_even.liveness.heartbeat import (
     OUTSIDE,
     WAITING,
     Beat,
+    connection_broken,
     default_store,
     heartbeat_key,
     host_token,
@@ -142,8 +143,13 @@ class Watch:
             self._unanswered = thread
             errors.append(TimeoutError(f"the job's store did not answer in {_READ_TIMEOUT_S:g} s"))
         if errors:
+            if connection_broken(errors[0]):
+                self._store = None
             if self.store_failing_since is None:
-                self.store_failing_since, self.store_error = time.monotonic(), errors[0]
+                self.store_failing_since = time.monotonic()
+            # The latest: once a broken connection is dropped, a refused connect says the
+            # server's process is gone, where the first error may only say the answer was cut.
+            self.store_error = errors[0]
             raise errors[0]
         self.store_failing_since = self.store_error = None
         return answers[0]
