@@ -93,7 +93,7 @@ def _shardings_worker(rank: int, world_size: int, url: str, cache: str) -> dict[
                 url,
                 BATCH,
                 mode,
-                sharding=sharding,  # type: ignore[arg-type]
+                sharding=sharding,
                 joinables=[joined] if mode == "join" else (),
                 engine="arrow",
                 reader_kwargs={"seed": 3, "shuffle_rows": True},
@@ -215,6 +215,35 @@ def test_seeded_shuffles_repeat_within_an_epoch_and_change_between_epochs(url: s
 
     assert order(0) == order(0) and sorted(order(0)) == list(range(TOTAL))
     assert order(1) != order(0) and sorted(order(1)) == list(range(TOTAL))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("sharding", ["round_robin", "rows"])
+def test_each_rows_columns_stay_together_whatever_threads_read_them(
+    url: str, threads: int, sharding: str
+) -> None:
+    # A row group's columns are read in parts, one per thread: each part must keep the same
+    # rows in the same order, also where the predicate drops rows and the shuffle is unseeded.
+    per_rank = []
+    for rank in range(2):
+        _, factory = make_shard_factory(
+            url,
+            rank,
+            2,
+            BATCH,
+            sharding=sharding,
+            predicate=KEEP,
+            reader_kwargs={"shuffle_rows": True, "shuffle_row_groups": True},
+            loader_kwargs={"threads": threads, "prefetch": 2},
+        )
+        with factory() as reading:
+            batches = list(reading)
+        ids = torch.cat([batch["id"] for batch in batches])
+        assert torch.equal(torch.cat([batch["label"] for batch in batches]), ids % 3)
+        assert torch.equal(torch.cat([batch["value"] for batch in batches]), ids * 0.5)
+        assert [list(batch) for batch in batches] == [["id", "value", "label"]] * len(batches)
+        per_rank.append(ids.tolist())
+    assert sorted(per_rank[0] + per_rank[1]) == [i for i in range(TOTAL) if i % 3 != 2]
 
 
 def test_batches_are_tensors_of_the_columns_asked_for(url: str) -> None:

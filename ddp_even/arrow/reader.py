@@ -1,15 +1,20 @@
 """One pass over a rank's planned rows, read with pyarrow: row groups read ahead, batches out.
 
-A thread reads the pass's row groups in the order given (:func:`~ddp_even.planning.pass_order.
-pass_rows`), each whole and once: the predicate applied (:func:`~ddp_even.parquet.predicates.
-kept_mask`, what was counted before planning), the kept rows checked against the plan's count
+A thread walks the pass's row groups in the order given (:func:`~ddp_even.planning.pass_order.
+pass_rows`), each whole and once. For each it first decides which rows the pass keeps: the
+predicate applied (:func:`~ddp_even.parquet.predicates.kept_mask`, what was counted before
+planning), the kept rows checked against the plan's count
 (:class:`~ddp_even.errors.RowCountMismatchError` otherwise), permuted by the epoch's seed when
 rows are shuffled (the same permutation on every rank, before the plan's ranges are cut, as
-petastorm's planned readers do), cut to the rank's ranges, and converted to tensors once
-(:mod:`ddp_even.arrow.columns`). At most ``prefetch`` row groups wait in the queue, so reading
+petastorm's planned readers do), cut to the rank's ranges. Its columns are then read in parts,
+one per reading thread, each keeping those rows, and converted to tensors once
+(:mod:`ddp_even.arrow.columns`). At most ``prefetch`` row groups are in flight, so reading
 overlaps the training step and memory stays bounded. The pass hands out batches of
 ``batch_size`` rows (views where a batch lies in one row group), the last one short, as
-petastorm's ``BatchedDataLoader`` does.
+petastorm's ``BatchedDataLoader`` does. They are cut as the loop asks for them, a few at a time:
+cut ahead, a row group's hundreds of views per column would outlive Python's young
+collections, and the full collections they bring (each over every object torch holds) would
+cost more than cutting them (``benchmarks/bench_arrow.py``).
 
 Closing the pass (the end, a ``break``, an exception, an epoch let go of) stops the thread.
 """
@@ -26,8 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from ddp_even.arrow.columns import Columns, concatenated, sliced, to_columns
 from ddp_even.errors import RowCountMismatchError
@@ -41,9 +48,13 @@ __all__ = ["ArrowPass", "PassRows", "source_for"]
 
 logger = logging.getLogger("ddp_even")
 
-# How long the reading thread waits to put a row group's batches in a full queue before it
-# looks again whether the pass was closed.
+# How long the reading thread waits to put a row group in a full queue before it looks again
+# whether the pass was closed.
 _PUT_WAIT_S = 0.1
+# Batches cut at once: few enough that they are handed out before Python's next young
+# collection (about 700 new objects; a batch is 1 + one per column), enough that each
+# column's cut is one call for many batches.
+_CUT_AT_ONCE = 32
 
 
 @dataclass(frozen=True)
@@ -72,14 +83,17 @@ class ArrowPass:
         self._pin_memory = pin_memory
         self._prefetch = prefetch
         self._threads = threads
-        # Each item: the batches one row group completes (the thread cuts them), the pass's
-        # end (None), or what the thread raised. One waits while the last is handed out.
-        self._queue: queue.Queue[list[Columns] | BaseException | None] = queue.Queue(1)
+        # Each item: one row group's kept rows (columns, and how many), the pass's end (None),
+        # or what the thread raised. One waits while the last is cut into batches.
+        self._queue: queue.Queue[tuple[Columns, int] | BaseException | None] = queue.Queue(1)
         self._closed = threading.Event()
+        self._cutter = _BatchCutter(batch_size)
+        # The batches of the row group being handed out, a few at a time, and those cut.
+        self._cuts: Iterator[list[Columns]] = iter(())
         self._ready: list[Columns] = []
         self._done = False
         self._thread = threading.Thread(
-            target=self._read, args=(reading, batch_size), name="ddp_even-arrow-reader", daemon=True
+            target=self._read, args=(reading,), name="ddp_even-arrow-reader", daemon=True
         )
         self._thread.start()
 
@@ -94,6 +108,11 @@ class ArrowPass:
 
     def __next__(self) -> Columns:
         while not self._ready:
+            cut = next(self._cuts, None)
+            if cut is not None:
+                cut.reverse()  # handed out from the end: pop() is O(1)
+                self._ready = cut
+                continue
             if self._done:
                 raise StopIteration
             item = self._queue.get()
@@ -101,9 +120,9 @@ class ArrowPass:
                 self._done = True
                 if item is not None:
                     raise item
+                self._cuts = iter(self._cutter.rest())
                 continue
-            item.reverse()  # handed out from the end: pop() is O(1)
-            self._ready = item
+            self._cuts = self._cutter.batches(*item)
         batch = self._ready.pop()
         if self._pin_memory:
             batch = {name: _pinned(values) for name, values in batch.items()}
@@ -118,36 +137,36 @@ class ArrowPass:
             except queue.Empty:
                 break
         self._thread.join(timeout=5)
-        self._ready = []
+        self._cuts, self._ready = iter(()), []
 
-    def _read(self, reading: PassRows, batch_size: int) -> None:
+    def _read(self, reading: PassRows) -> None:
         try:
-            cutter = _BatchCutter(batch_size)
             footers = _Footers(reading)
             with ThreadPoolExecutor(self._threads, thread_name_prefix="ddp_even-arrow") as pool:
-                # Row groups read and converted in parallel, ``prefetch`` at most in flight,
-                # cut into batches here in order.
-                in_flight: deque[Future[tuple[Columns, int]]] = deque()
+                # ``prefetch`` row groups at most in flight, queued in order.
+                in_flight: deque[_RowGroupRead] = deque()
                 groups = iter(_by_row_group(reading.rows))
                 while True:
                     while len(in_flight) < self._prefetch and not self._closed.is_set():
                         group_ranges = next(groups, None)
                         if group_ranges is None:
                             break
-                        in_flight.append(pool.submit(_read_row_group, footers, *group_ranges))
+                        in_flight.append(
+                            _RowGroupRead.submit(pool, footers, *group_ranges, self._threads)
+                        )
                     if not in_flight or self._closed.is_set():
                         break
-                    columns, rows = in_flight.popleft().result()
-                    if not self._put(cutter.batches(columns, rows)):
+                    read = in_flight.popleft()
+                    if not self._put((read.columns(), read.rows)):
                         break
-                for future in in_flight:
-                    future.cancel()
-            if not self._closed.is_set() and self._put(cutter.rest()):
+                for read in in_flight:
+                    read.cancel()
+            if not self._closed.is_set():
                 self._put(None)
         except BaseException as error:  # any failure reaches the consumer, which raises it
             self._put(error)
 
-    def _put(self, item: list[Columns] | BaseException | None) -> bool:
+    def _put(self, item: tuple[Columns, int] | BaseException | None) -> bool:
         """Queue ``item`` unless the pass was closed meanwhile (then False)."""
         while not self._closed.is_set():
             try:
@@ -159,52 +178,49 @@ class ArrowPass:
 
 
 class _BatchCutter:
-    """Cuts row groups' columns into batches of ``batch_size`` rows, carrying the rows of a
-    batch that a row group leaves unfinished into the next."""
+    """Cuts row groups' columns into batches of ``batch_size`` rows, a few at a time, carrying
+    the rows of a batch that a row group leaves unfinished into the next."""
 
     def __init__(self, batch_size: int) -> None:
         self._batch_size = batch_size
         self._carried: list[Columns] = []
         self._carried_rows = 0
 
-    def batches(self, columns: Columns, rows: int) -> list[Columns]:
-        """The batches these ``rows`` rows complete (after those carried over)."""
-        done: list[Columns] = []
+    def batches(self, columns: Columns, rows: int) -> Iterator[list[Columns]]:
+        """The batches these ``rows`` rows complete (after those carried over), in lists of
+        at most :data:`_CUT_AT_ONCE`."""
         start = 0
         if self._carried:
             start = min(self._batch_size - self._carried_rows, rows)
             self._carried.append(sliced(columns, 0, start))
             self._carried_rows += start
             if self._carried_rows < self._batch_size:
-                return done
-            done.append(concatenated(self._carried))
+                return
+            yield [concatenated(self._carried)]
             self._carried, self._carried_rows = [], 0
-        whole = (rows - start) // self._batch_size
-        stop = start + whole * self._batch_size
-        if whole:
-            # One split per column: views, cut in C++ rather than one slice at a time.
-            split = {
-                name: _split(values, start, stop, self._batch_size)
-                for name, values in columns.items()
-            }
-            done.extend(
-                {name: parts[index] for name, parts in split.items()} for index in range(whole)
+        whole_stop = start + (rows - start) // self._batch_size * self._batch_size
+        for cut_start in range(start, whole_stop, _CUT_AT_ONCE * self._batch_size):
+            cut_stop = min(cut_start + _CUT_AT_ONCE * self._batch_size, whole_stop)
+            split = (
+                _split(values, cut_start, cut_stop, self._batch_size) for values in columns.values()
             )
-        if stop < rows:
-            self._carried = [sliced(columns, stop, rows)]
-            self._carried_rows = rows - stop
-        return done
+            yield [dict(zip(columns, batch, strict=True)) for batch in zip(*split, strict=True)]
+        if whole_stop < rows:
+            self._carried = [sliced(columns, whole_stop, rows)]
+            self._carried_rows = rows - whole_stop
 
-    def rest(self) -> list[Columns]:
+    def rest(self) -> list[list[Columns]]:
         """The pass's short last batch, if any."""
-        rest = [concatenated(self._carried)] if self._carried else []
+        rest = [[concatenated(self._carried)]] if self._carried else []
         self._carried, self._carried_rows = [], 0
         return rest
 
 
 def _split(values: Any, start: int, stop: int, size: int) -> Sequence[Any]:
-    if hasattr(values, "split"):
-        parts: Sequence[Any] = values[start:stop].split(size)
+    """Rows ``start`` to ``stop`` (a multiple of ``size`` apart) in parts of ``size``."""
+    if isinstance(values, torch.Tensor):
+        # Views, made in C++ in one call rather than one slice at a time.
+        parts: Sequence[Any] = values[start:stop].view(-1, size, *values.shape[1:]).unbind()
         return parts
     return [values[offset : offset + size] for offset in range(start, stop, size)]
 
@@ -243,58 +259,144 @@ class _Footers:
                 self._footers[file_index] = parquet_file.metadata
         return parquet_file, source
 
+    def columns(self, file_index: int) -> list[str]:
+        """The columns the pass hands out from this file: those asked for, or all of them."""
+        if self.reading.columns is not None:
+            return list(self.reading.columns)
+        parquet_file, source = self.open(file_index)
+        source.close()
+        return list(parquet_file.schema_arrow.names)
 
-def _read_row_group(
-    footers: _Footers, group: int, ranges: list[tuple[int, int]]
-) -> tuple[Columns, int]:
-    """Row group ``group``'s kept rows as columns of tensors, and how many."""
+
+@dataclass(frozen=True)
+class _Selection:
+    """The rows of one row group a pass keeps, in its order: decided once, applied to each
+    part of the row group's columns alike."""
+
+    # The predicate's verdict on each row (None: every row).
+    kept: pa.Array | None
+    # The order of the kept rows before the ranges are cut (None: as stored).
+    seeded_order: npt.NDArray[np.int64] | None
+    ranges: list[tuple[int, int]]
+    kept_rows: int
+    # The order of the rows the ranges keep (None: as cut).
+    unseeded_order: npt.NDArray[np.int64] | None
+
+    @property
+    def rows(self) -> int:
+        return sum(stop - start for start, stop in self.ranges)
+
+    def applied(self, table: pa.Table) -> pa.Table:
+        if self.kept is not None:
+            table = table.filter(self.kept)
+        if self.seeded_order is not None:
+            table = table.take(self.seeded_order)
+        if self.ranges != [(0, self.kept_rows)]:
+            table = pa.concat_tables(
+                [table.slice(start, stop - start) for start, stop in self.ranges]
+            )
+        if self.unseeded_order is not None:
+            table = table.take(self.unseeded_order)
+        return table
+
+
+def _selection(footers: _Footers, group: int, ranges: list[tuple[int, int]]) -> _Selection:
+    """Row group ``group``'s rows this pass keeps: filtered, checked, shuffled, cut."""
     reading = footers.reading
-    parquet_file, source = footers.open(int(reading.row_groups.file_of[group]))
+    row_groups = reading.row_groups
+    parquet_file, source = footers.open(int(row_groups.file_of[group]))
+    index_in_file = int(row_groups.index_in_file[group])
     try:
-        table = _kept_rows(parquet_file, reading, group, ranges)
+        kept = None
+        if reading.predicate is not None:
+            # Decoded in this thread alone, as the columns (see _read_columns).
+            fields = parquet_file.read_row_group(
+                index_in_file, columns=list(reading.predicate_fields), use_threads=False
+            )
+            kept = pa.array(kept_mask(reading.predicate, fields))
+            kept_rows = kept.true_count
+        else:
+            kept_rows = parquet_file.metadata.row_group(index_in_file).num_rows
     finally:
         source.close()
-    return to_columns(table), table.num_rows
-
-
-def _kept_rows(
-    parquet_file: pq.ParquetFile, reading: PassRows, group: int, ranges: list[tuple[int, int]]
-) -> pa.Table:
-    """Row group ``group``'s rows this pass keeps: filtered, checked, shuffled, cut, selected."""
-    row_groups = reading.row_groups
-    wanted = None
-    if reading.columns is not None:
-        wanted = list(dict.fromkeys([*reading.columns, *reading.predicate_fields]))
-    # Decoded in this thread alone: the pass's threads read row groups side by side, also
-    # where OMP_NUM_THREADS=1 (torchrun's default) leaves pyarrow's own pool one thread.
-    table = parquet_file.read_row_group(
-        int(row_groups.index_in_file[group]), columns=wanted, use_threads=False
-    )
-    if reading.predicate is not None:
-        table = table.filter(
-            pa.array(kept_mask(reading.predicate, table.select(reading.predicate_fields)))
-        )
     expected = int(row_groups.num_rows[group])
-    if table.num_rows != expected:
+    if kept_rows != expected:
         raise RowCountMismatchError(
             f"row group {group} ({row_groups.files[int(row_groups.file_of[group])]} "
-            f"#{int(row_groups.index_in_file[group])}) yielded {table.num_rows} rows, the shard "
-            f"plan counted {expected}: the dataset changed since it was planned, or the row "
-            "predicate is not deterministic. Plan again (a new EvenLoader.from_parquet)"
+            f"#{index_in_file}) yielded {kept_rows} rows, the shard plan counted {expected}: "
+            "the dataset changed since it was planned, or the row predicate is not "
+            "deterministic. Plan again (a new EvenLoader.from_parquet)"
         )
+    seeded_order = unseeded_order = None
     if reading.shuffle_rows and reading.row_seed is not None:
         # The same permutation on every rank, before the ranges are cut: ranks sharing a row
         # group keep disjoint rows, and a resume can start at a row offset.
-        key = [reading.row_seed, group, 0]
-        table = table.take(np.random.default_rng(key).permutation(table.num_rows))
-    if ranges != [(0, expected)]:
-        table = pa.concat_tables([table.slice(start, stop - start) for start, stop in ranges])
+        seeded_order = np.random.default_rng([reading.row_seed, group, 0]).permutation(expected)
     if reading.shuffle_rows and reading.row_seed is None:
         # Unseeded: only after the cut, or ranks sharing a row group would overlap.
-        table = table.take(np.random.default_rng().permutation(table.num_rows))
-    if reading.columns is not None:
-        table = table.select(list(reading.columns))
-    return table
+        cut_rows = sum(stop - start for start, stop in ranges)
+        unseeded_order = np.random.default_rng().permutation(cut_rows)
+    return _Selection(kept, seeded_order, ranges, expected, unseeded_order)
+
+
+@dataclass(frozen=True)
+class _RowGroupRead:
+    """One row group being read: which rows it keeps is decided when it is submitted, its
+    columns are read in parts side by side (so that a pass's first and last row groups, too,
+    keep every thread busy)."""
+
+    rows: int
+    names: list[str]
+    parts: list[Future[Columns]]
+
+    @classmethod
+    def submit(
+        cls,
+        pool: ThreadPoolExecutor,
+        footers: _Footers,
+        group: int,
+        ranges: list[tuple[int, int]],
+        threads: int,
+    ) -> _RowGroupRead:
+        selection = _selection(footers, group, ranges)
+        names = footers.columns(int(footers.reading.row_groups.file_of[group]))
+        parts = [
+            pool.submit(_read_columns, footers, group, part, selection)
+            for part in _column_parts(names, threads)
+        ]
+        return cls(selection.rows, names, parts)
+
+    def columns(self) -> Columns:
+        """Its columns, in the pass's order, once every part is read."""
+        read = {name: values for part in self.parts for name, values in part.result().items()}
+        return {name: read[name] for name in self.names}
+
+    def cancel(self) -> None:
+        for part in self.parts:
+            part.cancel()
+
+
+def _column_parts(names: list[str], threads: int) -> list[list[str]]:
+    """``names`` in as many parts as threads read them (no more than one column each)."""
+    count = max(1, min(threads, len(names)))
+    return [names[index::count] for index in range(count)]
+
+
+def _read_columns(
+    footers: _Footers, group: int, names: list[str], selection: _Selection
+) -> Columns:
+    """Columns ``names`` of row group ``group``, the rows ``selection`` keeps, as tensors."""
+    reading = footers.reading
+    parquet_file, source = footers.open(int(reading.row_groups.file_of[group]))
+    try:
+        # Decoded in this thread alone: the pass's threads read parts side by side, also
+        # where OMP_NUM_THREADS=1 (torchrun's default) leaves pyarrow's own pool one thread.
+        table = parquet_file.read_row_group(
+            int(reading.row_groups.index_in_file[group]), columns=names, use_threads=False
+        )
+    finally:
+        source.close()
+    return to_columns(selection.applied(table))
 
 
 def _pinned(values: Any) -> Any:
