@@ -11,10 +11,10 @@ Reader options (``reader_kwargs``): ``schema_fields`` (the columns to read, by n
 ``shuffle_row_groups`` (on by default, as petastorm's), ``shuffle_rows``, ``predicate`` (a
 ``pyarrow.compute`` expression, or a petastorm-style predicate called on a pandas frame of its
 columns), ``storage_options``, ``filesystem``. Loader options (``loader_kwargs``):
-``threads`` (row groups read side by side, 2 by default), ``prefetch`` (row groups in flight,
-read or waiting, 4 by default: with the batches of one being handed out, what a pass holds) and
-``pin_memory`` (batches in pinned memory, for a GPU). An option only petastorm has is refused
-in one line that says so.
+``threads`` (threads reading each row group's columns in parts, 2 by default), ``prefetch``
+(row groups in flight, read or waiting, 4 by default: with the batches of one being handed out,
+what a pass holds) and ``pin_memory`` (batches in pinned memory, for a GPU). An option only
+petastorm has is refused in one line that says so.
 """
 
 from __future__ import annotations
