@@ -129,6 +129,7 @@ class Watch:
             raise TimeoutError("the job's store has not answered an earlier question yet")
         answers: list[_Answer] = []
         errors: list[Exception] = []
+        asked_at = time.monotonic()
 
         def ask_now() -> None:
             try:
@@ -146,10 +147,12 @@ class Watch:
             if connection_broken(errors[0]):
                 self._store = None
             if self.store_failing_since is None:
-                self.store_failing_since = time.monotonic()
-            # The latest: once a broken connection is dropped, a refused connect says the
-            # server's process is gone, where the first error may only say the answer was cut.
-            self.store_error = errors[0]
+                # Silent since the question went unanswered, not since its wait ran out.
+                self.store_failing_since, self.store_error = asked_at, errors[0]
+            elif connection_lost(str(errors[0])):
+                # Once a broken connection is dropped, a refused connect says the server's
+                # process is gone, where the first error may only say that an answer was cut.
+                self.store_error = errors[0]
             raise errors[0]
         self.store_failing_since = self.store_error = None
         return answers[0]
