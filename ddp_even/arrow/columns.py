@@ -10,17 +10,22 @@ slice of its tensors (a view); one across two row groups is concatenated.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-__all__ = ["Columns", "concatenated", "sliced", "to_columns"]
+__all__ = ["BatchCutter", "Columns", "concatenated", "sliced", "to_columns"]
 
 #: A batch (or a row group): each column's values, a tensor or a list.
 Columns = dict[str, Any]
+
+# Batches cut at once: few enough that they are handed out before Python's next young
+# collection (about 700 new objects; a batch is 1 + one per column), enough that each
+# column's cut is one call for many batches.
+_CUT_AT_ONCE = 32
 
 # Tensors are made on pyarrow's own (read-only) buffers, which nothing else holds: writing to a
 # batch in place is harmless, and torch's warning about it would come once per column.
@@ -83,3 +88,60 @@ def concatenated(parts: Sequence[Columns]) -> Columns:
         else:
             joined[name] = [value for piece in pieces for value in piece]
     return joined
+
+
+class BatchCutter:
+    """Cuts row groups' columns into batches of ``batch_size`` rows, a few at a time, carrying
+    the rows of a batch that a row group leaves unfinished into the next.
+
+    Example:
+        >>> cutter = BatchCutter(3)
+        >>> [len(batch["id"]) for cut in cutter.batches(to_columns(pa.table({"id": range(7)})), 7)
+        ...  for batch in cut]
+        [3, 3]
+        >>> [batch["id"].tolist() for cut in cutter.rest() for batch in cut]
+        [[6]]
+    """
+
+    def __init__(self, batch_size: int) -> None:
+        self._batch_size = batch_size
+        self._carried: list[Columns] = []
+        self._carried_rows = 0
+
+    def batches(self, columns: Columns, rows: int) -> Iterator[list[Columns]]:
+        """The batches these ``rows`` rows complete (after those carried over), in lists of
+        at most :data:`_CUT_AT_ONCE`."""
+        start = 0
+        if self._carried:
+            start = min(self._batch_size - self._carried_rows, rows)
+            self._carried.append(sliced(columns, 0, start))
+            self._carried_rows += start
+            if self._carried_rows < self._batch_size:
+                return
+            yield [concatenated(self._carried)]
+            self._carried, self._carried_rows = [], 0
+        whole_stop = start + (rows - start) // self._batch_size * self._batch_size
+        for cut_start in range(start, whole_stop, _CUT_AT_ONCE * self._batch_size):
+            cut_stop = min(cut_start + _CUT_AT_ONCE * self._batch_size, whole_stop)
+            split = (
+                _split(values, cut_start, cut_stop, self._batch_size) for values in columns.values()
+            )
+            yield [dict(zip(columns, batch, strict=True)) for batch in zip(*split, strict=True)]
+        if whole_stop < rows:
+            self._carried = [sliced(columns, whole_stop, rows)]
+            self._carried_rows = rows - whole_stop
+
+    def rest(self) -> list[list[Columns]]:
+        """The pass's short last batch, if any."""
+        rest = [[concatenated(self._carried)]] if self._carried else []
+        self._carried, self._carried_rows = [], 0
+        return rest
+
+
+def _split(values: Any, start: int, stop: int, size: int) -> Sequence[Any]:
+    """Rows ``start`` to ``stop`` (a multiple of ``size`` apart) in parts of ``size``."""
+    if isinstance(values, torch.Tensor):
+        # Views, made in C++ in one call rather than one slice at a time.
+        parts: Sequence[Any] = values[start:stop].view(-1, size, *values.shape[1:]).unbind()
+        return parts
+    return [values[offset : offset + size] for offset in range(start, stop, size)]

@@ -34,9 +34,8 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
-from ddp_even.arrow.columns import Columns, concatenated, sliced, to_columns
+from ddp_even.arrow.columns import BatchCutter, Columns, to_columns
 from ddp_even.errors import RowCountMismatchError
 from ddp_even.parquet.predicates import kept_mask
 from ddp_even.planning.row_groups import RowGroups
@@ -51,10 +50,6 @@ logger = logging.getLogger("ddp_even")
 # How long the reading thread waits to put a row group in a full queue before it looks again
 # whether the pass was closed.
 _PUT_WAIT_S = 0.1
-# Batches cut at once: few enough that they are handed out before Python's next young
-# collection (about 700 new objects; a batch is 1 + one per column), enough that each
-# column's cut is one call for many batches.
-_CUT_AT_ONCE = 32
 
 
 @dataclass(frozen=True)
@@ -87,7 +82,7 @@ class ArrowPass:
         # or what the thread raised. One waits while the last is cut into batches.
         self._queue: queue.Queue[tuple[Columns, int] | BaseException | None] = queue.Queue(1)
         self._closed = threading.Event()
-        self._cutter = _BatchCutter(batch_size)
+        self._cutter = BatchCutter(batch_size)
         # The batches of the row group being handed out, a few at a time, and those cut.
         self._cuts: Iterator[list[Columns]] = iter(())
         self._ready: list[Columns] = []
@@ -177,54 +172,6 @@ class ArrowPass:
         return False
 
 
-class _BatchCutter:
-    """Cuts row groups' columns into batches of ``batch_size`` rows, a few at a time, carrying
-    the rows of a batch that a row group leaves unfinished into the next."""
-
-    def __init__(self, batch_size: int) -> None:
-        self._batch_size = batch_size
-        self._carried: list[Columns] = []
-        self._carried_rows = 0
-
-    def batches(self, columns: Columns, rows: int) -> Iterator[list[Columns]]:
-        """The batches these ``rows`` rows complete (after those carried over), in lists of
-        at most :data:`_CUT_AT_ONCE`."""
-        start = 0
-        if self._carried:
-            start = min(self._batch_size - self._carried_rows, rows)
-            self._carried.append(sliced(columns, 0, start))
-            self._carried_rows += start
-            if self._carried_rows < self._batch_size:
-                return
-            yield [concatenated(self._carried)]
-            self._carried, self._carried_rows = [], 0
-        whole_stop = start + (rows - start) // self._batch_size * self._batch_size
-        for cut_start in range(start, whole_stop, _CUT_AT_ONCE * self._batch_size):
-            cut_stop = min(cut_start + _CUT_AT_ONCE * self._batch_size, whole_stop)
-            split = (
-                _split(values, cut_start, cut_stop, self._batch_size) for values in columns.values()
-            )
-            yield [dict(zip(columns, batch, strict=True)) for batch in zip(*split, strict=True)]
-        if whole_stop < rows:
-            self._carried = [sliced(columns, whole_stop, rows)]
-            self._carried_rows = rows - whole_stop
-
-    def rest(self) -> list[list[Columns]]:
-        """The pass's short last batch, if any."""
-        rest = [[concatenated(self._carried)]] if self._carried else []
-        self._carried, self._carried_rows = [], 0
-        return rest
-
-
-def _split(values: Any, start: int, stop: int, size: int) -> Sequence[Any]:
-    """Rows ``start`` to ``stop`` (a multiple of ``size`` apart) in parts of ``size``."""
-    if isinstance(values, torch.Tensor):
-        # Views, made in C++ in one call rather than one slice at a time.
-        parts: Sequence[Any] = values[start:stop].view(-1, size, *values.shape[1:]).unbind()
-        return parts
-    return [values[offset : offset + size] for offset in range(start, stop, size)]
-
-
 def _by_row_group(rows: Sequence[RowRange]) -> Iterator[tuple[int, list[tuple[int, int]]]]:
     """Consecutive ranges of one row group together (a rank may keep two ranges of one)."""
     group: int | None = None
@@ -259,13 +206,21 @@ class _Footers:
                 self._footers[file_index] = parquet_file.metadata
         return parquet_file, source
 
+    def footer(self, file_index: int) -> pq.FileMetaData:
+        """The file's footer, opening the file only the first time (a request on a store)."""
+        with self._lock:
+            footer = self._footers.get(file_index)
+        if footer is None:
+            parquet_file, source = self.open(file_index)
+            source.close()
+            footer = parquet_file.metadata
+        return footer
+
     def columns(self, file_index: int) -> list[str]:
         """The columns the pass hands out from this file: those asked for, or all of them."""
         if self.reading.columns is not None:
             return list(self.reading.columns)
-        parquet_file, source = self.open(file_index)
-        source.close()
-        return list(parquet_file.schema_arrow.names)
+        return list(self.footer(file_index).schema.to_arrow_schema().names)
 
 
 @dataclass(frozen=True)
@@ -304,21 +259,22 @@ def _selection(footers: _Footers, group: int, ranges: list[tuple[int, int]]) -> 
     """Row group ``group``'s rows this pass keeps: filtered, checked, shuffled, cut."""
     reading = footers.reading
     row_groups = reading.row_groups
-    parquet_file, source = footers.open(int(row_groups.file_of[group]))
+    file_index = int(row_groups.file_of[group])
     index_in_file = int(row_groups.index_in_file[group])
-    try:
-        kept = None
-        if reading.predicate is not None:
+    kept = None
+    if reading.predicate is not None:
+        parquet_file, source = footers.open(file_index)
+        try:
             # Decoded in this thread alone, as the columns (see _read_columns).
             fields = parquet_file.read_row_group(
                 index_in_file, columns=list(reading.predicate_fields), use_threads=False
             )
-            kept = pa.array(kept_mask(reading.predicate, fields))
-            kept_rows = kept.true_count
-        else:
-            kept_rows = parquet_file.metadata.row_group(index_in_file).num_rows
-    finally:
-        source.close()
+        finally:
+            source.close()
+        kept = pa.array(kept_mask(reading.predicate, fields))
+        kept_rows = kept.true_count
+    else:
+        kept_rows = footers.footer(file_index).row_group(index_in_file).num_rows
     expected = int(row_groups.num_rows[group])
     if kept_rows != expected:
         raise RowCountMismatchError(
