@@ -10,6 +10,8 @@ broke is dropped (the next use connects again, and is refused).
 from __future__ import annotations
 
 import datetime
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -67,6 +69,9 @@ class HostedStore:
         self._process.kill()
         self._process.wait()
 
+    def signal(self, number: int) -> None:
+        os.kill(self._process.pid, number)
+
 
 @pytest.mark.timeout(60)
 def test_no_connection_is_made_to_a_store_whose_server_is_gone() -> None:
@@ -104,3 +109,23 @@ def test_a_connection_the_servers_death_broke_is_dropped_and_the_death_named(
     logged = capfd.readouterr().err
     # At most one failed request per connection (the heartbeat's, the watch's).
     assert logged.count("TCPStore.cpp") <= 2, logged
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_stops_answering_is_silent_from_the_unanswered_question() -> None:
+    # A frozen server (its host SIGSTOPped) never answers; the watch gives up after a second,
+    # but the store has been silent since the question, and the timeout counts from there.
+    hosted = HostedStore()
+    watch = Watch(hosted.job_store)
+    assert watch.look([1]) is not None
+    hosted.signal(signal.SIGSTOP)
+    try:
+        asked = time.monotonic()
+        assert watch.look([1]) is None
+        assert time.monotonic() - asked >= 0.9
+        assert watch.store_failing_since is not None
+        assert watch.store_failing_since - asked < 0.5  # not after the 1 s wait
+        assert isinstance(watch.store_error, TimeoutError)
+    finally:
+        hosted.signal(signal.SIGCONT)
+        hosted.kill()
