@@ -222,8 +222,9 @@ def test_seeded_shuffles_repeat_within_an_epoch_and_change_between_epochs(url: s
 def test_each_rows_columns_stay_together_whatever_threads_read_them(
     url: str, threads: int, sharding: str
 ) -> None:
-    # A row group's columns are read in parts, one per thread: each part must keep the same
-    # rows in the same order, also where the predicate drops rows and the shuffle is unseeded.
+    # A row group's columns are read in parts, one per thread (the predicate's column, decoded
+    # to decide the rows, is not read again): each part must keep the same rows in the same
+    # order, also where the predicate drops rows and the shuffle is unseeded.
     per_rank = []
     for rank in range(2):
         _, factory = make_shard_factory(
@@ -246,6 +247,28 @@ def test_each_rows_columns_stay_together_whatever_threads_read_them(
     assert sorted(per_rank[0] + per_rank[1]) == [i for i in range(TOTAL) if i % 3 != 2]
 
 
+@pytest.mark.parametrize("columns", [["value", "id"], ["label", "id"]])
+def test_a_predicate_keeps_the_same_rows_whether_its_column_is_handed_out_or_not(
+    url: str, columns: list[str]
+) -> None:
+    _, factory = make_shard_factory(
+        url,
+        0,
+        1,
+        BATCH,
+        predicate=KEEP,
+        reader_kwargs={"schema_fields": columns, "seed": 3, "shuffle_rows": True},
+    )
+    with factory() as reading:
+        batches = list(reading)
+    assert [list(batch) for batch in batches] == [columns] * len(batches)
+    ids = torch.cat([batch["id"] for batch in batches])
+    assert sorted(ids.tolist()) == [i for i in range(TOTAL) if i % 3 != 2]
+    handed_out = columns[0]
+    expected = ids * 0.5 if handed_out == "value" else ids % 3
+    assert torch.equal(torch.cat([batch[handed_out] for batch in batches]), expected)
+
+
 def test_batches_are_tensors_of_the_columns_asked_for(url: str) -> None:
     loader = EvenLoader.from_parquet(
         url, BATCH, engine="arrow", reader_kwargs={"schema_fields": ["id", "label"]}
@@ -261,6 +284,8 @@ def test_what_only_petastorm_has_is_refused_in_one_line(url: str) -> None:
             EvenLoader.from_parquet(url, BATCH, engine="arrow", reader_kwargs=options)
     with pytest.raises(ValueError, match="engine='petastorm'"):
         EvenLoader.from_parquet(url, BATCH, engine="arrow", reader="row")
+    with pytest.raises(ValueError, match=r"schema_fields=\[\] reads no column"):
+        EvenLoader.from_parquet(url, BATCH, engine="arrow", reader_kwargs={"schema_fields": []})
     with pytest.raises(ValueError, match="not an option of the pyarrow reader"):
         EvenLoader.from_parquet(url, BATCH, engine="arrow", loader_kwargs={"nope": 1})
     if not torch.cuda.is_available():

@@ -143,6 +143,13 @@ def make_shard_factory(
     plan = planned.plan
     plan.row_groups_of(rank)  # checks rank
     columns = options.get("schema_fields")
+    if columns is not None:
+        columns = [str(name) for name in columns]
+        if not columns:
+            raise ValueError(
+                "schema_fields=[] reads no column: name at least one, or leave schema_fields "
+                "out to read every column"
+            )
     order = PassOrder(options.get("seed"), bool(options.get("shuffle_row_groups", True)))
     fields: list[str] = []
     if predicate is not None:
@@ -156,7 +163,7 @@ def make_shard_factory(
             PassRows,
             planned.resolved,
             planned.row_groups,
-            columns=None if columns is None else [str(name) for name in columns],
+            columns=columns,
             predicate=predicate,
             predicate_fields=fields,
             shuffle_rows=bool(options.get("shuffle_rows", False)),
@@ -173,7 +180,7 @@ def make_shard_factory(
             data=planned.footers.identity(),
             predicate=predicate,
             reader="arrow",
-            schema_fields=columns,
+            schema_fields=options.get("schema_fields"),
             seed=options.get("seed"),
             shuffle_rows=options.get("shuffle_rows", False),
             shuffle_row_groups=order.shuffle_row_groups,

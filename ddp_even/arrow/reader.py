@@ -6,8 +6,9 @@ predicate applied (:func:`~ddp_even.parquet.predicates.kept_mask`, what was coun
 planning), the kept rows checked against the plan's count
 (:class:`~ddp_even.errors.RowCountMismatchError` otherwise), permuted by the epoch's seed when
 rows are shuffled (the same permutation on every rank, before the plan's ranges are cut, as
-petastorm's planned readers do), cut to the rank's ranges. Its columns are then read in parts,
-one per reading thread, each keeping those rows, and converted to tensors once
+petastorm's planned readers do), cut to the rank's ranges. Its other columns are then read in
+parts, one per reading thread (the predicate's, decoded to decide, are not read again), each
+keeping those rows, and converted to tensors once
 (:mod:`ddp_even.arrow.columns`). At most ``prefetch`` row groups are in flight, so reading
 overlaps the training step and memory stays bounded. The pass hands out batches of
 ``batch_size`` rows (views where a batch lies in one row group), the last one short, as
@@ -228,18 +229,16 @@ class _Selection:
     """The rows of one row group a pass keeps, in its order: decided once, applied to each
     part of the row group's columns alike."""
 
-    # The predicate's verdict on each row (None: every row).
+    # The predicate's verdict on each row (None: every row), and the columns decoded for it.
     kept: pa.Array | None
+    predicate_columns: pa.Table | None
     # The order of the kept rows before the ranges are cut (None: as stored).
     seeded_order: npt.NDArray[np.int64] | None
     ranges: list[tuple[int, int]]
     kept_rows: int
-    # The order of the rows the ranges keep (None: as cut).
+    # The rows the ranges keep, and their order (None: as cut).
+    rows: int
     unseeded_order: npt.NDArray[np.int64] | None
-
-    @property
-    def rows(self) -> int:
-        return sum(stop - start for start, stop in self.ranges)
 
     def applied(self, table: pa.Table) -> pa.Table:
         if self.kept is not None:
@@ -261,7 +260,7 @@ def _selection(footers: _Footers, group: int, ranges: list[tuple[int, int]]) -> 
     row_groups = reading.row_groups
     file_index = int(row_groups.file_of[group])
     index_in_file = int(row_groups.index_in_file[group])
-    kept = None
+    kept = fields = None
     if reading.predicate is not None:
         parquet_file, source = footers.open(file_index)
         try:
@@ -278,21 +277,21 @@ def _selection(footers: _Footers, group: int, ranges: list[tuple[int, int]]) -> 
     expected = int(row_groups.num_rows[group])
     if kept_rows != expected:
         raise RowCountMismatchError(
-            f"row group {group} ({row_groups.files[int(row_groups.file_of[group])]} "
+            f"row group {group} ({row_groups.files[file_index]} "
             f"#{index_in_file}) yielded {kept_rows} rows, the shard plan counted {expected}: "
             "the dataset changed since it was planned, or the row predicate is not "
             "deterministic. Plan again (a new EvenLoader.from_parquet)"
         )
     seeded_order = unseeded_order = None
+    rows = sum(stop - start for start, stop in ranges)
     if reading.shuffle_rows and reading.row_seed is not None:
         # The same permutation on every rank, before the ranges are cut: ranks sharing a row
         # group keep disjoint rows, and a resume can start at a row offset.
         seeded_order = np.random.default_rng([reading.row_seed, group, 0]).permutation(expected)
     if reading.shuffle_rows and reading.row_seed is None:
         # Unseeded: only after the cut, or ranks sharing a row group would overlap.
-        cut_rows = sum(stop - start for start, stop in ranges)
-        unseeded_order = np.random.default_rng().permutation(cut_rows)
-    return _Selection(kept, seeded_order, ranges, expected, unseeded_order)
+        unseeded_order = np.random.default_rng().permutation(rows)
+    return _Selection(kept, fields, seeded_order, ranges, expected, rows, unseeded_order)
 
 
 @dataclass(frozen=True)
@@ -316,10 +315,16 @@ class _RowGroupRead:
     ) -> _RowGroupRead:
         selection = _selection(footers, group, ranges)
         names = footers.columns(int(footers.reading.row_groups.file_of[group]))
+        decoded = selection.predicate_columns
+        # The predicate's columns were decoded already: only the others are read again.
+        kept_decoded = [] if decoded is None else [n for n in names if n in decoded.column_names]
+        to_read = [name for name in names if name not in kept_decoded]
         parts = [
             pool.submit(_read_columns, footers, group, part, selection)
-            for part in _column_parts(names, threads)
+            for part in _column_parts(to_read, threads)
         ]
+        if decoded is not None and kept_decoded:
+            parts.append(pool.submit(_kept_columns, decoded.select(kept_decoded), selection))
         return cls(selection.rows, names, parts)
 
     def columns(self) -> Columns:
@@ -334,7 +339,7 @@ class _RowGroupRead:
 
 def _column_parts(names: list[str], threads: int) -> list[list[str]]:
     """``names`` in as many parts as threads read them (no more than one column each)."""
-    count = max(1, min(threads, len(names)))
+    count = min(threads, len(names))
     return [names[index::count] for index in range(count)]
 
 
@@ -352,6 +357,10 @@ def _read_columns(
         )
     finally:
         source.close()
+    return _kept_columns(table, selection)
+
+
+def _kept_columns(table: pa.Table, selection: _Selection) -> Columns:
     return to_columns(selection.applied(table))
 
 
