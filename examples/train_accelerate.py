@@ -3,7 +3,9 @@
 accelerate prepares the model and the optimizer (DDP over gloo on CPU); the EvenLoader is used
 as it is: ``accelerator.prepare`` only wraps ``torch.utils.data.DataLoader`` objects and hands an
 EvenLoader back unchanged, so there is nothing to gain from passing it. Each rank builds its
-own loader over its own shard, and the loop is accelerate's usual one.
+own loader over its own shard (``--source``: a factory of petastorm loaders, or
+``from_parquet`` read by petastorm or by pyarrow alone: ``examples/shard_loaders.py``), and the
+loop is accelerate's usual one.
 
 Modes (``--mode``, repeat to train once in each):
 
@@ -19,7 +21,8 @@ Modes (``--mode``, repeat to train once in each):
   ``even_batches=True`` that context does not enable ``Join`` at all, and on CPU (accelerate
   1.15, ``MULTI_CPU``) it never does ("only supported for multi-GPU training"): uneven shards
   then hang in DDP's all-reduce. So on CPU this mode uses torch's ``Join([model])`` itself,
-  which is what accelerate does on GPUs. It trains on every row too, but keeps no statistics.
+  which is what accelerate does on GPUs. It trains on every row too, but keeps no statistics
+  (and needs petastorm, as ``--source factory`` does).
 
 After training, every run evaluates the model exactly: an EvenLoader in pad mode over the same
 shards (every row once, the same steps on every rank), a torchmetrics metric that leaves the
@@ -52,8 +55,7 @@ from typing import Any
 import click
 import torch
 from accelerate import Accelerator
-from petastorm import make_batch_reader
-from petastorm.pytorch import BatchedDataLoader
+from shard_loaders import even_loader, petastorm_pass, refuse_without_petastorm, source_option
 from skewed_parquet import FEATURES, LABEL, dataset_url, keep_demo_dataset
 from torch.distributed.algorithms.join import Join
 from torchmetrics.regression import MeanSquaredError
@@ -102,31 +104,20 @@ def train(
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         # DDP's own all-reduce, except that a rank dying in it is named by ddp_even's error.
         model.register_comm_hook(None, allreduce_hook)
-    reader_options = {"schema_fields": [*FEATURES, LABEL], "workers_count": 2}
-
-    def one_pass() -> BatchedDataLoader:
-        """A fresh reader for one pass over this rank's shard (petastorm's round robin)."""
-        reader = make_batch_reader(
-            data_url, num_epochs=1, cur_shard=rank, shard_count=world_size, **reader_options
-        )
-        return BatchedDataLoader(reader, batch_size=batch_size)
-
-    def even_loader(mode: str, joinables: list[Any]) -> EvenLoader[dict[str, torch.Tensor]]:
-        if source == "parquet":
-            return EvenLoader.from_parquet(
-                data_url,
-                batch_size=batch_size,
-                mode=mode,
-                reader_kwargs=reader_options,
-                joinables=joinables,
-            )
-        return EvenLoader(one_pass, mode=mode, joinables=joinables)
-
     loader: EvenLoader[dict[str, torch.Tensor]] | None = None
     if mode != "accelerate-join":
         # Join mode shadows DDP's all-reduces for ranks that ran out: give it the prepared
         # model (the DDP wrapper accelerate made), not the bare module.
-        loader = even_loader(mode, [model] if mode == "join" else [])
+        joinables = [model] if mode == "join" else []
+        loader = even_loader(
+            source,
+            data_url,
+            rank,
+            world_size,
+            batch_size=batch_size,
+            mode=mode,
+            joinables=joinables,
+        )
 
     steps: list[int] = []
     rows: list[int] = []
@@ -146,7 +137,7 @@ def train(
             else:
                 join = Join([model])
             with join:
-                shard = one_pass()
+                shard = petastorm_pass(data_url, rank, world_size, batch_size)()
                 try:
                     epoch_steps, epoch_rows = train_epoch(accelerator, model, optimizer, shard)
                 finally:
@@ -157,7 +148,15 @@ def train(
         rows.append(epoch_rows)
         if loader is not None and accelerator.is_main_process:
             print(loader.stats.summary())
-    evaluation = even_loader("pad", [])
+    # accelerate's recipe has no EvenLoader source of its own: its evaluation wraps its loader.
+    evaluation = even_loader(
+        "factory" if source == "plain" else source,
+        data_url,
+        rank,
+        world_size,
+        batch_size=batch_size,
+        mode="pad",
+    )
     mse, eval_rows = evaluate(accelerator, model, evaluation)
     if accelerator.is_main_process:
         print(f"evaluation, every row once: mse {mse:.5f} over {eval_rows} rows")
@@ -242,17 +241,7 @@ def evaluate(
     show_default=True,
     help="Repeat to train once in each.",
 )
-@click.option(
-    "--source",
-    "sources",
-    type=click.Choice(["factory", "parquet"]),
-    multiple=True,
-    default=["factory"],
-    show_default=True,
-    help="factory: EvenLoader(lambda: BatchedDataLoader(make_batch_reader(...))); "
-    "parquet: EvenLoader.from_parquet(...). Repeat to train with each "
-    "(accelerate-join uses neither: it runs once, over the plain petastorm loader).",
-)
+@source_option
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--lr", type=float, default=0.05, show_default=True)
@@ -276,6 +265,8 @@ def main(
         keep_demo_dataset(Path(data), DEMO_ROW_GROUP_SIZES)
         print(f"{data}: {sum(DEMO_ROW_GROUP_SIZES)} rows in {len(DEMO_ROW_GROUP_SIZES)} row groups")
         return
+    plain_petastorm = ["--mode accelerate-join"] if "accelerate-join" in modes else []
+    refuse_without_petastorm(sources, *plain_petastorm)
     data_url = dataset_url(data)
     torch.set_num_threads(1)  # several ranks share this machine's cores
     # cpu=True: on a machine without GPUs, Accelerator() under torchrun or `accelerate launch`

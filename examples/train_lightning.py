@@ -8,9 +8,11 @@ the trainer's loggers (here a CSV file per run under ``--results``).
 What works in which mode:
 
 * ``truncate``, ``cycle`` and ``pad``: yes, with a factory of petastorm loaders (``--source
-  factory``) or with ``EvenLoader.from_parquet`` (``--source parquet``; Lightning then knows
-  ``len(loader)`` and no collective runs inside the epoch). In pad mode the training step
-  multiplies its loss by the batch's weight (0 for padding);
+  factory``) or with ``EvenLoader.from_parquet``, read by petastorm (``--source parquet``) or
+  by pyarrow alone (``--source arrow``, the default where petastorm is not installed); with
+  ``from_parquet`` Lightning knows ``len(loader)`` and no collective runs inside the epoch
+  (``examples/shard_loaders.py``). In pad mode the training step multiplies its loss by the
+  batch's weight (0 for padding);
 * ``join``: no. Lightning broadcasts a tensor from rank 0 at every step (its SIGTERM check),
   a collective torch's ``Join`` cannot shadow for the ranks that ran out, so the job would
   hang; ddp_even raises ``EvenLoaderError`` on every rank at the first epoch instead.
@@ -50,8 +52,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
-from petastorm import make_batch_reader
-from petastorm.pytorch import BatchedDataLoader
+from shard_loaders import even_loader, refuse_without_petastorm, source_option
 from skewed_parquet import FEATURES, LABEL, dataset_url, keep_demo_dataset
 from torch.distributed.algorithms.join import Joinable
 from torch.nn.parallel import DistributedDataParallel
@@ -82,7 +83,7 @@ DEMO_DATA_ENV = "DDP_EVEN_LIGHTNING_DEMO_DATA"
 class Run:
     data_url: str
     mode: str
-    source: str  # "factory" or "parquet"
+    source: str  # shard_loaders.SOURCES
     epochs: int
     batch_size: int
     devices: int
@@ -173,31 +174,15 @@ class Regression(pl.LightningModule):
         self, mode: str, joinables: Sequence[Joinable] = ()
     ) -> EvenLoader[dict[str, torch.Tensor]]:
         run = self.settings
-        rank, world_size = self.trainer.global_rank, self.trainer.world_size
-        reader_options = {"schema_fields": [*FEATURES, LABEL], "workers_count": 2}
-        if run.source == "parquet":
-            # Plans the shards from the Parquet footers: len(loader) is known before the first
-            # step, and the statistics say exactly what each rank dropped.
-            return EvenLoader.from_parquet(
-                run.data_url,
-                batch_size=run.batch_size,
-                mode=mode,
-                reader_kwargs=reader_options,
-                joinables=joinables,
-            )
-
-        def one_pass() -> BatchedDataLoader:
-            # A fresh reader for each pass over this rank's shard (petastorm's round robin).
-            reader = make_batch_reader(
-                run.data_url,
-                num_epochs=1,
-                cur_shard=rank,
-                shard_count=world_size,
-                **reader_options,
-            )
-            return BatchedDataLoader(reader, batch_size=run.batch_size)
-
-        return EvenLoader(one_pass, mode=mode, joinables=joinables)
+        return even_loader(
+            run.source,
+            run.data_url,
+            self.trainer.global_rank,
+            self.trainer.world_size,
+            batch_size=run.batch_size,
+            mode=mode,
+            joinables=joinables,
+        )
 
 
 # --- One training run (every rank) ------------------------------------------------------------
@@ -283,16 +268,7 @@ def report(result: dict[str, Any]) -> None:
     show_default=True,
     help="EvenLoader mode; repeat to train once in each.",
 )
-@click.option(
-    "--source",
-    "sources",
-    type=click.Choice(["factory", "parquet"]),
-    multiple=True,
-    default=["factory"],
-    show_default=True,
-    help="factory: EvenLoader(lambda: BatchedDataLoader(make_batch_reader(...))); "
-    "parquet: EvenLoader.from_parquet(...). Repeat to train with each.",
-)
+@source_option
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option(
@@ -331,6 +307,7 @@ def main(
             os.environ[DEMO_DATA_ENV] = data
     if data is None:
         raise click.UsageError("--data is required (or pass --demo)")
+    refuse_without_petastorm(sources)
     data_url = dataset_url(data)
     torch.set_num_threads(1)  # several ranks share this machine's cores
     failed = False

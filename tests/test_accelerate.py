@@ -1,8 +1,10 @@
 """EvenLoader inside a real Hugging Face accelerate loop, 2 CPU ranks under torchrun.
 
 One torchrun job runs ``examples/train_accelerate.py`` in every mode, one after the other:
-truncate, cycle, pad and join with a loader factory and with ``from_parquet``, and accelerate's
-own recipe (``accelerate-join``: a plain petastorm loader inside torch's ``Join``); after each,
+truncate, cycle, pad and join with a loader factory and with ``from_parquet`` read by petastorm
+and by pyarrow alone, and accelerate's own recipe (``accelerate-join``: a plain petastorm loader
+inside torch's ``Join``); where petastorm is not installed, only ``from_parquet`` read by
+pyarrow. After each,
 an evaluation in pad mode. Each rank writes a JSON file per run; the test checks them against
 counts worked out from the row-group sizes, and the evaluation against the final model's exact
 mean squared error over the whole dataset.
@@ -20,21 +22,21 @@ import pytest
 from tests.helpers.datasets import shard_rows
 from tests.helpers.lightning_and_accelerate import (
     FEATURES,
+    PETASTORM_INSTALLED,
     REPO,
+    SOURCES,
     TORCHRUN,
     expected_epoch,
     launch,
+    planned,
     read_ranks,
     shard_batches,
     skip_without,
+    source_runs,
     write_regression_dataset,
 )
 
-pytestmark = [
-    pytest.mark.petastorm,
-    pytest.mark.multirank,
-    pytest.mark.skipif(sys.platform != "linux", reason="Linux"),
-]
+pytestmark = [pytest.mark.multirank, pytest.mark.skipif(sys.platform != "linux", reason="Linux")]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -49,7 +51,9 @@ EPOCHS = 3
 # Rank 0 gets row groups 0, 2, 4 (62 rows, 8 batches), rank 1 row groups 1, 3 (12 rows, 2).
 ROW_GROUP_SIZES = (30, 5, 20, 7, 12)
 MODES = ("truncate", "cycle", "pad", "join")
-EVEN_RUNS = [(mode, source) for mode in MODES for source in ("factory", "parquet")]
+EVEN_RUNS = source_runs(MODES)
+# accelerate's own recipe, over a plain petastorm loader.
+PLAIN_RUNS = [pytest.param("accelerate-join", "plain", marks=pytest.mark.petastorm)]
 DATA = "data"
 
 
@@ -58,13 +62,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     workdir = tmp_path_factory.mktemp("accelerate")
     data_url = write_regression_dataset(workdir / DATA, ROW_GROUP_SIZES)
     results = workdir / "results"
-    runs = [*EVEN_RUNS, ("accelerate-join", "plain")]
+    runs = [(mode, source) for mode in MODES for source in SOURCES]
+    modes = list(MODES)
+    if PETASTORM_INSTALLED:
+        runs.append(("accelerate-join", "plain"))
+        modes.append("accelerate-join")
     command = [TORCHRUN, "--standalone", "--nproc-per-node", str(WORLD_SIZE), str(EXAMPLE)]
     command += ["--data", data_url, "--results", str(results)]
     command += ["--epochs", str(EPOCHS), "--batch-size", str(BATCH_SIZE)]
-    for mode in (*MODES, "accelerate-join"):
+    for mode in modes:
         command += ["--mode", mode]
-    command += ["--source", "factory", "--source", "parquet"]
+    for source in SOURCES:
+        command += ["--source", source]
     expected_files = [
         f"{mode}-{source}-rank{rank}.json" for mode, source in runs for rank in range(WORLD_SIZE)
     ]
@@ -77,12 +86,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_rank_trains_the_planned_steps(trained: Path, mode: str, source: str) -> None:
     ranks = read_ranks(trained, f"{mode}-{source}", WORLD_SIZE)
     expected = expected_epoch(
-        mode,
-        ROW_GROUP_SIZES,
-        WORLD_SIZE,
-        BATCH_SIZE,
-        # A petastorm factory sharded with cur_shard/shard_count has footer-known lengths too.
-        planned=source == "parquet" or mode != "join",
+        mode, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=planned(mode, source)
     )
     for rank, result in enumerate(ranks):
         # Accelerator(cpu=True) made the torchrun processes one gloo job.
@@ -101,7 +105,7 @@ def test_every_rank_trains_the_planned_steps(trained: Path, mode: str, source: s
 
 
 @pytest.mark.timeout(250)
-@pytest.mark.parametrize(("mode", "source"), [*EVEN_RUNS, ("accelerate-join", "plain")])
+@pytest.mark.parametrize(("mode", "source"), [*EVEN_RUNS, *PLAIN_RUNS])
 def test_evaluation_in_pad_mode_is_exact(trained: Path, mode: str, source: str) -> None:
     """After every run, pad mode evaluates the final model on every row once: the metric is
     its exact mean squared error over the whole dataset, on every rank."""
@@ -118,6 +122,7 @@ def test_evaluation_in_pad_mode_is_exact(trained: Path, mode: str, source: str) 
         assert {name: evaluation[name] for name in expected} == expected
 
 
+@pytest.mark.petastorm
 @pytest.mark.timeout(250)
 def test_accelerates_own_join_recipe_trains_every_row_once(trained: Path) -> None:
     ranks = read_ranks(trained, "accelerate-join-plain", WORLD_SIZE)

@@ -43,6 +43,7 @@ DOCUMENTS = ["README.md", *sorted(f"docs/{path.name}" for path in (ROOT / "docs"
 TRAINER_SOURCES = [
     "examples/train_lightning.py",
     "examples/train_accelerate.py",
+    "examples/shard_loaders.py",
     "tests/helpers/lightning_resume_job.py",
 ]
 # Commands of the docs not run here, by a part of them, with why (and what runs instead).

@@ -2,7 +2,8 @@
 
 The test runs ``examples/train_lightning.py`` as a subprocess: Lightning starts rank 1 itself
 (a subprocess of the script) and every rank writes a JSON file per run. One job trains, one
-after the other, in truncate, cycle and pad with a loader factory and with ``from_parquet``,
+after the other, in truncate, cycle and pad with a loader factory and with ``from_parquet``
+read by petastorm and by pyarrow alone (only the last where petastorm is not installed),
 validating after every epoch in pad mode (a metric synced at every step); a second job tries
 join mode, which must end on every rank, with a clear error, not hang.
 """
@@ -22,10 +23,13 @@ from tests.helpers.lightning_and_accelerate import (
     FEATURES,
     PYTHON,
     REPO,
+    SOURCES,
     expected_epoch,
     launch,
+    planned,
     read_ranks,
     skip_without,
+    source_runs,
     write_regression_dataset,
 )
 
@@ -44,7 +48,7 @@ EPOCHS = 3
 # Rank 0 gets row groups 0, 2, 4 (62 rows, 8 batches), rank 1 row groups 1, 3 (12 rows, 2).
 ROW_GROUP_SIZES = (30, 5, 20, 7, 12)
 MODES = ("truncate", "cycle", "pad")
-RUNS = [(mode, source) for mode in MODES for source in ("factory", "parquet")]
+RUNS = source_runs(MODES)
 
 
 def _command(data_url: str, results: Path, modes: list[str], sources: list[str]) -> list[str]:
@@ -65,18 +69,20 @@ def data_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def trained(data_url: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One Lightning job: the six runs of RUNS, one after the other, on the same 2 ranks."""
+    """One Lightning job: the runs of RUNS, one after the other, on the same 2 ranks."""
     workdir = tmp_path_factory.mktemp("lightning")
     results = workdir / "results"
     expected_files = [
-        f"{mode}-{source}-rank{rank}.json" for mode, source in RUNS for rank in range(WORLD_SIZE)
+        f"{mode}-{source}-rank{rank}.json"
+        for mode in MODES
+        for source in SOURCES
+        for rank in range(WORLD_SIZE)
     ]
-    command = _command(data_url, results, list(MODES), ["factory", "parquet"])
+    command = _command(data_url, results, list(MODES), list(SOURCES))
     launch(command, results, expected_files, timeout=200, cwd=workdir)
     return results
 
 
-@pytest.mark.petastorm
 @pytest.mark.timeout(250)
 @pytest.mark.parametrize(("mode", "source"), RUNS)
 def test_every_epoch_has_the_right_steps_on_every_rank(
@@ -84,12 +90,7 @@ def test_every_epoch_has_the_right_steps_on_every_rank(
 ) -> None:
     ranks = read_ranks(trained, f"{mode}-{source}", WORLD_SIZE)
     expected = expected_epoch(
-        mode,
-        ROW_GROUP_SIZES,
-        WORLD_SIZE,
-        BATCH_SIZE,
-        # A petastorm factory sharded with cur_shard/shard_count has footer-known lengths too.
-        planned=source == "parquet" or mode != "join",
+        mode, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=planned(mode, source)
     )
     for rank, result in enumerate(ranks):
         assert result["error"] is None
@@ -107,7 +108,6 @@ def test_every_epoch_has_the_right_steps_on_every_rank(
     assert ranks[0]["weights"] == ranks[1]["weights"]
 
 
-@pytest.mark.petastorm
 @pytest.mark.timeout(250)
 @pytest.mark.parametrize(("mode", "source"), RUNS)
 def test_validation_in_pad_mode_logs_the_exact_mean_over_the_whole_dataset(
@@ -133,19 +133,13 @@ def test_validation_in_pad_mode_logs_the_exact_mean_over_the_whole_dataset(
             assert {name: epoch[name] for name in expected} == expected
 
 
-@pytest.mark.petastorm
 @pytest.mark.timeout(250)
 @pytest.mark.parametrize(("mode", "source"), RUNS)
 def test_the_callback_logs_every_epoch_to_the_trainers_logger(
     trained: Path, mode: str, source: str
 ) -> None:
     expected = expected_epoch(
-        mode,
-        ROW_GROUP_SIZES,
-        WORLD_SIZE,
-        BATCH_SIZE,
-        # A petastorm factory sharded with cur_shard/shard_count has footer-known lengths too.
-        planned=source == "parquet" or mode != "join",
+        mode, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=planned(mode, source)
     )
     wanted: dict[str, Any] = {
         "ddp_even/steps_min": min(expected["steps"]),
@@ -177,20 +171,17 @@ def test_the_callback_logs_every_epoch_to_the_trainers_logger(
     assert {int(row["ddp_even/steps_max"]) for row in rows} == {max(expected["steps"])}
 
 
-@pytest.mark.petastorm
 @pytest.mark.timeout(90)
 def test_join_mode_under_lightning_ends_on_every_rank(data_url: str, tmp_path: Path) -> None:
     """Lightning's per-step broadcast would hang Join: every rank must stop, with a clear error
     (or finish), within the job's short timeout."""
     results = tmp_path / "results"
     expected_files = [
-        f"join-{source}-rank{rank}.json"
-        for source in ("factory", "parquet")
-        for rank in range(WORLD_SIZE)
+        f"join-{source}-rank{rank}.json" for source in SOURCES for rank in range(WORLD_SIZE)
     ]
-    command = _command(data_url, results, ["join"], ["factory", "parquet"])
+    command = _command(data_url, results, ["join"], list(SOURCES))
     launch(command, results, expected_files, timeout=60, cwd=tmp_path)
-    for source in ("factory", "parquet"):
+    for source in SOURCES:
         for result in read_ranks(results, f"join-{source}", WORLD_SIZE):
             error = result["error"]
             if error is None:  # finished: then every shard was trained on once

@@ -11,6 +11,7 @@ timeout, waits for the per-rank JSON files, and kills whatever is left of the jo
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -32,6 +33,27 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 FEATURES = ("x0", "x1", "x2", "x3")
+# The examples' --source choices this environment runs (examples/shard_loaders.py): pyarrow's
+# reader everywhere, the two that read with petastorm where it is installed.
+PETASTORM_INSTALLED = importlib.util.find_spec("petastorm") is not None
+SOURCES = ("factory", "parquet", "arrow") if PETASTORM_INSTALLED else ("arrow",)
+
+
+def source_runs(modes: Sequence[str]) -> list[Any]:
+    """``(mode, source)`` for every mode and source, as parameters; those that read with
+    petastorm marked so."""
+    return [
+        pytest.param(mode, source, marks=() if source == "arrow" else pytest.mark.petastorm)
+        for mode in modes
+        for source in SOURCES
+    ]
+
+
+def planned(mode: str, source: str) -> bool:
+    """Whether a run's statistics know what each rank dropped: ``from_parquet`` plans, and a
+    petastorm factory sharded with cur_shard/shard_count has footer-known lengths too, except
+    in join mode."""
+    return source != "factory" or mode != "join"
 
 
 def skip_without(trainer: str) -> None:
