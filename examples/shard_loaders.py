@@ -49,8 +49,8 @@ def refuse_without_petastorm(sources: Sequence[str], *others: str) -> None:
     if needing and not PETASTORM_INSTALLED:
         raise click.UsageError(
             f"{', '.join(needing)} {'needs' if len(needing) == 1 else 'need'} petastorm, which "
-            "is not installed here: install the "
-            "petastorm extra (numpy < 2, pyarrow < 15); --source arrow needs only pyarrow"
+            "is not installed here: install the petastorm extra (numpy < 2, pyarrow < 15); "
+            "--source arrow needs only pyarrow"
         )
 
 
