@@ -15,14 +15,18 @@ rows, and on every rank, side by side in the same process:
   engine="petastorm")``: ddp_even's petastorm path;
 * ``from_parquet, arrow``: the same with ``engine="arrow"``: pyarrow alone;
 * ``arrow pass alone``: one pass of the pyarrow reader's factory with no ``EvenLoader`` around
-  it (what the loader adds is the difference).
+  it (what the loader adds is the difference);
+* ``decoding alone``: the same row groups decoded as that pass decodes them
+  (``ParquetFile.read_row_group``, each row group's columns in a part per reading thread) and
+  let go of at once, batches counted but no tensor made: the ceiling of any reader built on
+  pyarrow here (what the pass adds to pyarrow's decoding is the difference).
 
-Every loader reads the row groups in file order (``shuffle_row_groups=False``) with petastorm's
-default pool (10 threads); the planned paths plan once, before the rounds (not timed). One
-epoch of every variant per round, in an order turned by one each round, the ranks starting
-each variant together; round 0 is a warm-up and is discarded. The loops only take batches;
-an epoch is timed from asking for its first batch to the loop's end (closing the reader and
-ddp_even's statistics included).
+Every loader reads the row groups in file order (``shuffle_row_groups=False``), petastorm's
+with its default pool (10 threads), the pyarrow reader in :data:`READING_THREADS`; the planned
+paths plan once, before the rounds (not timed). One epoch of every variant per round, in an
+order turned by one each round, the ranks starting each variant together; round 0 is a warm-up
+and is discarded. The loops only take batches; an epoch is timed from asking for its first
+batch to the loop's end (closing the reader and ddp_even's statistics included).
 
 Per variant (rank 0, medians over rounds): rows/s, its ratio to petastorm's own loop (``vs
 petastorm``, and ``paired``: the median of the per-round ratios), the CPU time of the whole
@@ -42,11 +46,13 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import click
+import pyarrow.parquet as pq
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
@@ -59,8 +65,11 @@ PETASTORM = "petastorm"
 FROM_PARQUET_PETASTORM = "from_parquet, petastorm"
 FROM_PARQUET_ARROW = "from_parquet, arrow"
 ARROW_ALONE = "arrow pass alone"
+DECODING_ALONE = "decoding alone"
 #: The target: the pyarrow reader through EvenLoader, against petastorm's own loop, 1 process.
 TARGET_RATIO = 2.0
+#: Threads the pyarrow reader decodes in (its default), and the decoding-alone row too.
+READING_THREADS = 2
 _SAMPLE_S = 0.002
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -141,6 +150,7 @@ def variants_for(url: str, rank: int, world_size: int, config: BenchConfig) -> l
     from ddp_even.arrow.passes import make_shard_factory
 
     unshuffled = {"shuffle_row_groups": False}
+    threads = {"threads": READING_THREADS}
     shard = {"cur_shard": rank, "shard_count": world_size} if world_size > 1 else {}
 
     def petastorm_pass() -> Any:
@@ -155,11 +165,35 @@ def variants_for(url: str, rank: int, world_size: int, config: BenchConfig) -> l
             reader_kwargs=unshuffled,
             timeout=COLLECTIVE_TIMEOUT_S,
             engine=engine,  # type: ignore[arg-type]
+            **({"loader_kwargs": threads} if engine == "arrow" else {}),
         )
 
     _, arrow_passes = make_shard_factory(
-        url, rank, world_size, config.batch_size, reader_kwargs=unshuffled
+        url, rank, world_size, config.batch_size, reader_kwargs=unshuffled, loader_kwargs=threads
     )
+    row_groups = arrow_passes.dataset_plan.row_groups
+    storage = arrow_passes.dataset_plan.resolved.storage
+
+    def decoded_rows(group: int, columns: list[str]) -> int:
+        with storage.open_input_file(row_groups.files[row_groups.file_of[group]]) as source:
+            table = pq.ParquetFile(source).read_row_group(
+                int(row_groups.index_in_file[group]), columns=columns, use_threads=False
+            )
+        return table.num_rows
+
+    def decoding_pass() -> Iterator[Mapping[str, Any]]:
+        groups = arrow_passes.plan.row_groups_of(rank)
+        names = storage.read_footer(row_groups.files[0]).schema.to_arrow_schema().names
+        count = min(READING_THREADS, len(names))
+        parts = [names[index::count] for index in range(count)]
+        # As the reader reads: a pool per pass, each row group's columns in a part per thread.
+        with ThreadPoolExecutor(READING_THREADS) as pool:
+            reads = [pool.submit(decoded_rows, group, part) for group in groups for part in parts]
+            rows = sum(read.result() for read in reads) // count  # each part has every row
+        # Batches counted after the decoding (a few µs in all): the pass is decoding alone.
+        for start in range(0, rows, config.batch_size):
+            yield {"id": range(start, min(start + config.batch_size, rows))}
+
     loaders = {
         FROM_PARQUET_PETASTORM: planned("petastorm"),
         FROM_PARQUET_ARROW: planned("arrow"),
@@ -168,6 +202,7 @@ def variants_for(url: str, rank: int, world_size: int, config: BenchConfig) -> l
         Variant(PETASTORM, lambda: closing_pass(petastorm_pass)),
         *(Variant(name, _returning(loader)) for name, loader in loaders.items()),
         Variant(ARROW_ALONE, lambda: _closed_after(arrow_passes())),
+        Variant(DECODING_ALONE, decoding_pass),
     ]
 
 

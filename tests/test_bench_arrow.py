@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.bench_arrow import (
     ARROW_ALONE,
+    DECODING_ALONE,
     FROM_PARQUET_ARROW,
     FROM_PARQUET_PETASTORM,
     PETASTORM,
@@ -23,7 +24,7 @@ from benchmarks.ranks import run_on_ranks
 pytestmark = [pytest.mark.petastorm, pytest.mark.multirank]
 
 CONFIG = BenchConfig(dataset=DatasetShape(2, 4_000, 1_000), batch_size=256, repeats=1)
-VARIANTS = {PETASTORM, FROM_PARQUET_PETASTORM, FROM_PARQUET_ARROW, ARROW_ALONE}
+VARIANTS = {PETASTORM, FROM_PARQUET_PETASTORM, FROM_PARQUET_ARROW, ARROW_ALONE, DECODING_ALONE}
 
 
 @pytest.mark.timeout(240)
