@@ -174,21 +174,30 @@ def variants_for(url: str, rank: int, world_size: int, config: BenchConfig) -> l
     row_groups = arrow_passes.dataset_plan.row_groups
     storage = arrow_passes.dataset_plan.resolved.storage
 
-    def decoded_rows(group: int, columns: list[str]) -> int:
+    def decoded_rows(group: int, columns: list[str], footer: pq.FileMetaData) -> int:
         with storage.open_input_file(row_groups.files[row_groups.file_of[group]]) as source:
-            table = pq.ParquetFile(source).read_row_group(
+            table = pq.ParquetFile(source, metadata=footer).read_row_group(
                 int(row_groups.index_in_file[group]), columns=columns, use_threads=False
             )
         return table.num_rows
 
     def decoding_pass() -> Iterator[Mapping[str, Any]]:
         groups = arrow_passes.plan.row_groups_of(rank)
-        names = storage.read_footer(row_groups.files[0]).schema.to_arrow_schema().names
+        # As the reader reads: each file's footer once a pass, a pool per pass, each row
+        # group's columns in a part per thread.
+        footers = {
+            file: storage.read_footer(row_groups.files[file])
+            for file in {int(row_groups.file_of[group]) for group in groups}
+        }
+        names = footers[int(row_groups.file_of[groups[0]])].schema.to_arrow_schema().names
         count = min(READING_THREADS, len(names))
         parts = [names[index::count] for index in range(count)]
-        # As the reader reads: a pool per pass, each row group's columns in a part per thread.
         with ThreadPoolExecutor(READING_THREADS) as pool:
-            reads = [pool.submit(decoded_rows, group, part) for group in groups for part in parts]
+            reads = [
+                pool.submit(decoded_rows, group, part, footers[int(row_groups.file_of[group])])
+                for group in groups
+                for part in parts
+            ]
             rows = sum(read.result() for read in reads) // count  # each part has every row
         # Batches counted after the decoding (a few µs in all): the pass is decoding alone.
         for start in range(0, rows, config.batch_size):
