@@ -72,6 +72,23 @@ class HostedStore:
     def signal(self, number: int) -> None:
         os.kill(self._process.pid, number)
 
+    def freeze(self) -> None:
+        """SIGSTOP the server's process, returning once every thread of it has stopped: until
+        the thread the signal went to is scheduled, the others (the store's server among them)
+        still run, and on a busy machine still answer."""
+        self.signal(signal.SIGSTOP)
+        tasks = f"/proc/{self._process.pid}/task"
+        deadline = time.monotonic() + 10
+        while not all(_state(f"{tasks}/{task}/stat") == "T" for task in os.listdir(tasks)):
+            assert time.monotonic() < deadline, "the store's process did not stop within 10 s"
+            time.sleep(0.001)
+
+
+def _state(stat_path: str) -> str:
+    """A thread's state letter in /proc (``T``: stopped by a signal)."""
+    with open(stat_path) as stat:
+        return stat.read().rpartition(")")[2].split()[0]
+
 
 @pytest.mark.timeout(60)
 def test_no_connection_is_made_to_a_store_whose_server_is_gone() -> None:
@@ -118,7 +135,7 @@ def test_a_store_that_stops_answering_is_silent_from_the_unanswered_question() -
     hosted = HostedStore()
     watch = Watch(hosted.job_store)
     assert watch.look([1]) is not None
-    hosted.signal(signal.SIGSTOP)
+    hosted.freeze()
     try:
         asked = time.monotonic()
         assert watch.look([1]) is None
