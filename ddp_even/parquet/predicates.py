@@ -16,8 +16,10 @@ what is read.
 
 from __future__ import annotations
 
+import ctypes
 import posixpath
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,31 +42,134 @@ def is_expression(predicate: Any) -> bool:
 def predicate_fields(predicate: Any, schema: pa.Schema) -> list[str]:
     """The columns ``predicate`` reads, in ``schema``'s order.
 
-    An expression does not list its fields (pyarrow has no public way to): the columns whose
-    names its text mentions are taken, and if it cannot be evaluated on those alone, all.
+    An expression's fields are read from the expression itself (its serialized form lists
+    each field reference by name). A positional reference (``pc.field(1)``) means column 1 of
+    the table it is evaluated on, so the columns before it are kept too: evaluated on the
+    columns returned here, in this order, it sees the column it names in ``schema``. Names
+    ``schema`` lacks are kept (last) for the caller to name; an expression whose fields cannot
+    be told reads every column, which is slower, never wrong.
 
     Example:
         >>> schema = pa.schema([("id", pa.int64()), ("label", pa.int64()), ("x", pa.float32())])
         >>> predicate_fields(pc.field("label") == 1, schema)
         ['label']
+        >>> predicate_fields(pc.field(1) == 1, schema)  # column 1: label, read where it is
+        ['id', 'label']
         >>> predicate_fields(pc.field("lable") == 1, schema)  # the caller names what is missing
         ['lable']
     """
     if not is_expression(predicate):
         return sorted(predicate.get_fields())
-    text = str(predicate)
-    mentioned = [name for name in schema.names if name in text]
+    names = _referenced_names(predicate)
+    if names is None:  # positional references
+        return _positional_fields(predicate, schema)
+    known = [name for name in schema.names if name in names]
+    unknown = [name for name in dict.fromkeys(names) if name not in schema.names]
+    if unknown or _binds(predicate, schema, known):
+        return [*known, *unknown]
+    return list(schema.names)
+
+
+def _positional_fields(predicate: pc.Expression, schema: pa.Schema) -> list[str]:
+    """The columns up to the last position ``predicate`` refers to, if it evaluates on those
+    alone (a name it also refers to may lie further): else every column."""
+    # str() prints a positional reference as FieldPath(i j ...): i is the top-level column.
+    positions = [int(found) for found in re.findall(r"FieldPath\((\d+)", str(predicate))]
+    last = max(positions, default=len(schema) - 1)
+    prefix = list(schema.names[: last + 1])
+    return prefix if _binds(predicate, schema, prefix) else list(schema.names)
+
+
+def _binds(predicate: pc.Expression, schema: pa.Schema, names: list[str]) -> bool:
+    """Whether ``predicate`` evaluates on ``schema``'s columns ``names`` alone, in its order."""
     try:
-        kept_mask(predicate, schema.empty_table().select(mentioned))
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, KeyError) as error:
-        # A field the schema lacks: named, so that the caller's check says which is missing.
-        unknown = [
-            name
-            for name in re.findall(r"FieldRef\.Name\(([^)]*)\)", str(error))
-            if name not in schema.names
-        ]
-        return [*mentioned, *unknown] if unknown else list(schema.names)
-    return mentioned
+        kept_mask(predicate, schema.empty_table().select(names))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, KeyError):
+        return False
+    return True
+
+
+def _referenced_names(predicate: pc.Expression) -> list[str] | None:
+    """The top-level column of each field reference in ``predicate``, by name; None when it
+    has a positional one (which pyarrow does not serialize).
+
+    pyarrow has no public list of an expression's fields, but serializes it (to pickle it) as
+    an Arrow IPC file whose schema metadata walks the expression: ``field_ref`` for a named
+    reference, ``nested_field_ref: k`` before the ``k`` parts of a nested one (``pc.field("s",
+    "x")``), whose first part is the column. The keys repeat, so they are read in order through
+    the Arrow C data interface (``Schema.metadata`` keeps one value per key).
+    """
+    import pyarrow.ipc
+
+    try:
+        serialized = predicate.__reduce__()[1][0]
+    except pa.ArrowNotImplementedError:  # "Serialization of non-name field_refs"
+        return None
+    pairs = iter(_metadata_pairs(pyarrow.ipc.open_file(serialized).schema))
+    names = []
+    for key, value in pairs:
+        if key in (b"field_ref", b"nested_field_ref"):
+            names.append(_reference_path(pairs, key, value)[0])
+    return names
+
+
+def _reference_path(pairs: Iterator[tuple[bytes, bytes]], key: bytes, value: bytes) -> list[str]:
+    """The names of one field reference that starts with ``key: value``, its parts read on."""
+    if key == b"field_ref":
+        return [value.decode()]
+    path: list[str] = []
+    for _ in range(int(value)):
+        path.extend(_reference_path(pairs, *next(pairs)))
+    return path
+
+
+class _ArrowSchema(ctypes.Structure):
+    """The Arrow C data interface's ``struct ArrowSchema`` (a stable ABI)."""
+
+    _fields_ = [  # ctypes reads this class attribute
+        ("format", ctypes.c_char_p),
+        ("name", ctypes.c_char_p),
+        ("metadata", ctypes.c_void_p),
+        ("flags", ctypes.c_int64),
+        ("n_children", ctypes.c_int64),
+        ("children", ctypes.c_void_p),
+        ("dictionary", ctypes.c_void_p),
+        ("release", ctypes.c_void_p),
+        ("private_data", ctypes.c_void_p),
+    ]
+
+
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
+
+
+def _metadata_pairs(schema: pa.Schema) -> list[tuple[bytes, bytes]]:
+    """``schema``'s metadata as its key-value pairs, in order, repeated keys included.
+
+    The C data interface encodes them as an int32 count, then each key and value as an int32
+    length and its bytes; the capsule releases the exported schema when it is collected.
+    """
+    capsule = schema.__arrow_c_schema__()
+    exported = _ArrowSchema.from_address(_capsule_pointer(capsule, b"arrow_schema"))
+    address = exported.metadata
+    if not address:
+        return []
+
+    def read_int32() -> int:
+        nonlocal address
+        value = int(ctypes.c_int32.from_address(address).value)
+        address += 4
+        return value
+
+    def read_bytes() -> bytes:
+        nonlocal address
+        length = read_int32()
+        value = ctypes.string_at(address, length)
+        address += length
+        return value
+
+    return [(read_bytes(), read_bytes()) for _ in range(read_int32())]
 
 
 def kept_mask(predicate: Any, table: pa.Table) -> npt.NDArray[np.bool_]:
