@@ -2,9 +2,11 @@
 
 Numbers and booleans become tensors of their own dtype (integers with nulls become float64 with
 NaN, as pandas and petastorm give them; booleans with nulls float32), without a copy where
-pyarrow hands out one contiguous buffer; times and dates become int64 tensors in their unit;
-anything else (strings, binary, lists, structs) a Python list. A batch inside one row group is a
-slice of its tensors (a view); one across two row groups is concatenated.
+pyarrow hands out one contiguous buffer; dates, times, timestamps and durations become int64
+tensors in their unit, a null as :data:`NULL_TIME`, in every row group alike; dictionaries
+their values; anything else (decimals, strings, binary, lists, structs, maps, intervals) a
+Python list. A batch inside one row group is a slice of its tensors (a view); one across two
+row groups is concatenated. docs/using.md has the table of every type.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-__all__ = ["BatchCutter", "Columns", "concatenated", "sliced", "to_columns"]
+__all__ = ["NULL_TIME", "BatchCutter", "Columns", "concatenated", "sliced", "to_columns"]
 
 #: A batch (or a row group): each column's values, a tensor or a list.
 Columns = dict[str, Any]
+
+#: What a null date, time, timestamp or duration holds in its int64 tensor: the smallest int64,
+#: numpy's and pandas' NaT (``tensor.numpy().view("datetime64[ns]")`` shows it as NaT). A float
+#: with NaN would hold a nanosecond timestamp only to the nearest 128 ns or so.
+NULL_TIME = int(np.iinfo(np.int64).min)
 
 # Batches cut at once: few enough that they are handed out before Python's next young
 # collection (about 700 new objects; a batch is 1 + one per column), enough that each
@@ -53,9 +60,8 @@ def _column(column: pa.ChunkedArray) -> Any:
     if pa.types.is_dictionary(kind):
         column = column.cast(kind.value_type)
         kind = column.type
-    if pa.types.is_temporal(kind):
-        column = column.cast(pa.int64())
-        kind = column.type
+    if _is_time(kind):
+        return torch.from_numpy(_time_values(column))
     numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind)
     if not numeric and not pa.types.is_boolean(kind):
         return column.to_pylist()
@@ -69,6 +75,28 @@ def _column(column: pa.ChunkedArray) -> Any:
     if values.dtype == np.dtype(object):  # pyarrow left something torch cannot hold
         return column.to_pylist()
     return torch.from_numpy(values)
+
+
+def _is_time(kind: pa.DataType) -> bool:
+    """Dates, times, timestamps and durations: one integer each (intervals are not)."""
+    return bool(
+        pa.types.is_date(kind)
+        or pa.types.is_time(kind)
+        or pa.types.is_timestamp(kind)
+        or pa.types.is_duration(kind)
+    )
+
+
+def _time_values(column: pa.ChunkedArray) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """A time column's integers in its own unit, int64 whatever its nulls (a null is
+    :data:`NULL_TIME`), so that every row group of it gives the same dtype."""
+    kind = column.type
+    # date32 and time32 hold 32-bit integers, which pyarrow casts only to int32: then widened.
+    narrow = pa.types.is_date32(kind) or pa.types.is_time32(kind)
+    integers = column.cast(pa.int32()).cast(pa.int64()) if narrow else column.cast(pa.int64())
+    if integers.null_count:
+        integers = integers.fill_null(NULL_TIME)
+    return np.asarray(integers.to_numpy(), dtype=np.int64)
 
 
 def sliced(columns: Columns, start: int, stop: int) -> Columns:
