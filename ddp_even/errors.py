@@ -175,41 +175,66 @@ class ShardCoverageError(EvenLoaderError, ValueError):
 
 
 class StateMismatchError(EvenLoaderError, ValueError):
-    """A loader state does not fit the loader it was loaded into: it was saved by a loop that
-    read other data, or in another order (``differ`` names the settings), or one of the two
-    loops cannot tell what it read (``untold`` names the settings hidden, and what hides them).
+    """A loader state does not fit the loader it was loaded into: it was saved by a loop with
+    other settings (``settings``: each one that differs, with its value there and here where
+    it has one to show), that read other data or in another order (``differ`` names every
+    field that differs, settings included), or one of the two loops cannot tell what it read
+    (``untold`` names the settings hidden, and what hides them).
 
     Raised on every rank before the first step of the resumed epoch; nothing was read for it.
-    ``load_state_dict(state, strict=False)`` resumes anyway (docs/resume.md).
+    ``load_state_dict(state, strict=False)`` resumes anyway where only what was read differs
+    (docs/resume.md); a state whose settings differ (its steps are other steps) never loads.
 
     Example::
 
         >>> print(StateMismatchError(["seed"], {}))
         the loader state was saved by a loader whose seed differs from this one's: the rows ...
+        >>> print(StateMismatchError([], {}, settings={"batch_size": ("8", "4")}))
+        the loader state was saved by a loader with other settings (batch_size=8) than this ...
     """
 
-    def __init__(self, differ: Sequence[str], untold: Mapping[str, str]) -> None:
-        self.differ = tuple(differ)
+    def __init__(
+        self,
+        differ: Sequence[str],
+        untold: Mapping[str, str],
+        *,
+        settings: Mapping[str, tuple[str, str] | None] | None = None,
+    ) -> None:
+        self.settings = dict(settings or {})
+        self.differ = tuple(dict.fromkeys([*self.settings, *differ]))
         self.untold = dict(untold)
+        shown = {name: values for name, values in self.settings.items() if values is not None}
+        others = [name for name in self.differ if name not in shown]
         found = []
-        if differ:
-            verb = "differs" if len(differ) == 1 else "differ"
-            found.append(
-                f"the loader state was saved by a loader whose {', '.join(differ)} {verb} "
-                "from this one's: the rows it had read, and their order, were other rows"
-            )
+        said = "the loader state was saved by a loader"
+        if shown:
+            there = ", ".join(f"{name}={values[0]}" for name, values in shown.items())
+            here = ", ".join(f"{name}={values[1]}" for name, values in shown.items())
+            said += f" with other settings ({there}) than this one ({here})"
+        if others:
+            verb = "differs" if len(others) == 1 else "differ"
+            said += f"{', and' if shown else ''} whose {', '.join(others)} {verb}"
+            said += " too" if shown else " from this one's"
+            # True whatever differs (another reader may read the same rows, or not).
+            said += ": the rows it had read by its step may not be the rows this one reads by then"
+        if shown or others:
+            found.append(said)
         if untold:
             hidden = "; ".join(f"{name}: {why}" for name, why in self.untold.items())
             found.append(
                 "whether the loop that saved the state read the same rows in the same order "
                 f"cannot be told ({hidden})"
             )
-        super().__init__(
-            f"{'; and '.join(found)}. Build the loader as it was built when the state was saved "
-            "(the same data, reader settings, predicate and batch size), start the next epoch "
-            "with loader.set_epoch(epoch + 1), or resume anyway with "
-            "load_state_dict(state, strict=False)"
+        advice = (
+            "Build the loader as it was built when the state was saved (the same data, reader "
+            "settings, predicate and batch size), start the next epoch with "
+            "loader.set_epoch(epoch + 1)"
         )
+        if not self.settings:
+            advice += ", or resume anyway with load_state_dict(state, strict=False)"
+        else:
+            advice = advice.replace(", start the next", ", or start the next")
+        super().__init__(f"{'; and '.join(found)}. {advice}")
 
 
 class PeerTimeoutError(EvenLoaderError):

@@ -35,7 +35,7 @@ def test_the_state_is_plain_data_and_round_trips() -> None:
     next(epoch), next(epoch)
     state = loader.state_dict()
     assert json.loads(json.dumps(state)) == state  # ints and strings only
-    assert state["version"] == 3 and state["epoch"] == 0 and state["step"] == 2
+    assert state["version"] == 4 and state["epoch"] == 0 and state["step"] == 2
     assert state["provenance"] is None, "a list: nothing known of where its batches come from"
     assert state["world_size"] == 1 and state["rank"] == 0
     resumed = _loader()

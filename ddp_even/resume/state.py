@@ -26,6 +26,12 @@ from ddp_even.planning.provenance import Provenance
 from ddp_even.planning.sharding import SHARDINGS
 from ddp_even.runtime.environment import rank_and_world_size
 from ddp_even.runtime.epoch_shape import EpochStart
+from ddp_even.runtime.settings import (
+    PLAN_FIELDS,
+    ROWS_PER_RANK,
+    differing_settings,
+    settings_fields,
+)
 from ddp_even.sources import PlannedSource, ShardSource, as_source
 
 if TYPE_CHECKING:
@@ -39,8 +45,9 @@ logger = logging.getLogger("ddp_even")
 #: What the ``format`` key of every loader state says.
 STATE_FORMAT = "ddp_even.EvenLoader"
 # Raised when what the state holds, or what it means, changes (3: what a wrapped loop's first
-# pass read, from the reader itself).
-_VERSION = 3
+# pass read, from the reader itself; 4: settings as fields, a plan's sharding, batch size and
+# rows per rank each one).
+_VERSION = 4
 
 
 def saved_state(
@@ -125,11 +132,7 @@ def resume_point(
             "epoch again"
         )
     if state.get("settings") != settings:
-        raise ValueError(
-            f"the loader state was saved by a loader with other settings "
-            f"({state.get('settings')}) than this one ({settings}): build the EvenLoader as it "
-            "was built when the state was saved"
-        )
+        raise _settings_mismatch(state, settings, provenance)
     if state.get("world_size") != world_size:
         raise ValueError(
             f"the loader state was saved on {state.get('world_size')} ranks, and this job has "
@@ -171,7 +174,8 @@ def check_provenance(
         error = StateMismatchError((), {"data": "this loader's source cannot tell"})
     else:
         before = Provenance.from_dict(saved)
-        differ, untold = before.compare(provenance)
+        _, untold = before.compare(provenance)
+        differ = _differing_parts(before, provenance)
         hidden = {**before.untold(), **provenance.untold()}
         if not differ and not untold:
             return
@@ -180,6 +184,45 @@ def check_provenance(
         raise error
     if rank == 0:
         logger.warning("ddp_even: resuming anyway (load_state_dict(strict=False)): %s", error)
+
+
+def _settings_mismatch(
+    state: Mapping[str, Any], settings: str, provenance: Provenance | None
+) -> StateMismatchError:
+    """A state saved with other settings: each setting that differs, with its value there and
+    here (a digest only named), and what else differs in what was read, where both tell."""
+    differing = differing_settings(str(state.get("settings")), settings)
+    shown: dict[str, tuple[str, str] | None] = {
+        name: None if name == ROWS_PER_RANK else (there or "(none)", here or "(none)")
+        for name, (there, here) in differing.items()
+        if name not in PLAN_FIELDS or None not in (there, here)
+    }
+    planned = [values for name, values in differing.items() if name in PLAN_FIELDS]
+    if any(None in values for values in planned):
+        # One of the two loaders has a shard plan, the other none: that is the difference.
+        plans = [_plan_of(description) for description in (str(state.get("settings")), settings)]
+        shown = {"plan": (plans[0], plans[1]), **shown}
+    saved = state.get("provenance")
+    differ = (
+        _differing_parts(Provenance.from_dict(saved), provenance)
+        if isinstance(saved, Mapping) and provenance is not None
+        else []
+    )
+    return StateMismatchError(differ, {}, settings=shown)
+
+
+def _plan_of(description: str) -> str:
+    fields = settings_fields(description)
+    if "sharding" not in fields:
+        return "(none)"
+    return f"(sharding={fields['sharding']} batch_size={fields.get('batch_size')})"
+
+
+def _differing_parts(before: Provenance, now: Provenance) -> list[str]:
+    """The parts of two provenances that differ; only ``reader`` when the readers differ,
+    since another reader's parts mean other things (and some it does not have at all)."""
+    differ, _ = before.compare(now)
+    return ["reader"] if "reader" in differ else differ
 
 
 def provenance_of(planned: PlannedSource | None, reading: PassReading | None) -> Provenance | None:

@@ -1,5 +1,9 @@
 """What every rank of an epoch must agree on before its first step: the loader's settings, and
-a digest of them that each agreement carries (``agreement/wire.py``'s key)."""
+a digest of them that each agreement carries (``agreement/wire.py``'s key).
+
+The settings are described in one line of ``name=value`` fields (a saved state keeps it), so
+that a state saved with other settings is refused naming each field that differs
+(:func:`differing_settings`)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,39 @@ from ddp_even.runtime.source_checks import CHECK_EVERY
 
 if TYPE_CHECKING:
     from ddp_even.planning.plans import ShardPlan
+
+
+#: The field of a description that holds a digest: named when it differs, never shown.
+ROWS_PER_RANK = "rows_per_rank"
+#: The fields a loader with a shard plan has, and one without has not.
+PLAN_FIELDS = ("sharding", "batch_size", ROWS_PER_RANK)
+
+
+def differing_settings(saved: str, current: str) -> dict[str, tuple[str | None, str | None]]:
+    """The fields of two :attr:`Settings.description` lines that differ, in ``saved``'s order
+    then ``current``'s, with their values in each (None: that one has no such field).
+
+    Example:
+        >>> differing_settings(
+        ...     "mode=pad steps_per_epoch=None sync_every=epoch sharding=rows batch_size=8",
+        ...     "mode=pad steps_per_epoch=None sync_every=epoch sharding=rows batch_size=4",
+        ... )
+        {'batch_size': ('8', '4')}
+    """
+    before, now = settings_fields(saved), settings_fields(current)
+    names = [*before, *(name for name in now if name not in before)]
+    return {
+        name: (before.get(name), now.get(name))
+        for name in names
+        if before.get(name) != now.get(name)
+    }
+
+
+def settings_fields(description: str) -> dict[str, str]:
+    """The ``name=value`` fields of a :attr:`Settings.description` line."""
+    # Values hold no spaces: names, numbers, None, digests.
+    pairs = (word.split("=", 1) for word in description.split() if "=" in word)
+    return {name: value for name, value in pairs}
 
 
 @dataclass(frozen=True)
@@ -48,9 +85,13 @@ class Settings:
             described += f" checks_every={CHECK_EVERY << self.check_spacing}"
         if self.plan is not None:
             plan = self.plan
-            identity = (plan.sharding, plan.rows_per_rank, plan.batches_per_rank, plan.batch_size)
-            digest = hashlib.blake2b(repr(identity).encode(), digest_size=4)
-            described += f" plan={digest.hexdigest()}"
+            # Every rank's rows, digested (a list as long as the ranks): the batches per rank
+            # follow from them and the batch size, which is a field of its own.
+            digest = hashlib.blake2b(repr(plan.rows_per_rank).encode(), digest_size=4)
+            described += (
+                f" sharding={plan.sharding} batch_size={plan.batch_size} "
+                f"{ROWS_PER_RANK}={digest.hexdigest()}"
+            )
         return described
 
     @functools.cached_property
