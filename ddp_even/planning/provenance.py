@@ -9,12 +9,13 @@ reused count can be checked where it is used and a mismatch named in one line.
 
 :func:`code_identity` digests code by what it does, not by where it lives: a function's
 bytecode, constants and names, its defaults, the values its closure holds, and the globals it
-reads (functions among them recursively, modules by name). A mutable global (a list the
-function appends to, a counter, a logger) counts by its type only, since it changes while the
-job runs: data that decides what a predicate keeps belongs in a default, a closure or an
-immutable global. Pickling by reference (what ``dill`` does for a function defined in an
-importable module) would miss an edit to that function; line numbers, comments and formatting
-do not change the identity.
+reads (functions among them recursively, modules by name); an object by its state and the
+code of the methods it is called by and of those they reach through ``self``. A mutable global
+(a list the function appends to, a counter, a logger) counts by its type only, since it
+changes while the job runs: data that decides what a predicate keeps belongs in a default, a
+closure or an immutable global. Pickling by reference (what ``dill`` does for a function
+defined in an importable module) would miss an edit to that function; line numbers, comments
+and formatting do not change the identity.
 """
 
 from __future__ import annotations
@@ -189,18 +190,16 @@ def _global_names(code: types.CodeType) -> set[str]:
 
 
 def _object_identity(obj: Any, seen: set[int], depth: int) -> bytes:
-    """An instance: its class, its state, and the code of its ``__call__`` if it has one."""
+    """An instance: its class, its state, and the code of the methods it is called by
+    (``__call__``; a petastorm predicate's ``do_include`` and ``get_fields``) and of every
+    method of its class those reach through ``self``."""
     parts = [b"object:" + _name_of(type(obj))]
     state = _state_of(obj)
     if state is not None:
         parts.append(_identity(state, seen, depth))
-    # The class's own __call__ or the nearest base's (not type's, which every class has).
-    call = next(
-        (vars(base)["__call__"] for base in type(obj).__mro__ if "__call__" in vars(base)), None
-    )
-    if isinstance(call, types.FunctionType):
-        parts.append(_function_identity(call, seen, depth))
-    if state is None and not isinstance(call, types.FunctionType):
+    methods = _methods_identity(type(obj), seen, depth)
+    parts.extend(methods)
+    if state is None and not methods:
         # A C object: what it holds is what pickling it keeps (an itemgetter its keys), where
         # it pickles; one that does not (a lock, a ufunc made by frompyfunc) cannot be told
         # from another of its type.
@@ -212,6 +211,48 @@ def _object_identity(obj: Any, seen: set[int], depth: int) -> bytes:
                 f"its state, and does not pickle ({error})"
             ) from error
     return b"|".join(parts)
+
+
+# The methods an object is called by: any callable's __call__, and petastorm's predicate
+# protocol (its reader calls get_fields, then do_include on every row group).
+_ENTRY_METHODS = ("__call__", "do_include", "get_fields")
+
+
+def _methods_identity(cls: type, seen: set[int], depth: int) -> list[bytes]:
+    """The code of ``cls``'s entry methods and of every method, property or static method of
+    ``cls`` they reach by name (``self.helper()``, ``super().do_include()``), each definition
+    along the MRO (an override and what it overrides), named by where it is defined.
+
+    Reached by name: any attribute a method's code loads (its ``co_names``, nested code
+    included) that the class defines, so an edit to a helper a predicate calls changes it.
+    """
+    found: dict[bytes, bytes] = {}
+    wanted = list(_ENTRY_METHODS)
+    followed: set[str] = set()
+    while wanted:
+        name = wanted.pop()
+        if name in followed:
+            continue
+        followed.add(name)
+        for base in cls.__mro__:
+            if base is object:
+                continue
+            for function in _functions_of(vars(base).get(name)):
+                where = _name_of(base) + b"." + name.encode()
+                found[where] = _function_identity(function, seen, depth)
+                wanted.extend(_global_names(function.__code__) - followed)
+    return [where + b"=" + code for where, code in sorted(found.items())]
+
+
+def _functions_of(attribute: Any) -> list[types.FunctionType]:
+    """The Python functions behind a class attribute: a method, a static or class method, a
+    property's accessors; none for anything else (a value, a C method)."""
+    if isinstance(attribute, staticmethod | classmethod):
+        attribute = attribute.__func__
+    if isinstance(attribute, property):
+        accessors = [attribute.fget, attribute.fset, attribute.fdel]
+        return [accessor for accessor in accessors if isinstance(accessor, types.FunctionType)]
+    return [attribute] if isinstance(attribute, types.FunctionType) else []
 
 
 def _state_of(obj: Any) -> dict[str, Any] | None:
