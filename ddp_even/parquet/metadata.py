@@ -54,7 +54,7 @@ from ddp_even.storage import (
     resolve_dataset,
 )
 
-__all__ = ["changed_row_groups", "footer_digest", "read_row_groups"]
+__all__ = ["changed_row_groups", "check_one_schema", "footer_digest", "read_row_groups"]
 
 _Item = TypeVar("_Item")
 _Result = TypeVar("_Result")
@@ -262,6 +262,7 @@ class MetadataReader:
     def from_footers(self, paths: list[str], listed: bool) -> RowGroups:
         footers = self.read_footers(paths, listed)
         sizes = [_footer_sizes(footer) for footer in footers]
+        check_one_schema(paths, footers, self.storage.url)
         return _build(paths, sizes, "footers", self.storage, footers)
 
     def from_row_group_counts(
@@ -296,6 +297,7 @@ class MetadataReader:
                     f"has {footer.num_row_groups}: regenerate the metadata"
                 )
             sizes.append(_footer_sizes(footer)[:count])
+        check_one_schema([path for path, _ in files_and_counts], footers, url)
         return _build(
             [path for path, _ in files_and_counts],
             sizes,
@@ -303,6 +305,59 @@ class MetadataReader:
             self.storage,
             footers,
         )
+
+
+def check_one_schema(
+    paths: Sequence[str], footers: Sequence[pq.FileMetaData], url: Callable[[str], str]
+) -> None:
+    """:class:`DatasetError` naming two files and the columns they differ in, unless every file
+    with rows has the columns of the first (by name and type, in any order).
+
+    A batch has one set of columns: files that differ would give batches whose keys change
+    mid-epoch, or a ``KeyError`` there. Every rank reads the same footers, so every rank
+    raises the same error before the first step.
+    """
+    with_rows = [
+        (path, footer)
+        for path, footer in zip(paths, footers, strict=True)
+        if footer.num_rows > 0  # a file without rows gives no batch
+    ]
+    if not with_rows:
+        return
+    first_path, first_footer = with_rows[0]
+    first = (first_path, _columns(first_footer))
+    for path, footer in with_rows[1:]:
+        if footer.schema.equals(first_footer.schema):
+            continue  # the same Parquet schema: the same columns (the common case, cheap)
+        differences = _column_differences(first, (path, _columns(footer)), url)
+        if differences:
+            raise DatasetError(
+                f"{url(first_path)} and {url(path)} have different columns ({differences}): "
+                "batches need one set of columns; write every file of the dataset with the "
+                "same columns and types, or read the files that share them as a list"
+            )
+
+
+def _columns(footer: pq.FileMetaData) -> dict[str, pa.DataType]:
+    return {field.name: field.type for field in footer.schema.to_arrow_schema()}
+
+
+def _column_differences(
+    first: tuple[str, dict[str, pa.DataType]],
+    other: tuple[str, dict[str, pa.DataType]],
+    url: Callable[[str], str],
+) -> str:
+    """What two files' columns differ in, column by column; empty when they do not."""
+    (first_path, ours), (other_path, theirs) = first, other
+    said = []
+    for name in [*ours, *(name for name in theirs if name not in ours)]:
+        if name not in theirs:
+            said.append(f"{name} only in {posixpath.basename(url(first_path))}")
+        elif name not in ours:
+            said.append(f"{name} only in {posixpath.basename(url(other_path))}")
+        elif ours[name] != theirs[name]:
+            said.append(f"{name} is {ours[name]} in one, {theirs[name]} in the other")
+    return "; ".join(said)
 
 
 def _raise_first_failure(futures: list[Future[Any]], done: set[Future[Any]]) -> None:
