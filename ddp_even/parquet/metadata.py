@@ -54,7 +54,13 @@ from ddp_even.storage import (
     resolve_dataset,
 )
 
-__all__ = ["changed_row_groups", "check_one_schema", "footer_digest", "read_row_groups"]
+__all__ = [
+    "changed_files",
+    "changed_row_groups",
+    "check_one_schema",
+    "footer_digest",
+    "read_row_groups",
+]
 
 _Item = TypeVar("_Item")
 _Result = TypeVar("_Result")
@@ -103,9 +109,11 @@ def changed_row_groups(
 ) -> str | None:
     """Which of row groups ``indices`` no longer have the rows ``planned`` lists, or None.
 
-    Reads again the footers of the files holding them (in parallel, as planning does) and
-    returns a sentence naming the first row group whose file now has a different number of
-    rows in it, or too few row groups; None when all of them match.
+    Lists the dataset again (:func:`changed_files`: a file added or removed changes every
+    rank's plan), reads again the footers of the files holding them (in parallel, as planning
+    does) and returns a sentence naming the file added or gone, or the first row group whose
+    file now has a different number of rows in it, or too few row groups; None when all of
+    them match.
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
@@ -119,6 +127,9 @@ def changed_row_groups(
         >>> print(changed_row_groups(resolved, planned, [0, 2]))
         row group 2 (.../a.parquet #2) has 1 rows now, the plan counted 2
     """
+    files_changed = changed_files(resolved, planned)
+    if files_changed is not None:
+        return files_changed
     file_numbers = sorted({int(planned.file_of[index]) for index in indices})
     storage = resolved.storage
     if planned.file_stamps is not None:
@@ -154,6 +165,57 @@ def changed_row_groups(
             # Same rows per row group, other data: counts of a row predicate may be wrong now.
             return f"{path} was rewritten since it was planned (its footer changed)"
     return None
+
+
+def changed_files(resolved: ResolvedDataset, planned: RowGroups) -> str | None:
+    """A sentence naming a data file added to the dataset's directory since ``planned`` was
+    listed, or one gone from it; None when the directory holds the planned files.
+
+    The directory is listed again as planning lists it. A list of files has no other files; a
+    ``_metadata`` summary names the files read (one it does not name is not read, as when
+    planned). A new file without rows changes nothing (planning skips such files too).
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> root = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet")
+        >>> resolved = resolve_dataset(root)
+        >>> planned = read_row_groups(resolved)
+        >>> print(changed_files(resolved, planned))
+        None
+        >>> pq.write_table(pa.table({"x": [10, 11]}), f"{root}/b.parquet")
+        >>> print(changed_files(resolved, planned).rsplit("/", 1)[-1])
+        b.parquet was added to the dataset after it was planned (1 new file)
+    """
+    if resolved.is_list and len(resolved.paths) > 1:
+        return None
+    if planned.source == "_metadata" or tuple(planned.files) == tuple(resolved.paths):
+        return None  # the summary's files, or a single file
+    storage = resolved.storage
+    reader = MetadataReader(storage, None)
+    layout = DirectoryLayout.scan(
+        resolved.paths[0], storage, functools.partial(reader.map, report=False)
+    )
+    listed, planned_files = set(layout.data_files), set(planned.files)
+    gone = [path for path in planned.files if path not in listed]
+    if gone:
+        return f"{storage.url(gone[0])} is gone from the dataset since it was planned"
+    added = [path for path in layout.data_files if path not in planned_files]
+    if added:
+        added = [path for path in added if _has_rows(reader, path)]
+    if not added:
+        return None
+    count = f"{len(added)} new file{'s' if len(added) > 1 else ''}"
+    return f"{storage.url(added[0])} was added to the dataset after it was planned ({count})"
+
+
+def _has_rows(reader: MetadataReader, path: str) -> bool:
+    """Whether a file found since planning holds row groups (planning skipped one without);
+    a file that is not Parquet counts as new data too (planning would refuse it now)."""
+    try:
+        return bool(reader.read_footer(path).num_row_groups > 0)
+    except DatasetError:
+        return True
 
 
 class MetadataReader:
