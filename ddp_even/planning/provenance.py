@@ -322,7 +322,9 @@ class Provenance:
 
     def compare(self, other: Provenance) -> tuple[list[str], list[str]]:
         """``(differ, untold)``: the parts whose values differ from ``other``'s (or that only
-        one of the two has), and the parts that either cannot tell, each in order."""
+        one of the two has), and the parts that either cannot tell, each in order. When the
+        ``reader`` differs, it alone differs: another reader's parts mean other things (and
+        some it has not at all), so naming them would say what is not so."""
         ours, theirs = dict(self.parts), dict(other.parts)
         differ: list[str] = []
         untold: list[str] = []
@@ -332,7 +334,7 @@ class Provenance:
                 untold.append(name)
             elif values[0] != values[1]:
                 differ.append(name)
-        return differ, untold
+        return (["reader"] if "reader" in differ else differ), untold
 
     def untold(self) -> dict[str, str]:
         """The parts this provenance cannot tell, with what hides each."""

@@ -26,12 +26,7 @@ from ddp_even.planning.provenance import Provenance
 from ddp_even.planning.sharding import SHARDINGS
 from ddp_even.runtime.environment import rank_and_world_size
 from ddp_even.runtime.epoch_shape import EpochStart
-from ddp_even.runtime.settings import (
-    PLAN_FIELDS,
-    ROWS_PER_RANK,
-    differing_settings,
-    settings_fields,
-)
+from ddp_even.runtime.settings import mismatched_settings
 from ddp_even.sources import PlannedSource, ShardSource, as_source
 
 if TYPE_CHECKING:
@@ -174,8 +169,7 @@ def check_provenance(
         error = StateMismatchError((), {"data": "this loader's source cannot tell"})
     else:
         before = Provenance.from_dict(saved)
-        _, untold = before.compare(provenance)
-        differ = _differing_parts(before, provenance)
+        differ, untold = before.compare(provenance)
         hidden = {**before.untold(), **provenance.untold()}
         if not differ and not untold:
             return
@@ -189,40 +183,16 @@ def check_provenance(
 def _settings_mismatch(
     state: Mapping[str, Any], settings: str, provenance: Provenance | None
 ) -> StateMismatchError:
-    """A state saved with other settings: each setting that differs, with its value there and
-    here (a digest only named), and what else differs in what was read, where both tell."""
-    differing = differing_settings(str(state.get("settings")), settings)
-    shown: dict[str, tuple[str, str] | None] = {
-        name: None if name == ROWS_PER_RANK else (there or "(none)", here or "(none)")
-        for name, (there, here) in differing.items()
-        if name not in PLAN_FIELDS or None not in (there, here)
-    }
-    planned = [values for name, values in differing.items() if name in PLAN_FIELDS]
-    if any(None in values for values in planned):
-        # One of the two loaders has a shard plan, the other none: that is the difference.
-        plans = [_plan_of(description) for description in (str(state.get("settings")), settings)]
-        shown = {"plan": (plans[0], plans[1]), **shown}
+    """A state saved with other settings: each that differs, and what else differs in what was
+    read, where both loaders tell."""
     saved = state.get("provenance")
     differ = (
-        _differing_parts(Provenance.from_dict(saved), provenance)
+        Provenance.from_dict(saved).compare(provenance)[0]
         if isinstance(saved, Mapping) and provenance is not None
         else []
     )
+    shown = mismatched_settings(str(state.get("settings")), settings)
     return StateMismatchError(differ, {}, settings=shown)
-
-
-def _plan_of(description: str) -> str:
-    fields = settings_fields(description)
-    if "sharding" not in fields:
-        return "(none)"
-    return f"(sharding={fields['sharding']} batch_size={fields.get('batch_size')})"
-
-
-def _differing_parts(before: Provenance, now: Provenance) -> list[str]:
-    """The parts of two provenances that differ; only ``reader`` when the readers differ,
-    since another reader's parts mean other things (and some it does not have at all)."""
-    differ, _ = before.compare(now)
-    return ["reader"] if "reader" in differ else differ
 
 
 def provenance_of(planned: PlannedSource | None, reading: PassReading | None) -> Provenance | None:

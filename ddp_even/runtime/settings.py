@@ -45,6 +45,35 @@ def differing_settings(saved: str, current: str) -> dict[str, tuple[str | None, 
     }
 
 
+def mismatched_settings(saved: str, current: str) -> dict[str, tuple[str, str] | None]:
+    """Each field of two descriptions that differs, with its value there and here to show
+    (None for the rows per rank: a digest, named only); a plan that only one of the two has is
+    one field, ``plan``.
+
+    Example:
+        >>> mismatched_settings("mode=pad sync_every=1", "mode=pad sync_every=1 sharding=rows "
+        ...                     "batch_size=4 rows_per_rank=0a1b2c3d")
+        {'plan': ('(none)', '(sharding=rows batch_size=4)')}
+    """
+    differing = differing_settings(saved, current)
+    one_plan = any(None in values for name, values in differing.items() if name in PLAN_FIELDS)
+    shown: dict[str, tuple[str, str] | None] = {
+        name: None if name == ROWS_PER_RANK else (there or "(none)", here or "(none)")
+        for name, (there, here) in differing.items()
+        if not (one_plan and name in PLAN_FIELDS)
+    }
+    if one_plan:
+        shown = {"plan": (_plan_of(saved), _plan_of(current)), **shown}
+    return shown
+
+
+def _plan_of(description: str) -> str:
+    fields = settings_fields(description)
+    if "sharding" not in fields:
+        return "(none)"
+    return f"(sharding={fields['sharding']} batch_size={fields.get('batch_size')})"
+
+
 def settings_fields(description: str) -> dict[str, str]:
     """The ``name=value`` fields of a :attr:`Settings.description` line."""
     # Values hold no spaces: names, numbers, None, digests.
