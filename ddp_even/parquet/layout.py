@@ -1,5 +1,7 @@
 """What pyarrow 14's legacy ``ParquetManifest`` (which petastorm 0.12.1 uses) finds under a
-dataset directory: its data files in petastorm's order, and its summary files.
+dataset directory: its data files in petastorm's order, and its summary files; whether the
+files share one set of columns (as the legacy ``ParquetDataset`` validated them), and whether
+the directory still holds the files planned.
 
 A directory is walked level by level (every directory of a level listed at once: partitions
 are siblings): names starting with ``_`` or ``.``, ``*.crc`` and ``_SUCCESS`` are skipped,
@@ -9,9 +11,13 @@ hive partitions (``key=value``), and all data files are sorted by full path.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from ddp_even.errors import DatasetError
 
@@ -21,7 +27,20 @@ if TYPE_CHECKING:
 #: ``[list_directory(path) for path in paths]``, listed concurrently (the caller's pool).
 ListAll = Callable[[Callable[[str], Any], Sequence[str]], list[Any]]
 
-__all__ = ["DirectoryLayout"]
+__all__ = ["DirectoryLayout", "check_one_schema", "petastorm_too"]
+
+
+def petastorm_too(said: str) -> str:
+    """`` (said)`` where petastorm is installed, else nothing: a message compares with what
+    petastorm does only for those who have it (no import: only whether it can be found).
+
+    Example:
+        >>> petastorm_too("petastorm fails too") in ("", " (petastorm fails too)")
+        True
+    """
+    import importlib.util
+
+    return f" ({said})" if importlib.util.find_spec("petastorm") is not None else ""
 
 
 @dataclass(frozen=True)
@@ -62,16 +81,17 @@ class DirectoryLayout:
                 partitions = sorted(name for name in subdirectories if not _private_directory(name))
                 if level_files and partitions:
                     raise DatasetError(
-                        f"{url(directory)} holds both data files and subdirectories: petastorm "
-                        "cannot read that layout; move the files into a partition directory "
-                        "(key=value)"
+                        f"{url(directory)} holds both data files and subdirectories: a dataset "
+                        "directory holds either data files or hive partition directories"
+                        f"{petastorm_too('petastorm cannot read it either')}; move the files "
+                        "into a partition directory (key=value)"
                     )
                 for name in partitions:
                     if "=" not in name:
                         raise DatasetError(
                             f"{url(directory)}/{name} is not a hive partition directory "
-                            "(key=value): petastorm cannot read it; rename it or start its name "
-                            "with '_'"
+                            f"(key=value){petastorm_too('petastorm cannot read it')}: rename "
+                            "it, or start its name with '_' so that it is skipped"
                         )
                     next_level.append(f"{directory}/{name}")
                 data_files.extend(level_files)
@@ -80,8 +100,10 @@ class DirectoryLayout:
             if len(found) > 1:
                 raise DatasetError(
                     f"several {kind} files under {url(root)} "
-                    f"({', '.join(url(path) for path in sorted(found))}): petastorm would use an "
-                    "arbitrary one; keep only the one at the dataset root"
+                    f"({', '.join(url(path) for path in sorted(found))}): which holds the "
+                    "dataset's row groups is not known"
+                    f"{petastorm_too('petastorm would use an arbitrary one')}; keep only the "
+                    "one at the dataset root"
                 )
         if not data_files:
             raise DatasetError(f"{url(root)} holds no Parquet data files: check the path")
@@ -93,6 +115,75 @@ class DirectoryLayout:
             common_metadata_path=common_paths[0] if common_paths else None,
             stamps=stamps,
         )
+
+    def changed_since(
+        self, planned: Sequence[str], url: Callable[[str], str], has_rows: Callable[[str], bool]
+    ) -> str | None:
+        """A sentence naming a planned data file that is gone, or one added that
+        ``has_rows`` (planning skips a file without row groups); None when neither."""
+        listed, planned_files = set(self.data_files), set(planned)
+        gone = [path for path in planned if path not in listed]
+        if gone:
+            return f"{url(gone[0])} is gone from the dataset since it was planned"
+        added = [path for path in self.data_files if path not in planned_files]
+        added = [path for path in added if has_rows(path)]
+        if not added:
+            return None
+        count = f"{len(added)} new file{'s' if len(added) > 1 else ''}"
+        return f"{url(added[0])} was added to the dataset after it was planned ({count})"
+
+
+def check_one_schema(
+    paths: Sequence[str], footers: Sequence[pq.FileMetaData], url: Callable[[str], str]
+) -> None:
+    """:class:`DatasetError` naming two files and the columns they differ in, unless every file
+    with rows has the columns of the first (by name and type, in any order).
+
+    A batch has one set of columns: files that differ would give batches whose keys change
+    mid-epoch, or a ``KeyError`` there. Every rank reads the same footers, so every rank
+    raises the same error before the first step.
+    """
+    with_rows = [
+        (path, footer)
+        for path, footer in zip(paths, footers, strict=True)
+        if footer.num_rows > 0  # a file without rows gives no batch
+    ]
+    if not with_rows:
+        return
+    first_path, first_footer = with_rows[0]
+    first = (first_path, _columns(first_footer))
+    for path, footer in with_rows[1:]:
+        if footer.schema.equals(first_footer.schema):
+            continue  # the same Parquet schema: the same columns (the common case, cheap)
+        differences = _column_differences(first, (path, _columns(footer)), url)
+        if differences:
+            raise DatasetError(
+                f"{url(first_path)} and {url(path)} have different columns ({differences}): "
+                "batches need one set of columns; write every file of the dataset with the "
+                "same columns and types, or read the files that share them as a list"
+            )
+
+
+def _columns(footer: pq.FileMetaData) -> dict[str, pa.DataType]:
+    return {field.name: field.type for field in footer.schema.to_arrow_schema()}
+
+
+def _column_differences(
+    first: tuple[str, dict[str, pa.DataType]],
+    other: tuple[str, dict[str, pa.DataType]],
+    url: Callable[[str], str],
+) -> str:
+    """What two files' columns differ in, column by column; empty when they do not."""
+    (first_path, ours), (other_path, theirs) = first, other
+    said = []
+    for name in [*ours, *(name for name in theirs if name not in ours)]:
+        if name not in theirs:
+            said.append(f"{name} only in {posixpath.basename(url(first_path))}")
+        elif name not in ours:
+            said.append(f"{name} only in {posixpath.basename(url(other_path))}")
+        elif ours[name] != theirs[name]:
+            said.append(f"{name} is {ours[name]} in one, {theirs[name]} in the other")
+    return "; ".join(said)
 
 
 def _silently_excluded(name: str) -> bool:

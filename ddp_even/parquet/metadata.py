@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ddp_even.errors import DatasetError
-from ddp_even.parquet.layout import DirectoryLayout
+from ddp_even.parquet.layout import DirectoryLayout, check_one_schema, petastorm_too
 from ddp_even.planning.row_groups import (
     ROW_GROUPS_PER_FILE_KEY,
     MetadataSource,
@@ -54,13 +54,7 @@ from ddp_even.storage import (
     resolve_dataset,
 )
 
-__all__ = [
-    "changed_files",
-    "changed_row_groups",
-    "check_one_schema",
-    "footer_digest",
-    "read_row_groups",
-]
+__all__ = ["changed_files", "changed_row_groups", "footer_digest", "read_row_groups"]
 
 _Item = TypeVar("_Item")
 _Result = TypeVar("_Result")
@@ -196,17 +190,7 @@ def changed_files(resolved: ResolvedDataset, planned: RowGroups) -> str | None:
     layout = DirectoryLayout.scan(
         resolved.paths[0], storage, functools.partial(reader.map, report=False)
     )
-    listed, planned_files = set(layout.data_files), set(planned.files)
-    gone = [path for path in planned.files if path not in listed]
-    if gone:
-        return f"{storage.url(gone[0])} is gone from the dataset since it was planned"
-    added = [path for path in layout.data_files if path not in planned_files]
-    if added:
-        added = [path for path in added if _has_rows(reader, path)]
-    if not added:
-        return None
-    count = f"{len(added)} new file{'s' if len(added) > 1 else ''}"
-    return f"{storage.url(added[0])} was added to the dataset after it was planned ({count})"
+    return layout.changed_since(planned.files, storage.url, functools.partial(_has_rows, reader))
 
 
 def _has_rows(reader: MetadataReader, path: str) -> bool:
@@ -300,7 +284,8 @@ class MetadataReader:
                 return self.storage.missing(path)
         return DatasetError(
             f"{self.storage.url(path)} is not a readable Parquet file ({error}); remove it from "
-            "the dataset or start its name with '_' or '.' so that petastorm skips it too"
+            "the dataset, or start its name with '_' or '.' so that it is skipped"
+            f"{petastorm_too('petastorm skips such names too')}"
         )
 
     def read_summary(self, path: str) -> pq.FileMetaData:
@@ -311,8 +296,9 @@ class MetadataReader:
             if explained is not None:
                 raise explained from error
             raise DatasetError(
-                f"{self.storage.url(path)} is not a readable Parquet summary file ({error}); "
-                "petastorm cannot open the dataset either: delete or regenerate it"
+                f"{self.storage.url(path)} is not a readable Parquet summary file ({error})"
+                f"{petastorm_too('petastorm cannot open the dataset either')}: delete or "
+                "regenerate it"
             ) from error
         if self.progress is not None:
             self.progress(1, 1)
@@ -336,8 +322,10 @@ class MetadataReader:
         if ROW_GROUPS_PER_FILE_KEY not in key_values:
             raise DatasetError(
                 f"{url(common_path)} has no row-group counts "
-                f"({ROW_GROUPS_PER_FILE_KEY.decode()}): petastorm fails on this dataset too; "
-                "delete the file or regenerate it with petastorm-generate-metadata.py"
+                f"({ROW_GROUPS_PER_FILE_KEY.decode()})"
+                f"{petastorm_too('petastorm fails on this dataset too')}: delete the file (the "
+                "footers then give the row groups)"
+                f"{petastorm_too('or regenerate it with petastorm-generate-metadata.py')}"
             )
         counts: dict[str, int] = json.loads(key_values[ROW_GROUPS_PER_FILE_KEY].decode())
         files_and_counts = []
@@ -345,9 +333,10 @@ class MetadataReader:
             relative = posixpath.relpath(path, root)
             if relative not in counts:
                 raise DatasetError(
-                    f"{url(path)} is missing from the row-group counts in {url(common_path)}: "
-                    "petastorm fails with KeyError; regenerate the metadata "
-                    "(petastorm-generate-metadata.py)"
+                    f"{url(path)} is missing from the row-group counts in {url(common_path)}"
+                    f"{petastorm_too('petastorm fails with KeyError')}: delete "
+                    f"{url(common_path)} (the footers then give the row groups)"
+                    f"{petastorm_too('or regenerate it with petastorm-generate-metadata.py')}"
                 )
             files_and_counts.append((path, counts[relative]))
         footers = self.read_footers([path for path, _ in files_and_counts], listed=False)
@@ -367,59 +356,6 @@ class MetadataReader:
             self.storage,
             footers,
         )
-
-
-def check_one_schema(
-    paths: Sequence[str], footers: Sequence[pq.FileMetaData], url: Callable[[str], str]
-) -> None:
-    """:class:`DatasetError` naming two files and the columns they differ in, unless every file
-    with rows has the columns of the first (by name and type, in any order).
-
-    A batch has one set of columns: files that differ would give batches whose keys change
-    mid-epoch, or a ``KeyError`` there. Every rank reads the same footers, so every rank
-    raises the same error before the first step.
-    """
-    with_rows = [
-        (path, footer)
-        for path, footer in zip(paths, footers, strict=True)
-        if footer.num_rows > 0  # a file without rows gives no batch
-    ]
-    if not with_rows:
-        return
-    first_path, first_footer = with_rows[0]
-    first = (first_path, _columns(first_footer))
-    for path, footer in with_rows[1:]:
-        if footer.schema.equals(first_footer.schema):
-            continue  # the same Parquet schema: the same columns (the common case, cheap)
-        differences = _column_differences(first, (path, _columns(footer)), url)
-        if differences:
-            raise DatasetError(
-                f"{url(first_path)} and {url(path)} have different columns ({differences}): "
-                "batches need one set of columns; write every file of the dataset with the "
-                "same columns and types, or read the files that share them as a list"
-            )
-
-
-def _columns(footer: pq.FileMetaData) -> dict[str, pa.DataType]:
-    return {field.name: field.type for field in footer.schema.to_arrow_schema()}
-
-
-def _column_differences(
-    first: tuple[str, dict[str, pa.DataType]],
-    other: tuple[str, dict[str, pa.DataType]],
-    url: Callable[[str], str],
-) -> str:
-    """What two files' columns differ in, column by column; empty when they do not."""
-    (first_path, ours), (other_path, theirs) = first, other
-    said = []
-    for name in [*ours, *(name for name in theirs if name not in ours)]:
-        if name not in theirs:
-            said.append(f"{name} only in {posixpath.basename(url(first_path))}")
-        elif name not in ours:
-            said.append(f"{name} only in {posixpath.basename(url(other_path))}")
-        elif ours[name] != theirs[name]:
-            said.append(f"{name} is {ours[name]} in one, {theirs[name]} in the other")
-    return "; ".join(said)
 
 
 def _raise_first_failure(futures: list[Future[Any]], done: set[Future[Any]]) -> None:
@@ -459,8 +395,9 @@ def _from_summary(
     if not listed:
         raise DatasetError(
             f"{metadata_path} lists no row group of the data files next to it (its file paths: "
-            f"{sorted(sizes_by_file)[:3]}): petastorm would read nothing; write it with "
-            "file paths set (FileMetaData.set_file_path) or delete it"
+            f"{sorted(sizes_by_file)[:3]}): nothing would be read"
+            f"{petastorm_too('petastorm would read nothing too')}; write it with file paths set "
+            "(FileMetaData.set_file_path) or delete it"
         )
     row_groups = _build([path for path, _ in listed], [sizes for _, sizes in listed], "_metadata")
     return dataclasses.replace(
@@ -491,7 +428,7 @@ def _build(
         where = paths[0] if storage is None else storage.url(paths[0])
         raise DatasetError(
             f"no row groups in {where if len(paths) == 1 else f'{len(paths)} files'}: "
-            "petastorm has nothing to read; check that the dataset was written completely"
+            "there is nothing to read; check that the dataset was written completely"
         )
     counts = np.array([len(file_sizes) for _, file_sizes in kept], dtype=np.int64)
     starts = np.repeat(np.cumsum(counts) - counts, counts)

@@ -151,7 +151,7 @@ def resolve_dataset(
     if len(places) > 1:
         raise DatasetError(
             f"the listed files are on {len(places)} filesystems ({', '.join(items[:3])}...): "
-            "petastorm reads one; list files with one scheme and one bucket or host"
+            "a dataset is read through one; list files with one scheme and one bucket or host"
         )
     scheme = parsed[0].scheme
     options = dict(storage_options or {})
