@@ -23,8 +23,9 @@ unset PYTHONDONTWRITEBYTECODE
 
 if [[ ${1:-} == --latest ]]; then
     shift
+    # recipes: Ray and Hugging Face datasets (docs/stacks.md), which need this set's numpy 2.
     DDP_EVEN_VENV=.venv-latest DDP_EVEN_CONSTRAINTS=constraints-latest.txt \
-        bash scripts/install.sh dev
+        bash scripts/install.sh dev,recipes
     python=.venv-latest/bin/python
     # The tests petastorm or Spark need are deselected: this set has neither.
     lane="not petastorm and not spark"
