@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+
+import torch
 
 from ddp_even.errors import EvenLoaderError, SourceEndedEarlyError
 from ddp_even.sources import ShardPass, ShardSource
@@ -46,6 +48,31 @@ class FedBatch(NamedTuple, Generic[BatchT]):
         return self.pass_number == 1 and not self.padding
 
 
+def compacted(batch: Any) -> Any:
+    """``batch`` holding only its own rows: each tensor that is a view of a larger one (a slice
+    of a row group's column) copied, in dicts, lists and tuples alike; anything else as it is.
+
+    Padding is kept for the rest of the epoch, and sent whole to a rank with an empty shard
+    (``torch.save`` writes a view's whole storage): a view would hold, and send, its row group.
+
+    Example:
+        >>> column = torch.arange(1000)
+        >>> kept = compacted({"id": column[:4], "name": ["a", "b", "c", "d"]})
+        >>> kept["id"].untyped_storage().nbytes(), kept["name"]
+        (32, ['a', 'b', 'c', 'd'])
+    """
+    if isinstance(batch, torch.Tensor):
+        own_bytes = batch.numel() * batch.element_size()
+        return batch.clone() if batch.untyped_storage().nbytes() > own_bytes else batch
+    if isinstance(batch, dict):
+        return type(batch)((name, compacted(value)) for name, value in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(compacted(value) for value in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(compacted(value) for value in batch)
+    return batch
+
+
 def _few(indices: list[int]) -> str:
     return f"{indices[:8]}{'...' if len(indices) > 8 else ''}"
 
@@ -77,6 +104,8 @@ class ShardFeed(Generic[BatchT]):
         self._pads = after_own_data == "pad"
         # What padding hands out (pads): the last own batch read, or one given by a peer.
         self._padding: FedBatch[BatchT] | None = None
+        # Whether _padding holds its own rows (copied out of its row group's columns).
+        self._padding_compacted = False
         self._pass: ShardPass[BatchT] | None = None
         # Passes started; at the end of a cycle epoch the last one may go unused, since
         # ranks read ahead before they know that the epoch ends.
@@ -130,7 +159,8 @@ class ShardFeed(Generic[BatchT]):
 
     def pad_with(self, batch: BatchT, rows: int | None) -> None:
         """Pad with ``batch`` (of ``rows`` rows), a peer's: this rank has no batch of its own."""
-        self._padding = FedBatch(batch, 1, lambda _batch: rows, padding=True)
+        self._padding = FedBatch(compacted(batch), 1, lambda _batch: rows, padding=True)
+        self._padding_compacted = True
 
     def buffered_rows(self) -> list[int | None]:
         """Per buffered batch, in order, its real rows: 0 for padding, None where unknown."""
@@ -237,7 +267,7 @@ class ShardFeed(Generic[BatchT]):
         while True:
             if self._pass is None:
                 if self._pads and self.own_ended and may_restart and self._padding is not None:
-                    return self._padding
+                    return self._padding_to_hand_out()
                 self._open_pass(may_restart)
             assert self._pass is not None
             try:
@@ -251,9 +281,20 @@ class ShardFeed(Generic[BatchT]):
             fed = FedBatch(batch, self.passes_started, self._pass.count_samples)
             if self._pads:
                 self._padding = fed._replace(padding=True)
+                self._padding_compacted = False
                 if self.own_read == 1 and self.passes_started == 1 and not self._starts_after:
-                    self._first_own = fed
+                    # Kept all epoch for a peer with an empty shard: its own rows only.
+                    self._first_own = fed._replace(batch=compacted(fed.batch))
             return fed
+
+    def _padding_to_hand_out(self) -> FedBatch[BatchT]:
+        """The padding batch, holding its own rows only (copied once): it is kept for the
+        rest of the epoch, and a view would keep its whole row group alive."""
+        assert self._padding is not None
+        if not self._padding_compacted:
+            self._padding = self._padding._replace(batch=compacted(self._padding.batch))
+            self._padding_compacted = True
+        return self._padding
 
     def _open_pass(self, may_restart: bool) -> None:
         restart_allowed = may_restart and self._restarts and self._has_own_data

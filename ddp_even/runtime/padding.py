@@ -37,11 +37,11 @@ import torch
 
 from ddp_even.agreement.wire import Agreement, Report
 from ddp_even.errors import EmptyShardError
+from ddp_even.runtime.feed import ShardFeed, compacted
 
 if TYPE_CHECKING:
     from ddp_even.agreement.transport import Agreer
     from ddp_even.planning.plans import ShardPlan
-    from ddp_even.runtime.feed import ShardFeed
 
 logger = logging.getLogger("ddp_even")
 
@@ -171,7 +171,7 @@ def _saved(donation: tuple[Any, int | None] | None) -> bytes | None:
         return None
     buffer = io.BytesIO()
     try:
-        torch.save(donation, buffer)
+        torch.save((compacted(donation[0]), donation[1]), buffer)
     except Exception as error:  # any object a loader yields; every rank raises the same
         logger.warning("the first batch cannot be sent as padding to an empty rank: %r", error)
         return None
