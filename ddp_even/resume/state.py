@@ -382,7 +382,9 @@ def _own_tails(
     from ddp_even.resume.remainder import plan_own_tails
 
     tails = plan_own_tails(plan, planned.row_group_sizes, step, planned.order, epoch)
-    logger.info(
+    # Once for the job, on rank 0; each rank's own count in its debug log.
+    logger.log(
+        logging.INFO if rank == 0 else logging.DEBUG,
         "ddp_even: epoch %d resumes after step %d: this rank reads only its %d rows not yet read",
         epoch,
         step,

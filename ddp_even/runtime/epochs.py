@@ -179,7 +179,9 @@ class EpochRun(Generic[BatchT]):
             )
         self._count_again_up_to(step)
         self.steps_done = self.resumed_at = step
-        logger.info(
+        # Once for the job, on rank 0; each rank's own count in its debug log.
+        logger.log(
+            logging.INFO if self.agreer.rank == 0 else logging.DEBUG,
             "epoch %d resumes after step %d: read %d batch(es) of this rank's source again to "
             "get there",
             self.epoch,
