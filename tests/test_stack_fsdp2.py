@@ -27,7 +27,8 @@ from tests.helpers.stacks import (
     to_tensors,
 )
 
-pytestmark = pytest.mark.multirank
+# One process runs the module (scripts/test.sh: -n 3 --dist loadgroup): its job starts once.
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("stack-fsdp2")]
 
 WORLD_SIZE = 2
 BATCH_SIZE = 4

@@ -35,6 +35,9 @@ from tests.helpers.stacks import (
 
 need("datasets")
 
+# One process runs the module (scripts/test.sh: -n 3 --dist loadgroup): its job starts once.
+pytestmark = pytest.mark.xdist_group("stack-hf")
+
 WORLD_SIZE = 2
 BATCH_SIZE = 16
 # Six files among 2 ranks: whole files, every other one (900 and 60 rows).

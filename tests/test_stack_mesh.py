@@ -30,7 +30,8 @@ from tests.helpers.stacks import (
     to_tensors,
 )
 
-pytestmark = pytest.mark.multirank
+# One process runs the module (scripts/test.sh: -n 3 --dist loadgroup): its job starts once.
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("stack-mesh")]
 
 WORLD_SIZE = 4
 DP, TP = 2, 2

@@ -24,7 +24,8 @@ from tests.helpers.stacks import Seen, assert_documented, need, write_id_files
 ray = need("ray")
 need("ray.train.torch")
 
-pytestmark = pytest.mark.multirank
+# One process runs the module (scripts/test.sh: -n 3 --dist loadgroup): its job starts once.
+pytestmark = [pytest.mark.multirank, pytest.mark.xdist_group("stack-ray")]
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = 2
