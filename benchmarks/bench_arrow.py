@@ -11,9 +11,8 @@ rows, and on every rank, side by side in the same process:
 * ``petastorm``: petastorm's own loop, ``BatchedDataLoader(make_batch_reader(url,
   num_epochs=1, cur_shard=rank, shard_count=W), batch_size)``, a fresh reader per epoch: the
   reference;
-* ``from_parquet, petastorm``: ``EvenLoader.from_parquet(url, batch_size, mode,
-  engine="petastorm")``: ddp_even's petastorm path;
-* ``from_parquet, arrow``: the same with ``engine="arrow"``: pyarrow alone;
+* ``from_parquet``: ``EvenLoader.from_parquet(url, batch_size, mode)``: ddp_even's reader
+  (pyarrow);
 * ``arrow pass alone``: one pass of the pyarrow reader's factory with no ``EvenLoader`` around
   it (what the loader adds is the difference);
 * ``decoding alone``: the same row groups decoded as that pass decodes them
@@ -62,8 +61,7 @@ from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, in_turn, run_on_ranks
 from benchmarks.report import warn_if_loaded, write_results
 
 PETASTORM = "petastorm"
-FROM_PARQUET_PETASTORM = "from_parquet, petastorm"
-FROM_PARQUET_ARROW = "from_parquet, arrow"
+FROM_PARQUET = "from_parquet"
 ARROW_ALONE = "arrow pass alone"
 DECODING_ALONE = "decoding alone"
 #: The target: the pyarrow reader through EvenLoader, against petastorm's own loop, 1 process.
@@ -157,16 +155,14 @@ def variants_for(url: str, rank: int, world_size: int, config: BenchConfig) -> l
         reader = make_batch_reader(url, num_epochs=1, **unshuffled, **shard)
         return BatchedDataLoader(reader, batch_size=config.batch_size)
 
-    def planned(engine: str) -> EvenLoader[Any]:
-        return EvenLoader.from_parquet(
-            url,
-            config.batch_size,
-            config.mode,
-            reader_kwargs=unshuffled,
-            timeout=COLLECTIVE_TIMEOUT_S,
-            engine=engine,  # type: ignore[arg-type]
-            **({"loader_kwargs": threads} if engine == "arrow" else {}),
-        )
+    planned = EvenLoader.from_parquet(
+        url,
+        config.batch_size,
+        config.mode,
+        reader_kwargs=unshuffled,
+        loader_kwargs=threads,
+        timeout=COLLECTIVE_TIMEOUT_S,
+    )
 
     _, arrow_passes = make_shard_factory(
         url, rank, world_size, config.batch_size, reader_kwargs=unshuffled, loader_kwargs=threads
@@ -203,13 +199,9 @@ def variants_for(url: str, rank: int, world_size: int, config: BenchConfig) -> l
         for start in range(0, rows, config.batch_size):
             yield {"id": range(start, min(start + config.batch_size, rows))}
 
-    loaders = {
-        FROM_PARQUET_PETASTORM: planned("petastorm"),
-        FROM_PARQUET_ARROW: planned("arrow"),
-    }
     return [
         Variant(PETASTORM, lambda: closing_pass(petastorm_pass)),
-        *(Variant(name, _returning(loader)) for name, loader in loaders.items()),
+        Variant(FROM_PARQUET, _returning(planned)),
         Variant(ARROW_ALONE, lambda: _closed_after(arrow_passes())),
         Variant(DECODING_ALONE, decoding_pass),
     ]
@@ -277,9 +269,9 @@ def evaluate_target(result: dict[str, Any]) -> dict[str, Any] | None:
     """The target, with one process: the pyarrow reader through EvenLoader >= 2x petastorm."""
     if result["world_size"] != 1:
         return None
-    row = next(row for row in result["results"] if row["variant"] == FROM_PARQUET_ARROW)
+    row = next(row for row in result["results"] if row["variant"] == FROM_PARQUET)
     return {
-        "target": f"1 process: {FROM_PARQUET_ARROW} >= {TARGET_RATIO}x petastorm's own loop",
+        "target": f"1 process: {FROM_PARQUET} >= {TARGET_RATIO}x petastorm's own loop",
         "passed": row["vs_petastorm"] >= TARGET_RATIO,
         "detail": f"{row['vs_petastorm']:.2f}x (paired {row['vs_petastorm_paired']:.2f}x)",
     }

@@ -1,4 +1,4 @@
-"""Planning a many-file dataset on S3, against petastorm opening the same dataset.
+"""Planning a many-file dataset on S3, against pyarrow.dataset opening the same dataset.
 
     python -m benchmarks.bench_remote              # 10,000 files, table + bench-results/remote.json
     python -m benchmarks.bench_remote --quick      # 500 files, one timed repeat: a smoke run
@@ -10,10 +10,11 @@ A local S3 server (moto, tests/helpers/s3_server.py) holds two copies of one ske
 
 * ``ddp_even plan``: ``read_row_groups`` (list, read footers or ``_metadata``) and a balanced
   plan for 64 ranks;
-* ``petastorm open``: the construction of petastorm 0.12.1's batch reader (what
-  ``make_batch_reader`` builds: listing, schema, every row group) through the legacy
-  filesystem ddp_even builds, with a dummy pool, stopped at once. ``make_batch_reader``
-  itself is not called because it strips an ``s3://`` URL with s3fs, which is not installed.
+* ``pyarrow open``: what pyarrow alone does to learn the same row groups:
+  ``pyarrow.dataset.dataset`` (listing) and every file's row groups (one footer read per
+  file), or on ``summary/`` ``pyarrow.dataset.parquet_dataset`` of the ``_metadata`` file,
+  through a ``pyarrow.fs.S3FileSystem`` of its own. (petastorm's own reader is not opened here:
+  on S3 it needs s3fs, which is not installed, and ddp_even no longer reads through it.)
 
 Times are medians of ``--repeats`` runs. Requests are counted by the server (moto's request
 recorder, one extra run of each, not timed): listings, HEADs and GETs.
@@ -21,6 +22,7 @@ recorder, one extra run of each, not timed): listings, HEADs and GETs.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -41,9 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ddp_even.parquet import read_row_groups
-from ddp_even.petastorm.legacy_filesystem import legacy_filesystem
 from ddp_even.planning import plan_shards
-from ddp_even.storage import resolve_dataset
 from tests.helpers.s3_server import RequestLog, S3Server, start_s3_server
 
 BUCKET = "bench"
@@ -113,25 +113,17 @@ def ddp_even_plan(url: str, options: dict[str, Any]) -> int:
     return len(row_groups)
 
 
-def petastorm_open(url: str, options: dict[str, Any]) -> int:
-    from petastorm.arrow_reader_worker import ArrowReaderWorker
-    from petastorm.reader import Reader
-    from petastorm.workers_pool.dummy_pool import DummyPool
+def pyarrow_open(server: S3Server, url: str) -> int:
+    """The row groups of ``url`` as pyarrow.dataset finds them (``summary/``: from _metadata)."""
+    import pyarrow.dataset as ds
 
-    resolved = resolve_dataset(url, storage_options=options)
-    reader = Reader(
-        legacy_filesystem(resolved.storage.filesystem),
-        resolved.petastorm_paths,
-        worker_class=ArrowReaderWorker,
-        is_batched_reader=True,
-        reader_pool=DummyPool(),
-        num_epochs=1,
-    )
-    try:
-        return len(reader.ventilator._items_to_ventilate)
-    finally:
-        reader.stop()
-        reader.join()
+    filesystem = server.filesystem()
+    root = url.removeprefix("s3://")
+    if root.endswith("/summary"):
+        dataset = ds.parquet_dataset(f"{root}/_metadata", filesystem=filesystem)
+    else:
+        dataset = ds.dataset(root, filesystem=filesystem, format="parquet")
+    return sum(len(fragment.row_groups) for fragment in dataset.get_fragments())
 
 
 def measure(
@@ -178,7 +170,7 @@ def summarise(times: list[float], log: RequestLog, row_groups: int, files: int) 
     show_default=True,
 )
 def main(files: int, repeats: int, quick: bool, output: Path) -> None:
-    """Plan vs petastorm open on a local S3 server; table on stdout, JSON in ``output``."""
+    """Plan vs pyarrow open on a local S3 server; table on stdout, JSON in ``output``."""
     if quick:
         files, repeats = min(files, 500), 1
     console = Console(width=120)
@@ -188,11 +180,13 @@ def main(files: int, repeats: int, quick: bool, output: Path) -> None:
     try:
         urls = write_datasets(server, files, console)
         options = server.storage_options()
+        tools: dict[str, Callable[[str], int]] = {
+            "ddp_even plan": lambda url: ddp_even_plan(url, options),
+            "pyarrow open": lambda url: pyarrow_open(server, url),
+        }
         for layout, url in urls.items():
-            for tool, run in (("ddp_even plan", ddp_even_plan), ("petastorm open", petastorm_open)):
-                times, log, row_groups = measure(
-                    server, lambda run=run, url=url: run(url, options), repeats
-                )
+            for tool, run in tools.items():
+                times, log, row_groups = measure(server, functools.partial(run, url), repeats)
                 results[f"{layout} / {tool}"] = summarise(times, log, row_groups, files)
                 console.print(f"{layout} / {tool}: {statistics.median(times):.2f} s")
     finally:

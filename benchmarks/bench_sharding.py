@@ -162,7 +162,8 @@ def rank_epoch(
             mode,
             sharding=sharding,
             predicate=in_lambda(["id"], keeps) if predicate else None,
-            reader_kwargs={"schema_fields": ["id", "value"], "workers_count": 2},
+            reader_kwargs={"schema_fields": ["id", "value"]},
+            loader_kwargs={"threads": 2},
         )
         counting = CountingAllReduce(real_all_reduce)
         for step, _batch in enumerate(loader):
@@ -231,13 +232,12 @@ def scan_steps(url: str, workdir: Path) -> Steps:
     """One epoch's read of every column, and planning with the predicate counted (no cache)."""
     from petastorm.predicates import in_lambda
 
-    from ddp_even.petastorm.readers import make_shard_factory
+    from ddp_even.arrow.passes import make_shard_factory
 
     def read_epoch() -> None:
-        options = {"workers_count": 2}
-        _, factory = make_shard_factory(url, 0, 1, 256, loader="reader", reader_kwargs=options)
-        with factory() as reader:
-            for _ in reader:
+        _, factory = make_shard_factory(url, 0, 1, 256, loader_kwargs={"threads": 2})
+        with factory() as shard_pass:
+            for _ in shard_pass:
                 pass
 
     def scan() -> None:
@@ -251,14 +251,16 @@ def scan_parts(url: str) -> Steps:
     """The scan's parts (see :func:`scan_cost`), and a run that finds the counts cached."""
     from petastorm.predicates import in_lambda
 
+    from ddp_even.arrow.passes import make_shard_factory
     from ddp_even.parquet.metadata import read_row_groups
+    from ddp_even.parquet.partitions import partition_keys
     from ddp_even.parquet.predicate_counts import count_in_columns
-    from ddp_even.petastorm.readers import make_shard_factory
     from ddp_even.storage import resolve_dataset
 
     predicate = in_lambda(["id"], keeps)
     resolved = resolve_dataset(url)
     row_groups = read_row_groups(resolved)
+    keys = partition_keys(resolved.paths[0], row_groups.files)
     everything = list(range(len(row_groups)))
     parquet_file = pq.ParquetFile(row_groups.files[0])
     frames = [
@@ -268,7 +270,9 @@ def scan_parts(url: str) -> Steps:
     make_shard_factory(url, 0, 1, 256, predicate=predicate)  # fills the cache for "cached"
     return {
         "footers_and_plan": lambda: make_shard_factory(url, 0, 1, 256),
-        "count": lambda: count_in_columns(resolved, row_groups, everything, predicate, ["id"]),
+        "count": lambda: count_in_columns(
+            resolved, row_groups, everything, predicate, ["id"], partitions=keys
+        ),
         "column_read": lambda: pq.ParquetFile(row_groups.files[0]).read(columns=["id"]),
         "predicate": lambda: [predicate.do_include(frame) for frame in frames],
         "cached": lambda: make_shard_factory(url, 0, 1, 256, predicate=predicate),

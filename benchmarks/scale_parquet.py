@@ -2,7 +2,7 @@
 
 The dataset (:func:`write_dataset`): one file of ``2 W + 3`` row groups of 8 to 20 rows, so
 that round robin gives ranks two or three row groups of different sizes; columns ``id`` (the
-row's number) and ``x``. Every rank reads it with the pyarrow reader (``engine="arrow"``, row
+row's number) and ``x``. Every rank reads it with from_parquet's reader (row
 groups shuffled with a seed), batches of 4 rows, sharded round robin and by equal row ranges,
 one epoch in each mode (:func:`measure_parquet`); then a truncate epoch of round-robin shards
 left after 2 steps with the ``state_dict()`` saved there and resumed in a new loader.
@@ -75,7 +75,7 @@ def measure_parquet(
 
     def loader(mode: ModeName, sharding: Sharding) -> EvenLoader[Any]:
         return EvenLoader.from_parquet(
-            str(path), BATCH_SIZE, mode, sharding=sharding, engine="arrow", timeout=timeout,
+            str(path), BATCH_SIZE, mode, sharding=sharding, timeout=timeout,
             joinables=joinables if mode == "join" else (), reader_kwargs={"seed": SEED},
         )  # fmt: skip
 

@@ -143,8 +143,7 @@ class OffPlanError(EvenLoaderError):
         described = "; ".join(f"rank {rank}: {what}" for rank, what in sorted(off_plan.items()))
         super().__init__(
             f"the shard plan does not match what the ranks read ({described}); build the "
-            "readers from the same plan (EvenLoader.from_parquet, or the factory of "
-            "ddp_even.petastorm.readers.make_shard_factory), or plan with the sharding the "
+            "readers from the same plan (EvenLoader.from_parquet), or plan with the sharding the "
             "readers use (balanced=False for petastorm's cur_shard/shard_count)"
         )
 

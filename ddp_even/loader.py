@@ -45,7 +45,7 @@ from ddp_even.runtime.stats import EpochStats
 from ddp_even.sources import PlannedSource, as_source
 
 if TYPE_CHECKING:
-    from ddp_even.names import Engine, ModeName, Sharding
+    from ddp_even.names import ModeName, Sharding
     from ddp_even.planning.plans import ShardPlan
 
 BatchT = TypeVar("BatchT")
@@ -201,7 +201,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         timeout: float | None = None,
         storage_options: Mapping[str, Any] | None = None,
         filesystem: Any = None,
-        engine: Engine | None = None,
+        engine: Literal["arrow"] | None = None,
     ) -> EvenLoader[Any]:
         """One line for the common case: this rank's shard, planned from footers, read.
 
@@ -209,11 +209,13 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         ``filesystem`` reach, a list of files, or a petastorm Spark converter) from its Parquet
         footers, cut as ``sharding`` says (``"round_robin"``, ``"row_groups"``, ``"rows"``,
         ``"replicate"``; ``balanced=True`` is the old spelling of ``"row_groups"``), a row
-        ``predicate``'s rows counted first; builds a fresh reader for each pass, with
-        ``engine``: ``"petastorm"`` (its readers and loaders; the default where petastorm is
-        installed) or ``"arrow"`` (pyarrow alone, batches as dicts of tensors; the default
-        otherwise). ``len()`` answers before the first step and :class:`EpochStats` says
-        exactly what each rank dropped. docs/using.md has the details.
+        ``predicate``'s rows counted first; reads each pass with pyarrow, batches of
+        ``batch_size`` rows as dicts of tensors (:mod:`ddp_even.arrow.passes` lists
+        ``reader_kwargs`` and ``loader_kwargs``). ``reader="row"`` decodes a dataset petastorm
+        wrote with a Unischema by its codecs, as ``make_reader`` does (needs petastorm);
+        ``engine="arrow"`` is the only engine and may be left out. ``len()`` answers before
+        the first step and :class:`EpochStats` says exactly what each rank dropped.
+        docs/using.md has the details.
 
         Example, on every rank::
 
@@ -221,10 +223,15 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
                                              mode="truncate", sharding="rows")
             print(len(loader))          # steps per epoch, the same on every rank
         """
-        from ddp_even.engines import shard_factory_maker
+        from ddp_even.arrow.passes import make_shard_factory
         from ddp_even.petastorm.spark_converter import parquet_dataset
 
-        make_shard_factory = shard_factory_maker(engine)
+        if engine not in (None, "arrow"):
+            raise ValueError(
+                f"engine={engine!r}: from_parquet reads every plan with pyarrow (leave engine "
+                "out); reader='row' decodes petastorm's Unischema datasets; to read with "
+                "petastorm's own reader, wrap it: EvenLoader(lambda: DataLoader(make_reader(...)))"
+            )
         check_batching_loader(loader)
         check_timeout(timeout)
         rank, world_size = rank_and_world_size(group)

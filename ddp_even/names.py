@@ -1,4 +1,4 @@
-"""The names ``mode=``, ``sharding=`` and ``engine=`` take, as ``Literal`` types that IDEs complete.
+"""The names ``mode=`` and ``sharding=`` take, as ``Literal`` types that IDEs complete.
 
 Their registries (:data:`ddp_even.modes.MODES`, :data:`ddp_even.planning.sharding.SHARDINGS`)
 hold what each name does and are checked against these lists (in ``sharding.py`` and
@@ -10,14 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["Engine", "ModeName", "Sharding"]
+__all__ = ["ModeName", "Sharding"]
 
 #: The modes, as ``EvenLoader(mode=...)`` takes them (see :mod:`ddp_even.modes`).
 ModeName = Literal["truncate", "cycle", "pad", "join"]
 
 #: The shardings, as ``sharding=`` takes them (see :mod:`ddp_even.planning.sharding`).
 Sharding = Literal["round_robin", "row_groups", "rows", "replicate"]
-
-#: The readers of planned rows, as ``EvenLoader.from_parquet(engine=...)`` takes them (see
-#: :mod:`ddp_even.engines`).
-Engine = Literal["petastorm", "arrow"]

@@ -3,14 +3,12 @@
 * ``factory``: ``EvenLoader(one_pass)``, where ``one_pass`` makes a fresh petastorm
   ``BatchedDataLoader(make_batch_reader(..., cur_shard=rank, shard_count=world_size))``: the
   loop a petastorm user already has, wrapped;
-* ``parquet``: ``EvenLoader.from_parquet(..., engine="petastorm")``: shards planned from the
-  Parquet footers (``len(loader)`` known before the first step, the statistics exact), read
-  by petastorm;
-* ``arrow``: the same plan read by pyarrow alone (``engine="arrow"``), which needs neither
-  petastorm nor its numpy < 2 and pyarrow < 15.
+* ``parquet``: ``EvenLoader.from_parquet(...)``: shards planned from the Parquet footers
+  (``len(loader)`` known before the first step, the statistics exact), read by pyarrow alone,
+  which needs neither petastorm nor its numpy < 2 and pyarrow < 15.
 
-petastorm is imported only by the sources that read with it, so ``arrow`` runs where petastorm
-is not installed; there it is the default.
+petastorm is imported only by ``factory``, so ``parquet`` runs where petastorm is not
+installed; there it is the default.
 """
 
 from __future__ import annotations
@@ -25,9 +23,9 @@ from skewed_parquet import FEATURES, LABEL
 
 from ddp_even import EvenLoader
 
-SOURCES = ("factory", "parquet", "arrow")
+SOURCES = ("factory", "parquet")
 PETASTORM_INSTALLED = importlib.util.find_spec("petastorm") is not None
-DEFAULT_SOURCE = "factory" if PETASTORM_INSTALLED else "arrow"
+DEFAULT_SOURCE = "factory" if PETASTORM_INSTALLED else "parquet"
 
 source_option = click.option(
     "--source",
@@ -37,20 +35,20 @@ source_option = click.option(
     default=[DEFAULT_SOURCE],
     show_default=True,
     help="factory: EvenLoader(lambda: BatchedDataLoader(make_batch_reader(...))); "
-    'parquet: EvenLoader.from_parquet(..., engine="petastorm"); arrow: the same read by '
-    "pyarrow alone (no petastorm needed). Repeat to train with each.",
+    "parquet: EvenLoader.from_parquet(...), planned from the footers and read by pyarrow "
+    "(no petastorm needed). Repeat to train with each.",
 )
 
 
 def refuse_without_petastorm(sources: Sequence[str], *others: str) -> None:
     """One line (click's ``Error: ...``) when ``sources`` or the options ``others`` read with
     petastorm and it is not installed, rather than an ImportError on every rank mid-job."""
-    needing = [f"--source {source}" for source in sources if source != "arrow"] + list(others)
+    needing = [f"--source {source}" for source in sources if source != "parquet"] + list(others)
     if needing and not PETASTORM_INSTALLED:
         raise click.UsageError(
             f"{', '.join(needing)} {'needs' if len(needing) == 1 else 'need'} petastorm, which "
             "is not installed here: install the petastorm extra (numpy < 2, pyarrow < 15); "
-            "--source arrow needs only pyarrow"
+            "--source parquet needs only pyarrow"
         )
 
 
@@ -89,15 +87,10 @@ def even_loader(
     if source == "factory":
         one_pass = petastorm_pass(data_url, rank, world_size, batch_size)
         return EvenLoader(one_pass, mode=mode, joinables=joinables)
-    reader_options: dict[str, Any] = {"schema_fields": [*FEATURES, LABEL]}
-    if source == "parquet":
-        # petastorm's pool; pyarrow's reader has threads of its own (loader_kwargs "threads").
-        reader_options["workers_count"] = 2
     return EvenLoader.from_parquet(
         data_url,
         batch_size=batch_size,
         mode=mode,
-        reader_kwargs=reader_options,
+        reader_kwargs={"schema_fields": [*FEATURES, LABEL]},
         joinables=joinables,
-        engine="petastorm" if source == "parquet" else "arrow",
     )

@@ -4,7 +4,7 @@ accelerate prepares the model and the optimizer (DDP over gloo on CPU); the Even
 as it is: ``accelerator.prepare`` only wraps ``torch.utils.data.DataLoader`` objects and hands an
 EvenLoader back unchanged, so there is nothing to gain from passing it. Each rank builds its
 own loader over its own shard (``--source``: a factory of petastorm loaders, or
-``from_parquet`` read by petastorm or by pyarrow alone: ``examples/shard_loaders.py``), and the
+``from_parquet``: ``examples/shard_loaders.py``), and the
 loop is accelerate's usual one.
 
 Modes (``--mode``, repeat to train once in each):

@@ -8,8 +8,8 @@ the trainer's loggers (here a CSV file per run under ``--results``).
 What works in which mode:
 
 * ``truncate``, ``cycle`` and ``pad``: yes, with a factory of petastorm loaders (``--source
-  factory``) or with ``EvenLoader.from_parquet``, read by petastorm (``--source parquet``) or
-  by pyarrow alone (``--source arrow``, the default where petastorm is not installed); with
+  factory``) or with ``EvenLoader.from_parquet`` (``--source parquet``, the default where
+  petastorm is not installed); with
   ``from_parquet`` Lightning knows ``len(loader)`` and no collective runs inside the epoch
   (``examples/shard_loaders.py``). In pad mode the training step multiplies its loss by the
   batch's weight (0 for padding);

@@ -1,10 +1,9 @@
 """EvenLoader inside a real Hugging Face accelerate loop, 2 CPU ranks under torchrun.
 
 One torchrun job runs ``examples/train_accelerate.py`` in every mode, one after the other:
-truncate, cycle, pad and join with a loader factory and with ``from_parquet`` read by petastorm
-and by pyarrow alone, and accelerate's own recipe (``accelerate-join``: a plain petastorm loader
-inside torch's ``Join``); where petastorm is not installed, only ``from_parquet`` read by
-pyarrow. After each,
+truncate, cycle, pad and join with a loader factory and with ``from_parquet``, and
+accelerate's own recipe (``accelerate-join``: a plain petastorm loader inside torch's ``Join``);
+where petastorm is not installed, only ``from_parquet``. After each,
 an evaluation in pad mode. Each rank writes a JSON file per run; the test checks them against
 counts worked out from the row-group sizes, and the evaluation against the final model's exact
 mean squared error over the whole dataset.

@@ -11,8 +11,7 @@ import pytest
 from benchmarks.bench_arrow import (
     ARROW_ALONE,
     DECODING_ALONE,
-    FROM_PARQUET_ARROW,
-    FROM_PARQUET_PETASTORM,
+    FROM_PARQUET,
     PETASTORM,
     BenchConfig,
     evaluate_target,
@@ -24,7 +23,7 @@ from benchmarks.ranks import run_on_ranks
 pytestmark = [pytest.mark.petastorm, pytest.mark.multirank]
 
 CONFIG = BenchConfig(dataset=DatasetShape(2, 4_000, 1_000), batch_size=256, repeats=1)
-VARIANTS = {PETASTORM, FROM_PARQUET_PETASTORM, FROM_PARQUET_ARROW, ARROW_ALONE, DECODING_ALONE}
+VARIANTS = {PETASTORM, FROM_PARQUET, ARROW_ALONE, DECODING_ALONE}
 
 
 @pytest.mark.timeout(240)
@@ -47,4 +46,4 @@ def test_one_and_two_ranks_read_every_variant(tmp_path: Path) -> None:
         # The target is judged in one process only.
         assert (target is None) == (world_size > 1)
         if target is not None:
-            assert isinstance(target["passed"], bool) and FROM_PARQUET_ARROW in target["target"]
+            assert isinstance(target["passed"], bool) and FROM_PARQUET in target["target"]

@@ -1,5 +1,4 @@
-"""A dataset rewritten after it was planned: one clear error on every rank, before any step,
-with either reader of planned rows.
+"""A dataset rewritten after it was planned: one clear error on every rank, before any step.
 
 A plan counts each row group's rows once, from the footers. Every pass of a planned reader
 reads the footers of its files again and refuses to start when one of its row groups no longer
@@ -19,18 +18,17 @@ import torch
 import torch.distributed as dist
 
 from ddp_even import EvenLoader, PeerSourceError
-from ddp_even.engines import shard_factory_maker
+from ddp_even.arrow.passes import make_shard_factory
 from ddp_even.errors import PlanMismatchError
 from ddp_even.parquet.metadata import changed_row_groups, read_row_groups
 from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import write_plain_dataset
-from tests.helpers.engines import ENGINES, reader_options
 from tests.helpers.spawn import run_ranks
 
 # sharding="rows" over 2 ranks: rank 0 reads part-00000 (10 + 30 rows), rank 1 part-00001.
 SIZES = [[10, 30], [20, 20]]
 BATCH = 4
-ONE_READER = {"reader_pool_type": "dummy"}
+ONE_READER = {"threads": 1}
 
 
 def _rewrite_with_other_row_groups(path: Path) -> None:
@@ -60,15 +58,10 @@ def test_a_file_rewritten_with_the_same_row_groups_is_named(tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("engine", ENGINES)
-def test_a_pass_over_a_rewritten_file_is_refused_before_it_reads(
-    tmp_path: Path, engine: str
-) -> None:
+def test_a_pass_over_a_rewritten_file_is_refused_before_it_reads(tmp_path: Path) -> None:
     url = write_plain_dataset(tmp_path / "ds", SIZES)
-    make_shard_factory = shard_factory_maker(engine)  # type: ignore[arg-type]
-    options = reader_options(engine, ONE_READER)
-    plan, factory = make_shard_factory(url, 0, 2, BATCH, sharding="rows", reader_kwargs=options)
-    _, other = make_shard_factory(url, 1, 2, BATCH, sharding="rows", reader_kwargs=options)
+    plan, factory = make_shard_factory(url, 0, 2, BATCH, sharding="rows", loader_kwargs=ONE_READER)
+    _, other = make_shard_factory(url, 1, 2, BATCH, sharding="rows", loader_kwargs=ONE_READER)
     assert plan.rows_per_rank == (40, 40)
     with factory() as shard_pass:
         assert sum(len(batch["id"]) for batch in shard_pass) == 40
@@ -80,16 +73,9 @@ def test_a_pass_over_a_rewritten_file_is_refused_before_it_reads(
         assert sum(len(batch["id"]) for batch in shard_pass) == 40
 
 
-def train_after_a_rewrite(
-    rank: int, world_size: int, url: str, path: str, engine: str
-) -> dict[str, Any]:
+def train_after_a_rewrite(rank: int, world_size: int, url: str, path: str) -> dict[str, Any]:
     loader = EvenLoader.from_parquet(
-        url,
-        batch_size=BATCH,
-        sharding="rows",
-        mode="truncate",
-        engine=engine,  # type: ignore[arg-type]
-        reader_kwargs=reader_options(engine, ONE_READER),
+        url, batch_size=BATCH, sharding="rows", mode="truncate", loader_kwargs=ONE_READER
     )
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     dist.barrier()
@@ -108,13 +94,12 @@ def train_after_a_rewrite(
 
 @pytest.mark.multirank
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("engine", ENGINES)
 def test_every_rank_stops_before_the_first_step_when_a_planned_file_changed(
-    tmp_path: Path, engine: str
+    tmp_path: Path,
 ) -> None:
     url = write_plain_dataset(tmp_path / "ds", SIZES)
     path = str(tmp_path / "ds" / "part-00000.parquet")
-    first, second = run_ranks(train_after_a_rewrite, 2, url, path, engine, timeout=100)
+    first, second = run_ranks(train_after_a_rewrite, 2, url, path, timeout=100)
     assert (first["steps"], first["error"]) == (0, "PlanMismatchError")
     assert "has 18 rows now, the plan counted 10" in first["message"]
     assert (second["steps"], second["error"]) == (0, "PeerSourceError")

@@ -100,7 +100,6 @@ LAYERS: dict[str, int] = {
     "petastorm": 9,
     "arrow": 9,
     "loader": 10,
-    "engines": 10,
     "integrations": 11,
     "cli": 11,
     "": 12,  # the package itself, and python -m ddp_even

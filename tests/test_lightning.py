@@ -3,7 +3,7 @@
 The test runs ``examples/train_lightning.py`` as a subprocess: Lightning starts rank 1 itself
 (a subprocess of the script) and every rank writes a JSON file per run. One job trains, one
 after the other, in truncate, cycle and pad with a loader factory and with ``from_parquet``
-read by petastorm and by pyarrow alone (only the last where petastorm is not installed),
+(only the latter where petastorm is not installed),
 validating after every epoch in pad mode (a metric synced at every step); a second job tries
 join mode, which must end on every rank, with a clear error, not hang.
 """

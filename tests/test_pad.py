@@ -2,9 +2,9 @@
 where a rank's data ends, exact statistics, exact metrics and gradients, and collectives of the
 training's own inside the loop.
 
-Every source kind runs in one process group: lists, petastorm's loaders (footer-known lengths,
-and agreeing every step), ``from_parquet`` in every sharding, and a balanced plan with an empty
-rank; ``from_parquet``'s cases again, read by the pyarrow reader, in another. What each rank
+Petastorm's source kinds run in one process group: lists, petastorm's loaders (footer-known
+lengths, and agreeing every step); ``from_parquet`` in every sharding, and a balanced plan with
+an empty rank, in another (they need no petastorm). What each rank
 must hand out is checked against the dataset's ids, not against ddp_even's arithmetic; the
 metrics and gradients against one process computing them over the same rows.
 """
@@ -26,7 +26,6 @@ import torch.distributed.nn.functional as distributed_functional
 
 from ddp_even import EvenLoader
 from tests.helpers.datasets import write_plain_dataset, write_unischema_dataset
-from tests.helpers.engines import reader_options
 from tests.helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -121,30 +120,20 @@ def _loader(source: str, data: Data, rank: int) -> EvenLoader[Any]:
             return DataLoader(reader, batch_size=BATCH_SIZE)
 
         return EvenLoader(rows, mode="pad")
-    engine, sharding = source.removesuffix(" with an empty rank").split(" ")
+    _, sharding = source.removesuffix(" with an empty rank").split(" ")
     url = data.few if source.endswith("empty rank") else data.plain
     return EvenLoader.from_parquet(
         url,
         BATCH_SIZE,
         mode="pad",
         sharding=sharding,  # type: ignore[arg-type]
-        engine="arrow" if engine == "arrow" else "petastorm",
-        reader_kwargs=reader_options(engine, {"workers_count": 2}),
     )
 
 
-# "from_parquet" reads with petastorm, "arrow" (from_parquet(engine="arrow")) with pyarrow alone.
-PETASTORM_SOURCES = [
-    "list",
-    "batched",
-    "batched, every step",
-    "rows of make_reader",
+PETASTORM_SOURCES = ["list", "batched", "batched, every step", "rows of make_reader"]
+ARROW_SOURCES = [
     *(f"from_parquet {sharding}" for sharding in SHARDINGS),
     "from_parquet row_groups with an empty rank",
-]
-ARROW_SOURCES = [
-    *(f"arrow {sharding}" for sharding in SHARDINGS),
-    "arrow row_groups with an empty rank",
 ]
 SOURCES = [
     *(pytest.param(source, marks=pytest.mark.petastorm) for source in PETASTORM_SOURCES),
@@ -283,7 +272,7 @@ def _evaluate(rank: int, world_size: int, url: str) -> dict[str, float]:
     """Worker: the metrics over this rank's shard in pad mode, two ways."""
     from torchmetrics.regression import MeanSquaredError
 
-    plain = EvenLoader.from_parquet(url, BATCH_SIZE, mode="pad", reader_kwargs={"workers_count": 2})
+    plain = EvenLoader.from_parquet(url, BATCH_SIZE, mode="pad")
     mse, accuracy = _metrics()
     for batch in plain:
         regression, target, classes, labels = _predictions(batch)
@@ -292,9 +281,7 @@ def _evaluate(rank: int, world_size: int, url: str) -> dict[str, float]:
             accuracy.update(classes, labels)
     # A collective of the loop's own at every step: a running all-reduce, and a metric synced at
     # every step, which every rank must call, padding ranks with no rows.
-    per_step = EvenLoader.from_parquet(
-        url, BATCH_SIZE, mode="pad", sync_every=1, reader_kwargs={"workers_count": 2}
-    )
+    per_step = EvenLoader.from_parquet(url, BATCH_SIZE, mode="pad", sync_every=1)
     synced = MeanSquaredError(dist_sync_on_step=True).set_dtype(torch.float64)
     squared_error = torch.zeros(2, dtype=torch.float64)
     for batch in per_step:
@@ -374,9 +361,7 @@ def _train(rank: int, world_size: int, url: str, norm: bool) -> dict[str, Any]:
     """Worker: per step, the DDP gradient at the initial weights (lr 0: every step's gradient
     is taken at the same weights) and this rank's real rows; then two epochs of training."""
     model = torch.nn.parallel.DistributedDataParallel(_model(norm))
-    loader = EvenLoader.from_parquet(
-        url, BATCH_SIZE, mode="pad", reader_kwargs={"workers_count": 2}
-    )
+    loader = EvenLoader.from_parquet(url, BATCH_SIZE, mode="pad")
     gradients, rows = [], []
     for batch in loader:
         features, labels = _features(batch)
@@ -386,9 +371,7 @@ def _train(rank: int, world_size: int, url: str, norm: bool) -> dict[str, Any]:
         gradients.append([parameter.grad.clone() for parameter in model.parameters()])
         rows.append(None if loader.padding else (features, labels))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    windows = EvenLoader.from_parquet(
-        url, BATCH_SIZE, mode="pad", sync_every=2, reader_kwargs={"workers_count": 2}
-    )
+    windows = EvenLoader.from_parquet(url, BATCH_SIZE, mode="pad", sync_every=2)
     for _ in range(2):
         for batch in windows:
             features, labels = _features(batch)

@@ -1,8 +1,9 @@
 """The order of a planned reader's pass, computed by ddp_even and followed by real readers.
 
 Pure tests of :mod:`ddp_even.planning.pass_order` and of the remainder of a seeded pass, then
-real petastorm readers over real Parquet: seeded shuffles and several thread workers read the
-same batches in the same order on every pass of an epoch, in the order ddp_even computes.
+the pyarrow reader's passes over real Parquet: seeded shuffles read by several threads give the
+same batches in the same order on every pass of an epoch, in the order ddp_even computes;
+unseeded shuffles a fresh order each pass, and say that no order can be computed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddp_even.petastorm.readers import make_shard_factory
+from ddp_even.arrow.passes import make_shard_factory
 from ddp_even.planning import plan_shards
 from ddp_even.planning.pass_order import PassOrder
 from ddp_even.planning.sharding import RowRange
@@ -29,7 +30,8 @@ SIZES = [[3, 40, 5, 9, 1, 60, 7], [2, 30, 4, 8, 50, 6, 3, 11]]
 FLAT = flat_sizes(SIZES)
 TOTAL = sum(FLAT)
 BATCH = 8
-SEEDED_THREADS = {"seed": 11, "workers_count": 4}
+SEEDED = {"seed": 11}
+FOUR_THREADS = {"threads": 4, "prefetch": 6}
 
 
 def _ids(pieces: list[RowRange], sizes: list[int]) -> list[int]:
@@ -128,52 +130,66 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_plain_dataset(tmp_path_factory.mktemp("pass-order") / "data", SIZES)
 
 
-def _read(url: str, rank: int, world_size: int, epoch: int, **reader_kwargs: Any) -> ShardRead:
+def _read(
+    url: str,
+    rank: int,
+    world_size: int,
+    epoch: int,
+    loader_kwargs: dict[str, Any] | None = None,
+    **reader_kwargs: Any,
+) -> ShardRead:
     _, passes = make_shard_factory(
-        url, rank, world_size, BATCH, sharding="rows", reader_kwargs=reader_kwargs
+        url,
+        rank,
+        world_size,
+        BATCH,
+        sharding="rows",
+        reader_kwargs=reader_kwargs,
+        loader_kwargs=loader_kwargs,
     )
     with passes(epoch=epoch) as shard_pass:
         return collect(shard_pass)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.petastorm
 @pytest.mark.parametrize(
-    "options",
+    ("options", "loader_kwargs"),
     [
-        SEEDED_THREADS,
-        {**SEEDED_THREADS, "shuffle_row_groups": False},
-        {**SEEDED_THREADS, "reader_pool_type": "dummy"},
+        (SEEDED, FOUR_THREADS),
+        ({**SEEDED, "shuffle_row_groups": False}, FOUR_THREADS),
+        (SEEDED, {"threads": 1, "prefetch": 1}),
     ],
-    ids=["seeded-shuffle", "unshuffled", "dummy-pool"],
+    ids=["seeded-shuffle", "unshuffled", "one-thread"],
 )
 def test_threaded_and_seeded_passes_read_in_the_computed_order(
-    url: str, options: dict[str, Any]
+    url: str, options: dict[str, Any], loader_kwargs: dict[str, Any]
 ) -> None:
     plan, passes = make_shard_factory(url, 0, 2, BATCH, sharding="rows", reader_kwargs=options)
     assert passes.why_not_in_plan_order is None
     expected = _ids(passes.order.rows(plan, FLAT, 0, epoch=0), FLAT)
     for _ in range(3):
-        read = _read(url, 0, 2, 0, **options)
+        read = _read(url, 0, 2, 0, loader_kwargs, **options)
         assert read.ids == expected, "the same order on every pass: the computed one"
         assert len(read.batch_sizes) == plan.batches_per_rank[0]
     if options.get("shuffle_row_groups", True):
         assert expected != sorted(expected), "the row groups are shuffled"
-        assert _read(url, 0, 2, 1, **options).ids != expected, "another order the next epoch"
+        assert _read(url, 0, 2, 1, loader_kwargs, **options).ids != expected, (
+            "another order the next epoch"
+        )
 
 
-@pytest.mark.petastorm
 @pytest.mark.timeout(120)
 def test_a_seeded_row_shuffle_is_the_same_on_every_pass_and_every_rank_keeps_its_part(
     url: str,
 ) -> None:
-    options = {**SEEDED_THREADS, "shuffle_rows": True}
+    options = {**SEEDED, "shuffle_rows": True}
     passes = {
-        (rank, epoch): _read(url, rank, 3, epoch, **options)
+        (rank, epoch): _read(url, rank, 3, epoch, FOUR_THREADS, **options)
         for rank in range(3)
         for epoch in (0, 1)
     }
-    assert _read(url, 1, 3, 0, **options) == passes[1, 0], "the same batches in the same order"
+    again = _read(url, 1, 3, 0, FOUR_THREADS, **options)
+    assert again == passes[1, 0], "the same batches in the same order"
     for epoch in (0, 1):
         everything = Counter(row for rank in range(3) for row in passes[rank, epoch].ids)
         assert everything == Counter(range(TOTAL)), "split row groups: disjoint parts"
@@ -187,30 +203,46 @@ def test_a_seeded_row_shuffle_is_the_same_on_every_pass_and_every_rank_keeps_its
     assert passes[0, 0].ids != computed
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"shuffle_row_groups": False, "shuffle_rows": True}],
+    ids=["row-groups", "rows"],
+)
+def test_an_unseeded_shuffle_reads_the_shard_in_a_fresh_order_each_pass(
+    url: str, options: dict[str, Any]
+) -> None:
+    plan, passes = make_shard_factory(url, 0, 1, BATCH, reader_kwargs=options)
+    reads = []
+    for _ in range(3):
+        with passes(epoch=0) as shard_pass:
+            reads.append(collect(shard_pass))
+    for read in reads:
+        assert sorted(read.ids) == list(range(TOTAL)), "the whole shard once"
+        assert read.batches == plan.batches_per_rank[0]
+    assert len({tuple(read.ids) for read in reads}) == 3, "a fresh order each pass"
+    if not options:
+        group_of = np.repeat(np.arange(len(FLAT)), FLAT)
+        for read in reads:
+            groups = group_of[read.ids].tolist()
+            assert groups == sorted(groups, key=groups.index), "each row group whole, in turn"
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    ("reader_kwargs", "loader_kwargs", "words"),
+    ("reader_kwargs", "words"),
     [
-        ({}, {}, r"row groups are shuffled without a seed \(pass seed="),
+        ({}, r"row groups are shuffled without a seed \(pass seed="),
         (
             {"shuffle_row_groups": False, "shuffle_rows": True},
-            {},
             r"rows are shuffled without a seed \(pass seed=",
         ),
-        ({"seed": 1, "reader_pool_type": "process"}, {}, "a process pool with several workers"),
-        ({"seed": 1, "shuffle_row_drop_partitions": 2}, {}, "separate parts"),
-        ({"seed": 1}, {"shuffling_queue_capacity": 8}, "shuffling queue"),
-        ({"seed": 1, "shuffle_rows": True, "workers_count": 3}, {}, None),
-        (
-            {"shuffle_row_groups": False, "reader_pool_type": "process", "workers_count": 1},
-            {},
-            None,
-        ),
+        ({"seed": 1, "shuffle_rows": True}, None),
+        ({"shuffle_row_groups": False}, None),
     ],
 )
-@pytest.mark.petastorm
 def test_what_reads_out_of_the_computed_order_says_why(
-    url: str, reader_kwargs: dict[str, Any], loader_kwargs: dict[str, Any], words: str | None
+    url: str, reader_kwargs: dict[str, Any], words: str | None
 ) -> None:
     _, passes = make_shard_factory(
         url,
@@ -219,7 +251,7 @@ def test_what_reads_out_of_the_computed_order_says_why(
         BATCH,
         sharding="row_groups",
         reader_kwargs=reader_kwargs,
-        loader_kwargs=loader_kwargs,
+        loader_kwargs={"threads": 3},
     )
     if words is None:
         assert passes.why_not_in_plan_order is None
@@ -227,30 +259,28 @@ def test_what_reads_out_of_the_computed_order_says_why(
         assert re.search(words, passes.why_not_in_plan_order or ""), passes.why_not_in_plan_order
 
 
-@pytest.mark.petastorm
 @pytest.mark.timeout(60)
-def test_row_groups_read_in_parts_are_read_once_and_a_predicate_with_parts_is_refused(
-    url: str,
+@pytest.mark.parametrize(
+    ("reader_kwargs", "loader_kwargs", "instead"),
+    [
+        ({"seed": 1, "reader_pool_type": "process"}, {}, r"loader_kwargs=\{'threads': N\}"),
+        ({"seed": 1, "shuffle_row_drop_partitions": 2}, {}, "shuffle_rows=True"),
+        ({"seed": 1}, {"shuffling_queue_capacity": 8}, "shuffle_rows=True"),
+    ],
+    ids=["process-pool", "row-drop-partitions", "shuffling-queue"],
+)
+def test_what_read_out_of_the_computed_order_in_petastorm_is_refused(
+    url: str, reader_kwargs: dict[str, Any], loader_kwargs: dict[str, Any], instead: str
 ) -> None:
-    from petastorm.predicates import in_lambda
-
-    parts = {"shuffle_row_drop_partitions": 3, "seed": 4, "workers_count": 3}
-    reads = [_read_row_groups(url, rank, epoch=0, **parts).ids for rank in range(2)]
-    assert Counter(row for ids in reads for row in ids) == Counter(range(TOTAL))
-    with pytest.raises(ValueError, match="not supported with a predicate"):
+    # petastorm's process pool, row-drop partitions and shuffling queue read out of any order
+    # ddp_even can compute; the pyarrow reader has none of them and names what to use instead.
+    with pytest.raises(ValueError, match=f"option of petastorm's own reader.*{instead}"):
         make_shard_factory(
             url,
             0,
             2,
             BATCH,
-            predicate=in_lambda(["id"], lambda row: row % 2 == 0),
-            reader_kwargs=parts,
+            sharding="row_groups",
+            reader_kwargs=reader_kwargs,
+            loader_kwargs=loader_kwargs,
         )
-
-
-def _read_row_groups(url: str, rank: int, epoch: int, **reader_kwargs: Any) -> ShardRead:
-    _, passes = make_shard_factory(
-        url, rank, 2, BATCH, sharding="row_groups", reader_kwargs=reader_kwargs
-    )
-    with passes(epoch=epoch) as shard_pass:
-        return collect(shard_pass)

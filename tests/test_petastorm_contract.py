@@ -167,42 +167,6 @@ def _contract(holds: bool, attribute: str) -> None:
     )
 
 
-def test_the_reader_steps_the_planned_reader_overrides_take_the_same_parameters() -> None:
-    import inspect
-
-    from petastorm.reader import Reader
-
-    partition = list(inspect.signature(Reader._partition_row_groups).parameters)
-    _contract(
-        partition
-        == [
-            "self",
-            "dataset",
-            "row_groups",
-            "shard_count",
-            "cur_shard",
-            "filtered_row_group_indexes",
-            "seed",
-        ],
-        "Reader._partition_row_groups",
-    )
-    ventilator = list(inspect.signature(Reader._create_ventilator).parameters)
-    _contract(
-        ventilator
-        == [
-            "self",
-            "row_group_indexes",
-            "shuffle_row_groups",
-            "shuffle_row_drop_partitions",
-            "num_epochs",
-            "worker_predicate",
-            "max_ventilation_queue_size",
-            "seed",
-        ],
-        "Reader._create_ventilator",
-    )
-
-
 @pytest.mark.timeout(60)
 def test_a_thread_pool_readers_internals_are_where_ddp_even_looks(url: str) -> None:
     from petastorm.workers_pool import thread_pool
@@ -218,9 +182,6 @@ def test_a_thread_pool_readers_internals_are_where_ddp_even_looks(url: str) -> N
         )
         worker = pool._workers[0]._worker_impl
         _contract(hasattr(worker, "_transform_spec"), "the worker's _transform_spec")
-        _contract(worker.args[10] == 7, "the workers' args[10] (the seed)")
-        for name in ("publish_func", "_shuffle_rows", "_split_pieces"):
-            _contract(hasattr(worker, name), f"the worker's {name}")
         for name in ("_ventilator", "_results_queue", "_ventilated_items"):
             _contract(hasattr(pool, name), f"ThreadPool.{name}")
         _contract(hasattr(pool, "_ventilated_items_processed"), "ThreadPool counts")
@@ -270,6 +231,7 @@ def test_what_a_readers_provenance_reads_is_where_ddp_even_looks(url: str) -> No
 
 @pytest.mark.timeout(60)
 def test_a_dummy_pool_keeps_its_worker_and_a_list_of_results(url: str) -> None:
+    # The race-free DummyPool.get_results (pools.py) runs the worker and pops the list itself.
     with make_reader(url, reader_pool_type="dummy", schema_fields=["id"]) as reader:
         pool = reader._workers_pool
         _contract(isinstance(pool._results_queue, list), "DummyPool._results_queue")
@@ -280,21 +242,11 @@ def test_a_dummy_pool_keeps_its_worker_and_a_list_of_results(url: str) -> None:
         pool._results_queue.clear()
 
 
-def test_the_ventilator_and_the_loader_have_what_ddp_even_subclasses_and_empties() -> None:
+def test_the_ventilator_and_the_loader_have_what_ddp_even_calls_and_empties() -> None:
     import inspect
 
-    from petastorm.arrow_reader_worker import ArrowReaderWorker
     from petastorm.pytorch import DataLoader
 
-    parameters = inspect.signature(ConcurrentVentilator.__init__).parameters
-    _contract(
-        {"ventilate_fn", "items_to_ventilate", "iterations", "randomize_item_order"}
-        <= set(parameters),
-        "ConcurrentVentilator.__init__",
-    )
+    # The race-free get_results (pools.py) counts each result it hands out as processed.
     _contract(callable(ConcurrentVentilator.processed_item), "ConcurrentVentilator.processed_item")
-    _contract(
-        hasattr(ArrowReaderWorker, "_read_with_shuffle_row_drop"),
-        "ArrowReaderWorker._read_with_shuffle_row_drop",
-    )
     _contract("_batch_acc" in inspect.getsource(DataLoader.__init__), "LoaderBase._batch_acc")

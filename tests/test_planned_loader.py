@@ -20,7 +20,6 @@ from ddp_even import EvenLoader
 from ddp_even.parquet import plan_for_dataset
 from tests.helpers.collectives import AllReduceCounter, source_checks
 from tests.helpers.datasets import shard_row_groups, write_plain_dataset
-from tests.helpers.engines import ENGINES, reader_options
 from tests.helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -61,7 +60,6 @@ def run_planned(
     mode: str,
     balanced: bool,
     lossy: bool,
-    engine: str = "petastorm",
 ) -> Run:
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
@@ -90,8 +88,6 @@ def run_planned(
             mode,
             sharding="row_groups" if balanced else "round_robin",
             joinables=joinables,
-            reader_kwargs=reader_options(engine, {"workers_count": 2}),
-            engine=engine,  # type: ignore[arg-type]
         )
     collected = _Collect()
     logging.getLogger("ddp_even").addHandler(collected)
@@ -125,11 +121,8 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["truncate", "cycle", "join"])
-@pytest.mark.parametrize("engine", ENGINES)
-def test_round_robin_plan_counts_match_what_the_reader_delivers(
-    url: str, mode: str, engine: str
-) -> None:
-    runs = run_ranks(run_planned, WORLD_SIZE, url, mode, False, False, engine, timeout=240)
+def test_round_robin_plan_counts_match_what_the_reader_delivers(url: str, mode: str) -> None:
+    runs = run_ranks(run_planned, WORLD_SIZE, url, mode, False, False, timeout=240)
     groups = [shard_row_groups(len(ROW_GROUP_SIZES), WORLD_SIZE, rank) for rank in range(4)]
     rows = [_shard_rows(ROW_GROUP_SIZES, shard) for shard in groups]
     batches = [math.ceil(len(shard_rows) / BATCH_SIZE) for shard_rows in rows]
@@ -155,11 +148,8 @@ def test_round_robin_plan_counts_match_what_the_reader_delivers(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine", ENGINES)
-def test_balanced_plan_reads_every_row_group_once_and_drops_at_most_one_batch(
-    url: str, engine: str
-) -> None:
-    runs = run_ranks(run_planned, WORLD_SIZE, url, "truncate", True, False, engine, timeout=240)
+def test_balanced_plan_reads_every_row_group_once_and_drops_at_most_one_batch(url: str) -> None:
+    runs = run_ranks(run_planned, WORLD_SIZE, url, "truncate", True, False, timeout=240)
     _, plan = plan_for_dataset(url, WORLD_SIZE, BATCH_SIZE, sharding="row_groups")
     assert max(plan.rows_per_rank) - min(plan.rows_per_rank) <= max(ROW_GROUP_SIZES)
     for rank, run in enumerate(runs):

@@ -1,6 +1,6 @@
 """The predicate scan (``ddp_even.parquet.predicate_counts``): counts equal to what
-petastorm's own ``make_batch_reader`` keeps per row group, and the on-disk cache's hits and
-misses.
+petastorm's own ``make_batch_reader`` keeps per row group (hive partition keys among the
+predicate's fields too), and the on-disk cache's hits and misses.
 
 The reference counts come from petastorm alone: with ``shard_count`` equal to the number of
 row groups, petastorm's round robin gives shard ``i`` exactly row group ``i``, so a reader of
@@ -21,10 +21,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from ddp_even import PeerSourceError
+from ddp_even.arrow.passes import make_shard_factory
 from ddp_even.parquet import predicate_counts
 from ddp_even.parquet.metadata import read_row_groups
+from ddp_even.parquet.partitions import partition_keys
 from ddp_even.parquet.predicate_counts import count_in_columns, matching_rows
-from ddp_even.petastorm.readers import make_shard_factory
 from ddp_even.planning.row_groups import RowGroups
 from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import write_plain_dataset
@@ -138,16 +139,53 @@ def test_counts_equal_what_petastorm_keeps(
     monkeypatch.setattr(predicate_counts, "_READ_BYTES", read_bytes)
     resolved = resolve_dataset(dataset)
     row_groups = read_row_groups(resolved)
+    keys = partition_keys(dataset, row_groups.files)
+    assert keys.names == ()
     everything = list(range(len(row_groups)))
     for name, (fields, function) in _predicates().items():
         predicate = in_lambda(fields, function)
-        counts = count_in_columns(resolved, row_groups, everything, predicate, fields)
+        counts = count_in_columns(
+            resolved, row_groups, everything, predicate, fields, partitions=keys
+        )
         assert counts == reference[name], name
         # One rank's share (i % 3 == 1), as the scan spreads row groups over the ranks.
         share = everything[1::3]
-        assert count_in_columns(resolved, row_groups, share, predicate, fields) == [
-            reference[name][index] for index in share
-        ], name
+        assert count_in_columns(
+            resolved, row_groups, share, predicate, fields, partitions=keys
+        ) == [reference[name][index] for index in share], name
+
+
+@pytest.mark.timeout(120)
+def test_a_predicate_on_a_hive_partition_key_keeps_what_petastorm_keeps(tmp_path: Path) -> None:
+    from petastorm import make_batch_reader
+    from petastorm.predicates import in_lambda
+
+    # part=00000/ (row groups 5, 7, 3), part=00001/ (4, 8), part=00002/ (2, 6).
+    url = write_plain_dataset(tmp_path / "ds", [[5, 7, 3], [4, 8], [2, 6]], partition_by="part")
+    predicate = in_lambda(
+        ["part", "id"], lambda part, ids: (part.astype(int) != 1) & (ids % 3 != 0)
+    )
+    counts, ids = [], []
+    for shard in range(7):  # one row group a shard: petastorm's count of each
+        with make_batch_reader(
+            url,
+            predicate=predicate,
+            cur_shard=shard,
+            shard_count=7,
+            shuffle_row_groups=False,
+            reader_pool_type="dummy",
+            num_epochs=1,
+        ) as reader:
+            kept = [int(i) for batch in reader for i in batch.id]
+        counts.append(len(kept))
+        ids += kept
+    assert counts[3:5] == [0, 0] and sum(counts) > 0, "the test must drop a partition"
+    plan, passes = make_shard_factory(url, 0, 1, 4, predicate=predicate)
+    assert list(passes.row_group_sizes) == counts
+    assert plan.total_rows == len(ids)
+    with passes() as shard_pass:
+        read = sorted(int(i) for batch in shard_pass for i in batch["id"])
+    assert read == sorted(ids)
 
 
 def _frames_as_read(path: Path, positions: list[int], column: str) -> Iterator[pd.DataFrame]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from ddp_even.petastorm.readers import make_shard_factory
+from ddp_even.arrow.passes import make_shard_factory
 from ddp_even.planning.provenance import (
     Provenance,
     UnidentifiableError,
@@ -162,9 +162,7 @@ def test_an_edited_predicate_misses_the_count_cache(
     def rows_kept(limit: int, name: str) -> tuple[int, list[str]]:
         module = _module(tmp_path / f"{name}.py", PREDICATE_MODULE.format(limit=limit))
         caplog.clear()
-        plan, _ = make_shard_factory(
-            url, 0, 1, 4, predicate=module.PREDICATE, reader_kwargs={"reader_pool_type": "dummy"}
-        )
+        plan, _ = make_shard_factory(url, 0, 1, 4, predicate=module.PREDICATE)
         return plan.total_rows, [record.getMessage() for record in caplog.records]
 
     rows, said = rows_kept(12, "first")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import pickle
 import socket
 import time
 from collections import Counter
@@ -30,17 +29,14 @@ import pytest
 from click.testing import CliRunner, Result
 from rich.console import Console
 
+from ddp_even.arrow.passes import make_shard_factory
 from ddp_even.cli import main, tables
-from ddp_even.engines import shard_factory_maker
 from ddp_even.errors import DatasetError
 from ddp_even.parquet import plan_for_dataset
 from ddp_even.parquet.metadata import read_row_groups
-from ddp_even.petastorm.legacy_filesystem import legacy_filesystem
-from ddp_even.petastorm.readers import make_shard_factory
 from ddp_even.planning.plans import ShardPlan
 from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import flat_sizes
-from tests.helpers.engines import ENGINES, reader_options
 from tests.helpers.gcs_server import GcsServer, start_gcs_server
 from tests.helpers.s3_server import S3Server, free_port, upload_directory
 from tests.helpers.shard_reads import Layouts, collect
@@ -93,11 +89,13 @@ def _petastorm_round_robin(url: str, storage_options: dict[str, Any], rank: int,
     from petastorm.reader import Reader
     from petastorm.workers_pool.dummy_pool import DummyPool
 
+    from ddp_even.petastorm.legacy_filesystem import legacy_filesystem
+
     resolved = resolve_dataset(url, storage_options=storage_options)
     batched = kind != "unischema"
     with Reader(
         legacy_filesystem(resolved.storage.filesystem),
-        resolved.petastorm_paths,
+        list(resolved.paths) if resolved.is_list else resolved.paths[0],
         worker_class=ArrowReaderWorker if batched else PyDictReaderWorker,
         is_batched_reader=batched,
         reader_pool=DummyPool(),
@@ -322,7 +320,7 @@ def test_storage_options_in_reader_kwargs_are_taken_once(
 ) -> None:
     options = s3.storage_options()
     plan, factory = make_shard_factory(
-        urls["plain"], 1, 2, BATCH, reader_kwargs={"storage_options": options, "workers_count": 1}
+        urls["plain"], 1, 2, BATCH, reader_kwargs={"storage_options": options}
     )
     with factory() as batches:
         assert sum(len(batch["id"]) for batch in batches) == plan.rows_per_rank[1]
@@ -345,52 +343,28 @@ def test_a_pyarrow_s3_filesystem_passed_as_filesystem(s3: S3Server, urls: dict[s
         read_row_groups("s3://no-such-bucket/x", filesystem=s3.filesystem())
 
 
-@pytest.mark.petastorm
-@pytest.mark.timeout(30)
-def test_legacy_filesystem_pickles_for_the_process_pool(s3: S3Server, urls: dict[str, str]) -> None:
-    resolved = resolve_dataset(urls["plain"], storage_options=s3.storage_options())
-    legacy = pickle.loads(pickle.dumps(legacy_filesystem(resolved.storage.filesystem)))
-    assert legacy.isdir(resolved.petastorm_paths)
-    _, directories, files = next(legacy.walk(resolved.petastorm_paths))
-    assert directories == [] and len(files) == len(SIZES)
-
-
-def _read_every_rank(dataset: str, engine: str, **where: Any) -> tuple[ShardPlan, list[list[int]]]:
+def _read_every_rank(dataset: str, **where: Any) -> tuple[ShardPlan, list[list[int]]]:
     shards = []
     plan = None
     for rank in range(WORLD_SIZE):
-        plan, factory = shard_factory_maker(engine)(  # type: ignore[arg-type]
-            dataset, rank, WORLD_SIZE, BATCH, sharding="row_groups",
-            reader_kwargs=reader_options(engine, {"workers_count": 2}), **where,
-        )  # fmt: skip
-        batches = factory()
-        try:
+        plan, factory = make_shard_factory(
+            dataset, rank, WORLD_SIZE, BATCH, sharding="row_groups", **where
+        )
+        with factory() as batches:
             shards.append(sorted(int(row) for batch in batches for row in batch["id"]))
-        finally:
-            _close(batches)
     assert plan is not None
     return plan, shards
 
 
-def _close(batches: Any) -> None:
-    """A pass of either reader: petastorm's loader stops its reader, pyarrow's its threads."""
-    if hasattr(batches, "reader"):
-        batches.reader.stop()
-        batches.reader.join()
-    else:
-        batches.close()
-
-
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("engine", ENGINES)
-def test_memory_filesystem_through_fsspec(tmp_path: Path, engine: str) -> None:
+def test_memory_filesystem_through_fsspec(tmp_path: Path) -> None:
     import fsspec
 
     local = Path(Layouts(SIZES).partitioned(tmp_path / "ds")[len("file://") :])
     memory = fsspec.filesystem("memory")
-    memory.put(str(local), f"/ddp-even-memory/{engine}", recursive=True)
+    memory.put(str(local), "/ddp-even-memory/partitioned", recursive=True)
     _, local_plan = plan_for_dataset(str(local), WORLD_SIZE, BATCH, sharding="row_groups")
-    plan, shards = _read_every_rank(f"memory://ddp-even-memory/{engine}", engine)
+    plan, shards = _read_every_rank("memory://ddp-even-memory/partitioned")
     assert plan.shards == local_plan.shards
     for rank, rows in enumerate(shards):
         assert rows == _planned_ids(plan, rank)
@@ -401,8 +375,7 @@ def test_memory_filesystem_through_fsspec(tmp_path: Path, engine: str) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["pyarrow", "fsspec"])
-@pytest.mark.parametrize("engine", ENGINES)
-def test_local_filesystem_passed_as_filesystem(tmp_path: Path, kind: str, engine: str) -> None:
+def test_local_filesystem_passed_as_filesystem(tmp_path: Path, kind: str) -> None:
     import fsspec
     import pyarrow.fs
 
@@ -410,13 +383,13 @@ def test_local_filesystem_passed_as_filesystem(tmp_path: Path, kind: str, engine
     filesystem = pyarrow.fs.LocalFileSystem() if kind == "pyarrow" else fsspec.filesystem("file")
     groups = read_row_groups(url, filesystem=filesystem)
     assert groups.source == "_metadata" and groups.files == read_row_groups(url).files
-    plan, shards = _read_every_rank(url, engine, filesystem=filesystem)
+    plan, shards = _read_every_rank(url, filesystem=filesystem)
     for rank, rows in enumerate(shards):
         assert rows == _planned_ids(plan, rank)
 
 
 def train_from_remote(
-    rank: int, world_size: int, url: str, storage_options: dict[str, Any], engine: str
+    rank: int, world_size: int, url: str, storage_options: dict[str, Any]
 ) -> dict[str, dict[str, Any]]:
     """One DDP model trained one epoch per mode on balanced shards read from a server."""
     import torch
@@ -435,8 +408,6 @@ def train_from_remote(
             sharding="row_groups",
             storage_options=storage_options,
             joinables=[model] if mode == "join" else (),
-            reader_kwargs=reader_options(engine, {"workers_count": 2}),
-            engine=engine,  # type: ignore[arg-type]
         )
         rows: list[int] = []
         length = len(loader)
@@ -452,23 +423,18 @@ def train_from_remote(
 
 @pytest.mark.multirank
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("engine", ENGINES)
-def test_four_ranks_train_from_s3_in_every_mode(
-    s3: S3Server, urls: dict[str, str], engine: str
-) -> None:
+def test_four_ranks_train_from_s3_in_every_mode(s3: S3Server, urls: dict[str, str]) -> None:
     options = s3.storage_options()
-    _check_every_mode(urls["plain"], options, engine, env=s3.env())
+    _check_every_mode(urls["plain"], options, env=s3.env())
 
 
-def _check_every_mode(
-    url: str, options: dict[str, Any], engine: str, env: dict[str, str] | None = None
-) -> None:
+def _check_every_mode(url: str, options: dict[str, Any], env: dict[str, str] | None = None) -> None:
     """Four ranks train from ``url`` in every mode, each reading what the plan gives it."""
     _, plan = plan_for_dataset(
         url, WORLD_SIZE, BATCH, sharding="row_groups", storage_options=options
     )
     assert plan.spread_rows <= max(flat_sizes(SIZES))
-    runs = run_ranks(train_from_remote, WORLD_SIZE, url, options, engine, timeout=150, env=env)
+    runs = run_ranks(train_from_remote, WORLD_SIZE, url, options, timeout=150, env=env)
     planned = [_planned_ids(plan, rank) for rank in range(WORLD_SIZE)]
     batches = plan.batches_per_rank
     for rank, run in enumerate(runs):
@@ -523,9 +489,8 @@ def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GcsServer, d
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", ["plain", "with_metadata"])
-@pytest.mark.parametrize("engine", ENGINES)
 def test_every_rank_reads_its_planned_rows_from_gcs(
-    gcs: tuple[GcsServer, dict[str, str]], layout: str, engine: str
+    gcs: tuple[GcsServer, dict[str, str]], layout: str
 ) -> None:
     server, urls = gcs
     options = server.storage_options()
@@ -533,7 +498,7 @@ def test_every_rank_reads_its_planned_rows_from_gcs(
     assert groups.num_rows.tolist() == flat_sizes(SIZES)
     assert groups.source == ("_metadata" if layout == "with_metadata" else "footers")
     assert all(path.startswith(f"{BUCKET}/{layout}/") for path in groups.files)
-    plan, shards = _read_every_rank(urls[layout], engine, storage_options=options)
+    plan, shards = _read_every_rank(urls[layout], storage_options=options)
     for rank, rows in enumerate(shards):
         assert rows == _planned_ids(plan, rank), f"rank {rank}"
     assert sorted(row for rows in shards for row in rows) == list(range(sum(flat_sizes(SIZES))))
@@ -555,9 +520,6 @@ def test_cli_plans_a_gcs_dataset(gcs: tuple[GcsServer, dict[str, str]]) -> None:
 
 @pytest.mark.multirank
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("engine", ENGINES)
-def test_four_ranks_train_from_gcs_in_every_mode(
-    gcs: tuple[GcsServer, dict[str, str]], engine: str
-) -> None:
+def test_four_ranks_train_from_gcs_in_every_mode(gcs: tuple[GcsServer, dict[str, str]]) -> None:
     server, urls = gcs
-    _check_every_mode(urls["plain"], server.storage_options(), engine)
+    _check_every_mode(urls["plain"], server.storage_options())

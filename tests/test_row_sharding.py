@@ -1,9 +1,11 @@
 """Equal shards by construction: ``sharding="rows"``, row predicates counted up front, and
-``sharding="replicate"``, over real Parquet read by petastorm (and by the pyarrow reader).
+``sharding="replicate"``, over real Parquet read by the pyarrow reader (plain values, and a
+petastorm Unischema dataset decoded by petastorm's codecs), compared with petastorm's own reader
+where it differs.
 
 The fast tests read every rank's shard in turn in one process; the multirank ones train a DDP
-model on 4 gloo ranks with ``EvenLoader.from_parquet`` (petastorm's readers, and the pyarrow
-reader) and check what each rank trained on.
+model on 4 gloo ranks with ``EvenLoader.from_parquet`` (petastorm-style predicates and pyarrow
+expressions) and check what each rank trained on.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddp_even import EvenLoader
+from ddp_even.arrow.passes import make_shard_factory
 from ddp_even.errors import RowCountMismatchError
 from ddp_even.parquet import plan_for_dataset
-from ddp_even.petastorm.readers import make_shard_factory
 from ddp_even.planning import plan_shards
 from tests.helpers.collectives import AllReduceCounter, source_checks
 from tests.helpers.datasets import flat_sizes, write_plain_dataset, write_unischema_dataset
@@ -35,9 +37,10 @@ SIZES = [[3, 400, 5], [4, 6, 100], [7, 8, 9, 10, 11, 12, 125]]
 TOTAL = sum(flat_sizes(SIZES))
 WORLD_SIZE = 4
 BATCH = 8
-THREADS = {"reader_pool_type": "thread", "workers_count": 2}
-# One worker in the calling thread: rows come out in the (seeded) order they are ventilated.
-DUMMY = {"reader_pool_type": "dummy"}
+# Loader options: row groups read by two threads.
+THREADS = {"threads": 2}
+# One reading thread, one row group in flight.
+ONE_THREAD = {"threads": 1, "prefetch": 1}
 
 
 def keeps(row_id: Any) -> Any:
@@ -113,9 +116,15 @@ def test_rows_sharding_gives_every_row_to_exactly_one_rank(
 
 @pytest.mark.petastorm
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("predicate", [False, True], ids=["all-rows", "predicate"])
 @pytest.mark.parametrize(
-    ("layout", "reader"), [("plain", "batch"), ("unischema", "row")], ids=["plain", "unischema"]
+    ("layout", "reader", "predicate"),
+    [
+        ("plain", "batch", False),
+        ("plain", "batch", True),
+        ("unischema", "row", False),
+        pytest.param("unischema", "row", True, marks=pytest.mark.petastorm),
+    ],
+    ids=["plain-all-rows", "plain-predicate", "unischema-all-rows", "unischema-predicate"],
 )
 def test_rows_readers_read_every_row_exactly_once(
     datasets: dict[str, str], layout: str, reader: Any, predicate: bool
@@ -131,7 +140,8 @@ def test_rows_readers_read_every_row_exactly_once(
             reader=reader,
             loader="dataloader" if reader == "row" else "batched_dataloader",
             predicate=_in_lambda() if predicate else None,
-            reader_kwargs={**THREADS, "shuffle_rows": True, "seed": 5},
+            reader_kwargs={"shuffle_rows": True, "seed": 5},
+            loader_kwargs=THREADS,
         )
         with factory(epoch=2) as shard_pass:
             read = collect(shard_pass)
@@ -151,6 +161,28 @@ def test_rows_readers_read_every_row_exactly_once(
 
 
 @pytest.mark.petastorm
+@pytest.mark.timeout(60)
+def test_the_row_reader_reads_past_a_row_group_its_predicate_empties(tmp_path: Path) -> None:
+    from petastorm.predicates import in_lambda
+
+    url = write_unischema_dataset(tmp_path / "ds", [[4, 4, 4]])
+    empties_the_second = in_lambda(["id"], lambda row_id: row_id < 4 or row_id >= 8)
+    plan, factory = make_shard_factory(
+        url,
+        0,
+        1,
+        3,
+        reader="row",
+        predicate=empties_the_second,
+        reader_kwargs={"shuffle_row_groups": False},
+    )
+    with factory() as shard_pass:
+        batches = list(shard_pass)
+    assert [row for batch in batches for row in batch["id"].tolist()] == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert all(torch.equal(batch["vec"][:, 0].long(), batch["id"]) for batch in batches)
+    assert len(batches) == plan.batches_per_rank[0]
+
+
 @pytest.mark.timeout(120)
 def test_replicate_reads_everything_on_every_rank_in_different_orders(
     datasets: dict[str, str],
@@ -159,7 +191,12 @@ def test_replicate_reads_everything_on_every_rank_in_different_orders(
     world_size = 2  # each rank reads the whole dataset: two show that the orders differ
     for rank in range(world_size):
         plan, factory = make_shard_factory(
-            datasets["plain"], rank, world_size, BATCH, sharding="replicate", reader_kwargs=DUMMY
+            datasets["plain"],
+            rank,
+            world_size,
+            BATCH,
+            sharding="replicate",
+            loader_kwargs=ONE_THREAD,
         )
         assert plan.rows_per_rank[rank] == TOTAL
         for epoch in (0, 1):
@@ -173,7 +210,7 @@ def test_replicate_reads_everything_on_every_rank_in_different_orders(
 
 @pytest.mark.petastorm
 @pytest.mark.timeout(120)
-def test_petastorm_shuffle_rows_with_a_predicate_mixes_rows_but_planned_readers_do_not(
+def test_petastorm_shuffle_rows_with_a_predicate_mixes_rows_but_planned_passes_do_not(
     datasets: dict[str, str],
 ) -> None:
     from petastorm import make_batch_reader
@@ -187,14 +224,27 @@ def test_petastorm_shuffle_rows_with_a_predicate_mixes_rows_but_planned_readers_
             bad += int(np.sum(~keeps(ids)))
         return bad
 
-    options = {"shuffle_rows": True, "seed": 1, "reader_pool_type": "dummy"}
-    with make_batch_reader(datasets["plain"], predicate=_in_lambda(), **options) as reader:
+    options = {"shuffle_rows": True, "seed": 1}
+    with make_batch_reader(
+        datasets["plain"], predicate=_in_lambda(), reader_pool_type="dummy", **options
+    ) as reader:
         assert wrong_rows(reader) > 0, "petastorm 0.12.1 misaligns columns here"
+    _, factory = make_shard_factory(
+        datasets["plain"],
+        0,
+        1,
+        BATCH,
+        predicate=_in_lambda(),
+        reader_kwargs=options,
+        loader_kwargs=ONE_THREAD,
+    )
+    with factory() as shard_pass:
+        assert wrong_rows(shard_pass) == 0
     _, factory = make_shard_factory(
         datasets["plain"], 0, 1, BATCH, predicate=_in_lambda(), reader_kwargs=options
     )
     with factory() as shard_pass:
-        assert wrong_rows(shard_pass) == 0
+        assert wrong_rows(shard_pass) == 0, "with threads too"
 
 
 @pytest.mark.petastorm
@@ -238,9 +288,20 @@ def test_a_row_group_that_yields_other_rows_than_planned_is_named(tmp_path: Path
     # A transform that drops rows: the plan counted the footers' rows. (A file rewritten after
     # planning is refused before the pass reads: tests/test_changed_dataset.py.)
     drops_one = TransformSpec(lambda frame: frame.iloc[1:])
-    options = {**THREADS, "transform_spec": drops_one}
-    _, factory = make_shard_factory(url, 1, 2, BATCH, sharding="rows", reader_kwargs=options)
-    mismatch = r"row group 1 \(.*part-00000.parquet #1\) yielded 29 rows, the shard plan counted 30"
+    _, factory = make_shard_factory(
+        url,
+        1,
+        2,
+        BATCH,
+        sharding="rows",
+        reader_kwargs={"transform_spec": drops_one},
+        loader_kwargs=THREADS,
+    )
+    mismatch = (
+        # The rank's 20 rows of row group 1 (rank 0 has its first 10 and row group 0's 10).
+        r"row group 1 \(.*part-00000.parquet #1\) yielded 19 rows after the transform_spec, "
+        "the shard plan counted 20: a transform_spec must keep every row"
+    )
     with pytest.raises(RowCountMismatchError, match=mismatch), factory() as shard_pass:
         list(shard_pass)
 
@@ -249,7 +310,8 @@ def train_rows(
     rank: int, world_size: int, url: str, reader: str, sharding: str, predicate: bool
 ) -> dict[str, Any]:
     """One truncate epoch of a DDP model over ``from_parquet(sharding=...)``; ``reader`` is
-    petastorm's ("batch" or "row") or "arrow" (pyarrow alone, an expression predicate)."""
+    "batch" or "row" (a petastorm predicate, called on a frame or a decoded row) or "arrow"
+    (``engine="arrow"``, a pyarrow expression predicate)."""
     caught = ddp_even_messages()
     if reader == "arrow":
         import pyarrow.compute as pc
@@ -259,8 +321,8 @@ def train_rows(
     else:
         from petastorm.predicates import in_lambda
 
-        loader = "dataloader" if reader == "row" else "batched_dataloader"
-        options = {"reader": reader, "loader": loader, "reader_kwargs": THREADS}
+        loader_kind = "dataloader" if reader == "row" else "batched_dataloader"
+        options = {"reader": reader, "loader": loader_kind, "loader_kwargs": THREADS}
         missing, kept = in_lambda(["missing"], bool), _in_lambda()
     try:
         EvenLoader.from_parquet(url, BATCH, predicate=missing, **options)
@@ -317,7 +379,13 @@ def train_rows(
     ("layout", "reader", "sharding", "predicate"),
     [
         pytest.param("plain", "batch", "rows", False, marks=pytest.mark.petastorm),
-        pytest.param("unischema", "row", "rows", True, marks=pytest.mark.petastorm),
+        pytest.param(
+            "unischema",
+            "row",
+            "rows",
+            True,
+            marks=pytest.mark.petastorm,
+        ),
         pytest.param("plain", "batch", "replicate", True, marks=pytest.mark.petastorm),
         ("plain", "arrow", "rows", True),
         ("plain", "arrow", "replicate", True),

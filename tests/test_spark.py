@@ -267,7 +267,8 @@ class Seen:
     stats: list[dict[str, Any]] = field(default_factory=list)
     error: tuple[str, str] | None = None
     error_after_s: float = 0.0
-    # petastorm threads alive after each epoch's loop was left (readers not stopped).
+    # Reading threads (petastorm's, the pyarrow reader's) alive after each epoch's loop was left
+    # (readers not stopped).
     leaked: list[list[str]] = field(default_factory=list)
     vec_matches_id: bool = True
     final_weight: list[float] = field(default_factory=list)
@@ -279,7 +280,9 @@ def _petastorm_threads() -> list[str]:
     return [
         thread.name
         for thread in threading.enumerate()
-        if type(thread).__module__.startswith("petastorm") or "ventilat" in thread.name
+        if type(thread).__module__.startswith("petastorm")
+        or "ventilat" in thread.name
+        or thread.name.startswith("ddp_even-arrow")
     ]
 
 
@@ -327,7 +330,7 @@ def _loader(
         "batch_size": BATCH_SIZE,
         "mode": case.mode,
         "sharding": "row_groups",
-        "reader_kwargs": {"workers_count": 2},
+        "loader_kwargs": {"threads": 2},
         **options,
     }
     if case.source == "converter_planned":

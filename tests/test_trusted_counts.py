@@ -22,12 +22,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.datasets import write_plain_dataset
-from tests.helpers.engines import ENGINES, reader_options
 from tests.helpers.spawn import run_ranks
 
 # 17 rows: "rows" sharding gives rank 0 rows 0-7 (2 batches of 4) and rank 1 rows 8-16 (3).
 SIZES = [[5, 6], [6]]
 BATCH = 4
+# The two kinds of row predicate from_parquet takes: petastorm's (in_lambda) and pyarrow's.
+PREDICATES = [pytest.param("petastorm", marks=pytest.mark.petastorm), "expression"]
 
 
 def _ids(batch: Any) -> list[int]:
@@ -35,7 +36,7 @@ def _ids(batch: Any) -> list[int]:
 
 
 def _cycle_resumed_after_a_ranks_last_own_batch(
-    rank: int, world_size: int, url: str, sync_every: int | None, engine: str
+    rank: int, world_size: int, url: str, sync_every: int | None
 ) -> dict[str, Any]:
     from ddp_even import EvenLoader
 
@@ -46,8 +47,7 @@ def _cycle_resumed_after_a_ranks_last_own_batch(
             "cycle",
             sharding="rows",
             sync_every=sync_every,
-            engine=engine,  # type: ignore[arg-type]
-            reader_kwargs=reader_options(engine, {"seed": 3, "workers_count": 2}),
+            reader_kwargs={"seed": 3},
         )
 
     torch.manual_seed(0)
@@ -67,14 +67,13 @@ def _cycle_resumed_after_a_ranks_last_own_batch(
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sync_every", [None, 1], ids=["known-lengths", "every-step"])
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.multirank
 def test_cycle_resumes_right_after_a_ranks_last_own_batch(
-    tmp_path: Path, sync_every: int | None, engine: str
+    tmp_path: Path, sync_every: int | None
 ) -> None:
     url = write_plain_dataset(tmp_path / "ds", SIZES)
     results = run_ranks(
-        _cycle_resumed_after_a_ranks_last_own_batch, 2, url, sync_every, engine, timeout=200
+        _cycle_resumed_after_a_ranks_last_own_batch, 2, url, sync_every, timeout=200
     )
     for rank, result in enumerate(results):
         assert len(result["whole"]) == 3, "cycle runs the longest shard's 3 steps"
@@ -86,9 +85,9 @@ def test_cycle_resumes_right_after_a_ranks_last_own_batch(
 # --- a state loaded into a loader of other data or another reading order (cases 2 and 7) ----
 
 
-def _keep_all_two_ways(engine: str) -> tuple[Any, Any]:
+def _keep_all_two_ways(predicates: str) -> tuple[Any, Any]:
     """Two predicates that keep every row: the same rows, another predicate."""
-    if engine == "arrow":
+    if predicates == "expression":
         import pyarrow.compute as pc
 
         return pc.field("id") >= 0, pc.field("id") > -1
@@ -98,7 +97,7 @@ def _keep_all_two_ways(engine: str) -> tuple[Any, Any]:
 
 
 def _state_loaded_elsewhere(
-    rank: int, world_size: int, url: str, other_url: str, change: str, engine: str
+    rank: int, world_size: int, url: str, other_url: str, change: str, predicates: str
 ) -> dict[str, Any]:
     from ddp_even import EvenLoader
 
@@ -108,8 +107,7 @@ def _state_loaded_elsewhere(
             BATCH,
             "truncate",
             sharding="rows",
-            engine=engine,  # type: ignore[arg-type]
-            reader_kwargs=reader_options(engine, {"seed": 3, "workers_count": 2, **reader_kwargs}),
+            reader_kwargs={"seed": 3, **reader_kwargs},
         )
 
     def footers(batch_size: int) -> EvenLoader[Any]:
@@ -125,7 +123,7 @@ def _state_loaded_elsewhere(
         return EvenLoader(one_pass, "truncate")
 
     if change == "predicate":
-        keep_all, keep_all_too = _keep_all_two_ways(engine)
+        keep_all, keep_all_too = _keep_all_two_ways(predicates)
     saved_by, loaded_by = {
         "seed": (lambda: planned(url), lambda: planned(url, seed=4)),
         "predicate": (
@@ -154,19 +152,17 @@ def _state_loaded_elsewhere(
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("change", "engine"),
+    ("change", "predicates"),
     [
-        *(
-            pytest.param(change, "petastorm", marks=pytest.mark.petastorm)
-            for change in ("seed", "predicate", "data", "batch_size")
-        ),
+        *((change, "expression") for change in ("seed", "predicate", "data")),
+        pytest.param("predicate", "petastorm", marks=pytest.mark.petastorm),
         # The wrapped loop whose batch size changes is petastorm's own.
-        *((change, "arrow") for change in ("seed", "predicate", "data")),
+        pytest.param("batch_size", "petastorm", marks=pytest.mark.petastorm),
     ],
 )
 @pytest.mark.multirank
 def test_a_state_of_other_data_or_order_is_refused_on_every_rank_naming_what_differs(
-    tmp_path: Path, change: str, engine: str
+    tmp_path: Path, change: str, predicates: str
 ) -> None:
     url = write_plain_dataset(tmp_path / "ds", SIZES)
     # The same row-group sizes, other rows: the plan alone cannot tell the two apart.
@@ -174,7 +170,7 @@ def test_a_state_of_other_data_or_order_is_refused_on_every_rank_naming_what_dif
     Path(other_url.removeprefix("file://"), "part-00001.parquet").rename(
         Path(other_url.removeprefix("file://"), "part-00001b.parquet")
     )
-    results = run_ranks(_state_loaded_elsewhere, 2, url, other_url, change, engine, timeout=250)
+    results = run_ranks(_state_loaded_elsewhere, 2, url, other_url, change, predicates, timeout=250)
     for result in results:
         assert result["trained"] == [], "refused before any step"
         assert result["error"] is not None, result
@@ -315,8 +311,8 @@ def test_a_summary_dataset_rewritten_misses_the_count_cache_and_refuses_an_old_p
 
     from petastorm.predicates import in_lambda
 
+    from ddp_even.arrow.passes import make_shard_factory
     from ddp_even.errors import PlanMismatchError
-    from ddp_even.petastorm.readers import make_shard_factory
     from tests.helpers.shard_reads import write_summary_metadata
 
     monkeypatch.setenv("DDP_EVEN_CACHE_DIR", str(tmp_path / "cache"))
@@ -324,14 +320,13 @@ def test_a_summary_dataset_rewritten_misses_the_count_cache_and_refuses_an_old_p
     url = write_plain_dataset(root, SIZES)
     write_summary_metadata(root, common=True)
     below_eight = in_lambda(["id"], lambda ids: ids < 8)
-    options = {"reader_pool_type": "dummy"}
 
     def kept() -> int:
-        plan, _ = make_shard_factory(url, 0, 1, BATCH, predicate=below_eight, reader_kwargs=options)
+        plan, _ = make_shard_factory(url, 0, 1, BATCH, predicate=below_eight)
         return plan.total_rows
 
     assert kept() == 8
-    _, old = make_shard_factory(url, 0, 1, BATCH, reader_kwargs=options)
+    _, old = make_shard_factory(url, 0, 1, BATCH)
     time.sleep(0.01)  # a later modification time on any file system
     _rewrite_with_ids_from(root, 100)  # the same sizes, no id below 8 any more
     write_summary_metadata(root, common=True)
@@ -376,7 +371,7 @@ def _resume_case(
     from ddp_even import EvenLoader
 
     def loader(changed: bool) -> EvenLoader[Any]:
-        kwargs: dict[str, Any] = {"seed": 5, "workers_count": 2, "shuffle_rows": True}
+        kwargs: dict[str, Any] = {"seed": 5, "shuffle_rows": True}
         predicate = in_lambda(["id"], lambda ids: ids >= 0)
         batch_size, dataset = 3, url
         if changed and change == "seed":
@@ -562,9 +557,7 @@ def test_resuming_a_reader_that_cannot_replay_warns_once_on_rank_0_with_the_reci
     assert [len(rank["rest"]) for rank in defaults + seeded] == [2, 2, 2, 2]
 
 
-def _resume_from_parquet(
-    rank: int, world_size: int, url: str, engine: str, seeded: bool
-) -> dict[str, Any]:
+def _resume_from_parquet(rank: int, world_size: int, url: str, seeded: bool) -> dict[str, Any]:
     """``from_parquet`` stopped after 2 steps and resumed by a new loader: with the readers'
     defaults (row groups shuffled without a seed) or a seed; and an uninterrupted epoch."""
     from ddp_even import EvenLoader
@@ -574,9 +567,8 @@ def _resume_from_parquet(
 
     def loader() -> EvenLoader[Any]:
         return EvenLoader.from_parquet(
-            url, 2, "truncate", engine=engine,  # type: ignore[arg-type]
-            reader_kwargs={"seed": 7} if seeded else None,
-        )  # fmt: skip
+            url, 2, "truncate", reader_kwargs={"seed": 7} if seeded else None
+        )
 
     uninterrupted = [_ids(batch) for batch in loader()]
     stopped, before = loader(), []
@@ -593,13 +585,12 @@ def _resume_from_parquet(
 
 @pytest.mark.timeout(240)
 @pytest.mark.multirank
-@pytest.mark.parametrize("engine", ENGINES)
 def test_a_planned_reader_shuffling_without_a_seed_warns_on_resume_and_a_seeded_one_is_exact(
-    tmp_path: Path, engine: str
+    tmp_path: Path,
 ) -> None:
     url = write_plain_dataset(tmp_path / "data", [[4, 4, 4, 4, 4, 4, 4, 4]])
-    defaults = run_ranks(_resume_from_parquet, 2, url, engine, False, timeout=200)
-    seeded = run_ranks(_resume_from_parquet, 2, url, engine, True, timeout=200)
+    defaults = run_ranks(_resume_from_parquet, 2, url, False, timeout=200)
+    seeded = run_ranks(_resume_from_parquet, 2, url, True, timeout=200)
     replay_warnings = [
         [message for message in rank["warnings"] if "is not the interrupted run's" in message]
         for rank in defaults
@@ -614,7 +605,7 @@ def test_a_planned_reader_shuffling_without_a_seed_warns_on_resume_and_a_seeded_
 
 # --- a predicate's cached counts, in a new job after an edit --------------------------------
 
-# The user's module, as each reader takes a predicate.
+# The user's module, with either kind of predicate.
 KEEP_BELOW_MODULE = {
     "petastorm": """
 from petastorm.predicates import in_lambda
@@ -628,7 +619,7 @@ def keep(ids):
 
 PREDICATE = in_lambda(["id"], keep)
 """,
-    "arrow": """
+    "expression": """
 import pyarrow.compute as pc
 
 LIMIT = {limit}
@@ -639,7 +630,7 @@ PREDICATE = pc.field("id") < LIMIT
 
 
 def _job_with_a_module_predicate(
-    rank: int, world_size: int, url: str, module_path: str, engine: str
+    rank: int, world_size: int, url: str, module_path: str
 ) -> dict[str, Any]:
     """A job whose predicate comes from the user's own module (as a process pool needs it):
     one cycle epoch on every rank, and what ddp_even said about the count cache."""
@@ -653,13 +644,7 @@ def _job_with_a_module_predicate(
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    loader = EvenLoader.from_parquet(
-        url,
-        BATCH,
-        "cycle",
-        predicate=module.PREDICATE,
-        engine=engine,  # type: ignore[arg-type]
-    )
+    loader = EvenLoader.from_parquet(url, BATCH, "cycle", predicate=module.PREDICATE)
     trained = sorted({row for batch in loader for row in _ids(batch)})
     cached = any("from the cache" in message for message in messages)
     return {"trained": trained, "cached": cached}
@@ -668,9 +653,9 @@ def _job_with_a_module_predicate(
 @pytest.mark.timeout(400)
 @pytest.mark.multirank
 @pytest.mark.parametrize("edit", ["predicate", "summary-dataset"])
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("predicates", PREDICATES)
 def test_a_new_job_after_an_edit_counts_anew_and_trains_what_is_kept_on_every_rank(
-    tmp_path: Path, edit: str, engine: str
+    tmp_path: Path, edit: str, predicates: str
 ) -> None:
     """Case 5 (a predicate edited in the user's module) and case 6 (a dataset with a
     ``_metadata`` summary rewritten with other values): the second job on 2 ranks misses the
@@ -683,12 +668,10 @@ def test_a_new_job_after_an_edit_counts_anew_and_trains_what_is_kept_on_every_ra
         write_summary_metadata(root, common=True)
     env = {"DDP_EVEN_CACHE_DIR": str(tmp_path / "cache")}
     first = tmp_path / "first.py"
-    first.write_text(KEEP_BELOW_MODULE[engine].replace("{limit}", "12"))
+    first.write_text(KEEP_BELOW_MODULE[predicates].replace("{limit}", "12"))
 
     def job(module: Path) -> list[dict[str, Any]]:
-        return run_ranks(
-            _job_with_a_module_predicate, 2, url, str(module), engine, env=env, timeout=200
-        )
+        return run_ranks(_job_with_a_module_predicate, 2, url, str(module), env=env, timeout=200)
 
     before = job(first)
     assert sorted(row for rank in before for row in rank["trained"]) == list(range(12))
@@ -696,7 +679,7 @@ def test_a_new_job_after_an_edit_counts_anew_and_trains_what_is_kept_on_every_ra
     assert any(rank["cached"] for rank in again), "an unchanged job reuses the counts"
     if edit == "predicate":
         changed = tmp_path / "edited.py"  # a new job imports the edited file
-        changed.write_text(KEEP_BELOW_MODULE[engine].replace("{limit}", "15"))
+        changed.write_text(KEEP_BELOW_MODULE[predicates].replace("{limit}", "15"))
         kept = list(range(15))
     else:
         time.sleep(0.01)  # a later modification time on any file system

@@ -1,35 +1,41 @@
-"""A rank's planned passes read with pyarrow alone: the options, the plan, the factory.
+"""A rank's planned passes, read with pyarrow: the options, the plan, the factory.
 
 :func:`make_shard_factory` takes what ``EvenLoader.from_parquet`` takes and returns ``(plan,
-factory)`` as :func:`ddp_even.petastorm.readers.make_shard_factory` does, so that every
-guarantee of the planned path (every sharding, predicates, seeded shuffles, exact and elastic
-resume, every mode, the statistics, every store) holds alike. It plans through
+factory)``: every sharding, predicates, seeded shuffles, exact and elastic resume, every mode,
+the statistics and every store hold alike. It plans through
 :func:`~ddp_even.parquet.dataset_plan.plan_dataset`; each call of the factory is one pass
 (:class:`~ddp_even.arrow.reader.ArrowPass`).
 
-Reader options (``reader_kwargs``): ``schema_fields`` (the columns to read, by name), ``seed``,
+Reader options (``reader_kwargs``): ``schema_fields`` (the columns to read: names, petastorm
+``UnischemaField`` objects, or with ``reader="row"`` petastorm's regular expressions), ``seed``,
 ``shuffle_row_groups`` (on by default, as petastorm's), ``shuffle_rows``, ``predicate`` (a
-``pyarrow.compute`` expression, or a petastorm-style predicate called on a pandas frame of its
-columns), ``storage_options``, ``filesystem``. Loader options (``loader_kwargs``):
-``threads`` (threads reading each row group's columns in parts, 2 by default), ``prefetch``
-(row groups in flight, read or waiting, 4 by default: with the batches of one being handed out,
-what a pass holds) and ``pin_memory`` (batches in pinned memory, for a GPU). An option only
-petastorm has is refused in one line that says so.
+``pyarrow.compute`` expression, or a petastorm-style predicate), ``transform_spec`` (petastorm's,
+applied as petastorm applies it: :mod:`ddp_even.petastorm.decoding`), ``storage_options``,
+``filesystem``. Loader options (``loader_kwargs``): ``threads`` (threads reading each row
+group's columns in parts, 2 by default), ``prefetch`` (row groups in flight, read or waiting, 4
+by default: with the batches of one being handed out, what a pass holds) and ``pin_memory``
+(batches in pinned memory, for a GPU). ``reader="row"`` decodes a dataset petastorm wrote with
+a Unischema by its codecs, as ``make_reader`` does. An option of petastorm's own reader is
+refused in one line that says how to get the same here.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from ddp_even.arrow.decoding import Decoding
 from ddp_even.arrow.reader import ArrowPass, PassRows
 from ddp_even.checks import check_positive_int, taken_once
 from ddp_even.errors import PlanMismatchError
+from ddp_even.modes import MODES
 from ddp_even.parquet.dataset_plan import DatasetPlan, PredicateCounting, plan_dataset
 from ddp_even.parquet.metadata import changed_row_groups
 from ddp_even.parquet.predicates import is_expression, predicate_fields
@@ -55,26 +61,37 @@ _READER_OPTIONS = {
     "predicate",
     "storage_options",
     "filesystem",
+    "transform_spec",
 }
 _LOADER_OPTIONS = {"prefetch", "threads", "pin_memory"}
-# Petastorm's own options, which this reader has no use for or cannot honour.
+_THREADS_INSTEAD = "from_parquet reads with threads of its own: loader_kwargs={'threads': N}"
+# Options of petastorm's own reader and loaders, and how to get the same here.
 _PETASTORM_ONLY = {
-    "transform_spec": "a TransformSpec runs in petastorm's workers",
-    "reader_pool_type": "pyarrow reads in one thread of its own, with its own thread pool",
-    "workers_count": "pyarrow reads in one thread of its own, with its own thread pool",
-    "results_queue_size": "the queue holds prefetch row groups (loader_kwargs)",
-    "shuffle_row_drop_partitions": "row groups are read whole",
-    "cache_type": "petastorm's local cache",
-    "cache_location": "petastorm's local cache",
-    "cache_size_limit": "petastorm's local cache",
-    "cache_row_size_estimate": "petastorm's local cache",
-    "cache_extra_settings": "petastorm's local cache",
-    "hdfs_driver": "HDFS is read through pyarrow.fs",
-    "zmq_copy_buffers": "petastorm's process pool",
-    "shuffling_queue_capacity": "petastorm's loader's shuffling queue",
-    "collate_fn": "petastorm's row loader",
-    "transform_fn": "petastorm's loader",
+    "reader_pool_type": _THREADS_INSTEAD,
+    "workers_count": _THREADS_INSTEAD,
+    "results_queue_size": "row groups in flight: loader_kwargs={'prefetch': N}",
+    "shuffle_row_drop_partitions": "shuffle rows inside row groups: shuffle_rows=True",
+    "shuffling_queue_capacity": "shuffle rows inside row groups: reader_kwargs shuffle_rows=True",
+    "cache_type": "petastorm's local cache; read a local copy of the dataset instead",
+    "cache_location": "petastorm's local cache; read a local copy of the dataset instead",
+    "cache_size_limit": "petastorm's local cache; read a local copy of the dataset instead",
+    "cache_row_size_estimate": "petastorm's local cache; read a local copy of the dataset instead",
+    "cache_extra_settings": "petastorm's local cache; read a local copy of the dataset instead",
+    "hdfs_driver": "HDFS is read through pyarrow.fs: pass filesystem= or storage_options=",
+    "zmq_copy_buffers": "petastorm's process pool: " + _THREADS_INSTEAD,
+    "collate_fn": "batches are dicts of tensors: transform them in the training loop",
+    "transform_fn": "batches are dicts of tensors: transform them in the training loop",
+    "cur_shard": "sharding follows the plan (sharding=)",
+    "shard_count": "sharding follows the plan (sharding=)",
+    "shard_seed": "sharding follows the plan: seed= shuffles the reading order",
+    "num_epochs": "each pass reads one epoch's shard; EvenLoader runs the epochs",
+    "rowgroup_selector": "it changes which row groups exist: filter rows with predicate=",
+    "filters": "filter rows with predicate= (a pyarrow expression)",
 }
+_WRAP_YOUR_OWN = (
+    "; or build petastorm's reader yourself and wrap it: EvenLoader(lambda: "
+    "DataLoader(make_reader(...)))"
+)
 # Row groups in flight (read, or waiting to be handed out), and threads reading them.
 _PREFETCH = 4
 _THREADS = 2
@@ -111,11 +128,15 @@ def make_shard_factory(
         >>> rows == plan.rows_per_rank[1]
         True
     """
-    if loader != "batched_dataloader" or reader != "batch":
+    if loader not in ("batched_dataloader", "dataloader"):
         raise ValueError(
-            f"loader={loader!r} and reader={reader!r} are petastorm's (its row loader and "
-            "make_reader's Unischema codecs): install ddp_even[petastorm] and pass "
-            "engine='petastorm'; pyarrow hands out batches as dicts of tensors"
+            f"loader must be 'batched_dataloader' or 'dataloader' (both hand out the same "
+            f"batches of batch_size rows), got {loader!r}: EvenLoader counts batches"
+        )
+    if reader not in ("batch", "row"):
+        raise ValueError(
+            f"reader must be 'batch' (Parquet's values) or 'row' (a petastorm Unischema "
+            f"dataset, decoded by its codecs), got {reader!r}"
         )
     options = _checked(dict(reader_kwargs or {}), _READER_OPTIONS, "reader_kwargs")
     loading = _checked(dict(loader_kwargs or {}), _LOADER_OPTIONS, "loader_kwargs")
@@ -129,6 +150,9 @@ def make_shard_factory(
     storage_options = taken_once("storage_options", storage_options, options)
     filesystem = taken_once("filesystem", filesystem, options)
     predicate = taken_once("predicate", predicate, options)
+    _check_predicate(predicate)
+    transform_spec = options.get("transform_spec")
+    decoding = _decoding(dataset, reader, transform_spec, storage_options, filesystem)
     planned = plan_dataset(
         dataset,
         world_size,
@@ -136,25 +160,30 @@ def make_shard_factory(
         sharding=sharding_from(sharding, balanced),
         storage_options=storage_options,
         filesystem=filesystem,
-        counting=None if predicate is None else PredicateCounting(predicate, kind=b"arrow"),
+        counting=(
+            None
+            if predicate is None
+            else PredicateCounting(predicate, kind=decoding.kind, kept=decoding.kept)
+        ),
         rank=rank,
         share=agreer.gather_counts if agreer is not None else None,
     )
     plan = planned.plan
     plan.row_groups_of(rank)  # checks rank
-    columns = options.get("schema_fields")
-    if columns is not None:
-        columns = [str(name) for name in columns]
-        if not columns:
-            raise ValueError(
-                "schema_fields=[] reads no column: name at least one, or leave schema_fields "
-                "out to read every column"
-            )
+    if plan.empty_ranks and rank == 0:
+        # Logged once (rank 0), since every rank computes the same plan.
+        logger.warning(
+            "ddp_even: rank(s) %s get no batch from %s: %s",
+            ", ".join(map(str, plan.empty_ranks)),
+            planned.resolved.describe(),
+            "; ".join(f"{mode}: {plan.stats(mode).note}" for mode in MODES),
+        )
+    schema = _schema(planned)
+    columns = _columns(options.get("schema_fields"), schema.names, decoding)
     order = PassOrder(options.get("seed"), bool(options.get("shuffle_row_groups", True)))
     fields: list[str] = []
     if predicate is not None:
-        schema = planned.resolved.storage.read_footer(planned.footers.files[0])
-        fields = predicate_fields(predicate, schema.schema.to_arrow_schema())
+        fields = predicate_fields(predicate, schema)
     passes = ArrowPasses(
         planned,
         rank,
@@ -167,6 +196,8 @@ def make_shard_factory(
             predicate=predicate,
             predicate_fields=fields,
             shuffle_rows=bool(options.get("shuffle_rows", False)),
+            partitions=planned.partitions,
+            decoding=decoding,
         ),
         functools.partial(
             ArrowPass,
@@ -179,11 +210,12 @@ def make_shard_factory(
         Provenance.of(
             data=planned.footers.identity(),
             predicate=predicate,
-            reader="arrow",
-            schema_fields=options.get("schema_fields"),
+            reader="arrow" if reader == "batch" else reader,
+            schema_fields=columns,
             seed=options.get("seed"),
             shuffle_rows=options.get("shuffle_rows", False),
             shuffle_row_groups=order.shuffle_row_groups,
+            transform_spec=transform_spec,
             batch_size=batch_size,
             sharding=plan.sharding,
         ),
@@ -245,19 +277,104 @@ def _checked(options: dict[str, Any], accepted: set[str], where: str) -> dict[st
     for name in options:
         if name in _PETASTORM_ONLY:
             raise ValueError(
-                f"{where}[{name!r}] is petastorm's ({_PETASTORM_ONLY[name]}): install "
-                "ddp_even[petastorm] and pass engine='petastorm', or leave it out"
+                f"{where}[{name!r}] is an option of petastorm's own reader, which from_parquet "
+                f"does not use: {_PETASTORM_ONLY[name]}{_WRAP_YOUR_OWN}"
             )
         if name not in accepted:
+            close = difflib.get_close_matches(name, accepted, n=1)
             raise ValueError(
-                f"{where}[{name!r}] is not an option of the pyarrow reader; it takes "
-                f"{', '.join(sorted(accepted))}"
+                f"{where}[{name!r}] is not an option of from_parquet's reader"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f"; it takes {', '.join(sorted(accepted))}"
             )
-    predicate = options.get("predicate")
+    return options
+
+
+def _check_predicate(predicate: Any) -> None:
     if (
         predicate is not None
         and not is_expression(predicate)
         and not hasattr(predicate, "do_include")
     ):
-        raise TypeError("predicate must be a pyarrow expression or a petastorm-style predicate")
-    return options
+        raise TypeError(
+            "predicate must be a pyarrow expression (pyarrow.compute.field('label') == 1) or a "
+            "petastorm predicate (petastorm.predicates.in_lambda, in_set, ...), got "
+            f"{type(predicate).__name__}"
+        )
+
+
+def _decoding(
+    dataset: DatasetLocation,
+    reader: str,
+    transform_spec: Any,
+    storage_options: StorageOptions | None,
+    filesystem: Any,
+) -> Decoding:
+    """Plain Parquet, or petastorm's decoding on top where ``reader="row"`` or a transform."""
+    if reader == "batch" and transform_spec is None:
+        return Decoding()
+    try:
+        from ddp_even.petastorm.decoding import PetastormDecoding, read_unischema
+    except ImportError as error:  # petastorm missing, or broken on this pyarrow
+        wanted = "reader='row'" if reader == "row" else "transform_spec"
+        raise ImportError(
+            f"{wanted} is petastorm's and needs petastorm, which cannot be imported here "
+            f"({error}): pip install 'ddp_even[petastorm]' (pyarrow < 15, numpy < 2)"
+        ) from error
+    from ddp_even.storage import resolve_dataset
+
+    schema = None
+    if reader == "row":
+        resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
+        schema = read_unischema(resolved)
+    return PetastormDecoding(schema, transform_spec)
+
+
+def _schema(planned: DatasetPlan) -> Any:
+    """The columns of the dataset's first file and its partition keys, as a pyarrow schema."""
+    import pyarrow as pa
+
+    footer = planned.resolved.storage.read_footer(planned.footers.files[0])
+    return pa.unify_schemas([footer.schema.to_arrow_schema(), planned.partitions.schema])
+
+
+def _columns(
+    schema_fields: Sequence[Any] | None, names: Sequence[str], decoding: Decoding
+) -> list[str] | None:
+    """``schema_fields`` as column names; a ``ValueError`` naming the nearest columns for one
+    the dataset lacks (a regular expression, as petastorm's readers take them, with
+    ``reader="row"``)."""
+    if schema_fields is None:
+        return None
+    if isinstance(schema_fields, str) or not isinstance(schema_fields, Sequence):
+        raise TypeError(
+            f"schema_fields must be a list of column names, got {type(schema_fields).__name__}"
+        )
+    if not schema_fields:
+        raise ValueError(
+            "schema_fields=[] reads no column: name at least one, or leave schema_fields "
+            "out to read every column"
+        )
+    columns: list[str] = []
+    for field in schema_fields:
+        name = getattr(field, "name", field)  # a petastorm UnischemaField
+        if not isinstance(name, str):
+            raise TypeError(f"schema_fields holds {name!r}: name columns with strings")
+        if name in names:
+            columns.append(name)
+            continue
+        matched = (
+            [column for column in names if re.fullmatch(name, column)]
+            if decoding.kind == b"row"
+            else []
+        )
+        if not matched:
+            close = difflib.get_close_matches(name, names, n=3)
+            raise ValueError(
+                f"schema_fields names {name!r}, which the dataset does not have"
+                + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
+                + f"; its columns are: {', '.join(names)}"
+                + ("" if decoding.kind == b"row" else ". Regular expressions need reader='row'")
+            )
+        columns.extend(column for column in matched if column not in columns)
+    return columns

@@ -36,9 +36,10 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ddp_even.arrow.columns import BatchCutter, Columns, to_columns
+from ddp_even.arrow.columns import BatchCutter, Columns
+from ddp_even.arrow.decoding import Decoding
 from ddp_even.errors import RowCountMismatchError
-from ddp_even.parquet.predicates import kept_mask
+from ddp_even.parquet.partitions import PartitionKeys
 from ddp_even.planning.row_groups import RowGroups
 from ddp_even.planning.sharding import RowRange
 from ddp_even.sources.base import ShardPass, ShardSource
@@ -67,6 +68,9 @@ class PassRows:
     # Shuffle each row group's rows: with ``row_seed`` the same permutation on every rank.
     shuffle_rows: bool
     row_seed: int | None
+    # The hive partition keys of each file: columns of every batch.
+    partitions: PartitionKeys
+    decoding: Decoding
 
 
 class ArrowPass:
@@ -153,7 +157,7 @@ class ArrowPass:
                     if not in_flight or self._closed.is_set():
                         break
                     read = in_flight.popleft()
-                    if not self._put((read.columns(), read.rows)):
+                    if read.rows and not self._put((read.columns(), read.rows)):
                         break
                 for read in in_flight:
                     read.cancel()
@@ -218,10 +222,28 @@ class _Footers:
         return footer
 
     def columns(self, file_index: int) -> list[str]:
-        """The columns the pass hands out from this file: those asked for, or all of them."""
+        """The columns the pass hands out from this file: those asked for, or all of them
+        (the stored ones, then the partition keys)."""
         if self.reading.columns is not None:
             return list(self.reading.columns)
-        return list(self.footer(file_index).schema.to_arrow_schema().names)
+        stored = self.footer(file_index).schema.to_arrow_schema().names
+        return [*stored, *self.reading.partitions.names]
+
+    def predicate_columns(self, group: int) -> pa.Table:
+        """Row group ``group``'s columns its predicate reads, partition keys included."""
+        reading = self.reading
+        file_index = int(reading.row_groups.file_of[group])
+        keys = reading.partitions
+        stored = [name for name in reading.predicate_fields if name not in keys.names]
+        parquet_file, source = self.open(file_index)
+        try:
+            # Decoded in this thread alone, as the columns (see _read_columns).
+            table = parquet_file.read_row_group(
+                int(reading.row_groups.index_in_file[group]), columns=stored, use_threads=False
+            )
+        finally:
+            source.close()
+        return keys.added_to(table, file_index, reading.predicate_fields)
 
 
 @dataclass(frozen=True)
@@ -262,23 +284,16 @@ def _selection(footers: _Footers, group: int, ranges: list[tuple[int, int]]) -> 
     index_in_file = int(row_groups.index_in_file[group])
     kept = fields = None
     if reading.predicate is not None:
-        parquet_file, source = footers.open(file_index)
-        try:
-            # Decoded in this thread alone, as the columns (see _read_columns).
-            fields = parquet_file.read_row_group(
-                index_in_file, columns=list(reading.predicate_fields), use_threads=False
-            )
-        finally:
-            source.close()
-        kept = pa.array(kept_mask(reading.predicate, fields))
+        fields = footers.predicate_columns(group)
+        kept = pa.array(reading.decoding.kept(reading.predicate, fields))
         kept_rows = kept.true_count
     else:
         kept_rows = footers.footer(file_index).row_group(index_in_file).num_rows
     expected = int(row_groups.num_rows[group])
     if kept_rows != expected:
         raise RowCountMismatchError(
-            f"row group {group} ({row_groups.files[file_index]} "
-            f"#{index_in_file}) yielded {kept_rows} rows, the shard plan counted {expected}: "
+            f"{_described(reading, group)} yielded {kept_rows} rows, the shard plan counted "
+            f"{expected}: "
             "the dataset changed since it was planned, or the row predicate is not "
             "deterministic. Plan again (a new EvenLoader.from_parquet)"
         )
@@ -301,8 +316,11 @@ class _RowGroupRead:
     keep every thread busy)."""
 
     rows: int
-    names: list[str]
+    # The columns in the pass's order (None: as the decoding hands them out).
+    names: list[str] | None
     parts: list[Future[Columns]]
+    # The row group, for people.
+    where: str
 
     @classmethod
     def submit(
@@ -313,28 +331,57 @@ class _RowGroupRead:
         ranges: list[tuple[int, int]],
         threads: int,
     ) -> _RowGroupRead:
+        reading = footers.reading
         selection = _selection(footers, group, ranges)
-        names = footers.columns(int(footers.reading.row_groups.file_of[group]))
+        if not selection.rows:  # a predicate kept none of this rank's rows: nothing to read
+            return cls(0, None, [], _described(reading, group))
+        file_index = int(reading.row_groups.file_of[group])
+        names = footers.columns(file_index)
+        # Columns not read from the file: the predicate's, decoded already, and partition keys.
         decoded = selection.predicate_columns
-        # The predicate's columns were decoded already: only the others are read again.
-        kept_decoded = [] if decoded is None else [n for n in names if n in decoded.column_names]
-        to_read = [name for name in names if name not in kept_decoded]
+        known = reading.partitions.added_to(
+            decoded if decoded is not None else pa.table({}),
+            file_index,
+            names,
+            rows=int(reading.row_groups.num_rows[group]),
+        )
+        known = known.select([name for name in names if name in known.column_names])
+        to_read = [name for name in names if name not in known.column_names]
+        if reading.decoding.whole_row_group:
+            # A transform sees whole rows: one part, every column.
+            whole = pool.submit(_read_columns, footers, group, to_read, selection, known)
+            return cls(selection.rows, None, [whole], _described(reading, group))
         parts = [
             pool.submit(_read_columns, footers, group, part, selection)
             for part in _column_parts(to_read, threads)
         ]
-        if decoded is not None and kept_decoded:
-            parts.append(pool.submit(_kept_columns, decoded.select(kept_decoded), selection))
-        return cls(selection.rows, names, parts)
+        if known.num_columns:
+            parts.append(pool.submit(_kept_columns, known, selection, reading.decoding))
+        return cls(selection.rows, names, parts, _described(reading, group))
 
     def columns(self) -> Columns:
         """Its columns, in the pass's order, once every part is read."""
         read = {name: values for part in self.parts for name, values in part.result().items()}
-        return {name: read[name] for name in self.names}
+        if self.names is not None:
+            return {name: read[name] for name in self.names}
+        for values in read.values():
+            if len(values) != self.rows:
+                raise RowCountMismatchError(
+                    f"{self.where} yielded {len(values)} rows after the transform_spec, the "
+                    f"shard plan counted {self.rows}: a transform_spec must keep every row "
+                    "(the plan counts them); filter rows with predicate= instead"
+                )
+        return read
 
     def cancel(self) -> None:
         for part in self.parts:
             part.cancel()
+
+
+def _described(reading: PassRows, group: int) -> str:
+    row_groups = reading.row_groups
+    file_index = int(row_groups.file_of[group])
+    return f"row group {group} ({row_groups.files[file_index]} #{row_groups.index_in_file[group]})"
 
 
 def _column_parts(names: list[str], threads: int) -> list[list[str]]:
@@ -344,9 +391,14 @@ def _column_parts(names: list[str], threads: int) -> list[list[str]]:
 
 
 def _read_columns(
-    footers: _Footers, group: int, names: list[str], selection: _Selection
+    footers: _Footers,
+    group: int,
+    names: list[str],
+    selection: _Selection,
+    known: pa.Table | None = None,
 ) -> Columns:
-    """Columns ``names`` of row group ``group``, the rows ``selection`` keeps, as tensors."""
+    """Columns ``names`` of row group ``group`` (and the ``known`` ones beside them), the rows
+    ``selection`` keeps, decoded."""
     reading = footers.reading
     parquet_file, source = footers.open(int(reading.row_groups.file_of[group]))
     try:
@@ -357,11 +409,14 @@ def _read_columns(
         )
     finally:
         source.close()
-    return _kept_columns(table, selection)
+    if known is not None:
+        for name in known.column_names:
+            table = table.append_column(known.schema.field(name), known.column(name))
+    return _kept_columns(table, selection, reading.decoding)
 
 
-def _kept_columns(table: pa.Table, selection: _Selection) -> Columns:
-    return to_columns(selection.applied(table))
+def _kept_columns(table: pa.Table, selection: _Selection, decoding: Decoding) -> Columns:
+    return decoding.columns(selection.applied(table))
 
 
 def _pinned(values: Any) -> Any:

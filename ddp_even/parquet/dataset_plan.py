@@ -3,7 +3,7 @@ groups read from Parquet metadata (no data), a row predicate's kept rows counted
 cached), then every rank's shard planned.
 
 Every caller plans through :func:`plan_dataset`: ``EvenLoader.from_parquet`` (through
-:func:`~ddp_even.petastorm.readers.make_shard_factory`, which then builds readers for the plan),
+:func:`~ddp_even.arrow.passes.make_shard_factory`, which then reads the plan),
 the batch counts of the usual petastorm loop (:func:`~ddp_even.petastorm.reading.
 round_robin_plan`), ``ddp-even plan``, and :func:`plan_for_dataset`. A resume on another number
 of ranks plans the same row groups again (:meth:`DatasetPlan.for_ranks`).
@@ -12,13 +12,14 @@ of ranks plans the same row groups again (:meth:`DatasetPlan.for_ranks`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ddp_even.checks import check_positive_int
 from ddp_even.parquet.metadata import read_row_groups
-from ddp_even.parquet.predicate_counts import Share, count_in_columns, matching_rows
+from ddp_even.parquet.partitions import PartitionKeys, partition_keys
+from ddp_even.parquet.predicate_counts import KeptRows, Share, count_in_columns, matching_rows
 from ddp_even.parquet.predicates import check_predicate_fields
 from ddp_even.planning.plans import ShardPlan, plan_shards
 from ddp_even.planning.row_groups import Progress, RowGroups
@@ -29,25 +30,19 @@ __all__ = ["DatasetPlan", "PredicateCounting", "plan_dataset", "plan_for_dataset
 
 logger = logging.getLogger("ddp_even")
 
-#: ``count(resolved, row_groups, indices, fields)``: the rows a predicate keeps in each row
-#: group of ``indices``, counted as the training reader keeps them.
-CountByReader = Callable[[ResolvedDataset, RowGroups, Sequence[int], list[str]], list[int]]
-
 
 @dataclass(frozen=True)
 class PredicateCounting:
-    """A row predicate, and how to count the rows it keeps as the training reader keeps them.
+    """A row predicate, and how the training reader judges a row group's rows with it.
 
-    A reader that gives the predicate a pandas frame of stored columns (``make_batch_reader``)
-    is counted by reading those columns alone (``on_columns``); otherwise ``by_reader`` counts
-    the reader's own way (a row reader's decoded fields, hive partition keys). ``kind`` names
-    what the counts mean, in their cache key.
+    ``kept(predicate, table)`` judges a row group's predicate columns as the reader does
+    (None: as ``make_batch_reader`` does, a pandas frame, or an expression by pyarrow);
+    ``kind`` names what the counts mean, in their cache key.
     """
 
     predicate: Any
     kind: bytes = b"batch"
-    on_columns: bool = True
-    by_reader: CountByReader | None = None
+    kept: KeptRows | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +58,8 @@ class DatasetPlan:
     footers: RowGroups
     row_groups: RowGroups
     plan: ShardPlan
+    #: The hive partition keys of ``footers.files``: columns of every row.
+    partitions: PartitionKeys
 
     def for_ranks(self, world_size: int, sharding: Sharding | None = None) -> ShardPlan:
         """The same row groups planned for ``world_size`` ranks (another ``sharding``).
@@ -130,16 +127,20 @@ def plan_dataset(
         len(footers.files),
         footers.source,
     )
+    partitions = partition_keys(
+        None if resolved.is_list else resolved.paths[0].rstrip("/"), footers.files
+    )
     row_groups = footers
     if counting is not None:
-        row_groups = _counted(resolved, footers, counting, rank, world_size, share)
+        row_groups = _counted(resolved, footers, partitions, counting, rank, world_size, share)
     plan = plan_shards(row_groups, world_size, batch_size, sharding=sharding)
-    return DatasetPlan(resolved, footers, row_groups, plan)
+    return DatasetPlan(resolved, footers, row_groups, plan, partitions)
 
 
 def _counted(
     resolved: ResolvedDataset,
     footers: RowGroups,
+    partitions: PartitionKeys,
     counting: PredicateCounting,
     rank: int,
     world_size: int,
@@ -147,17 +148,18 @@ def _counted(
 ) -> RowGroups:
     """``footers`` with the rows the predicate keeps in each row group."""
     predicate = counting.predicate
-    fields, stored = check_predicate_fields(predicate, resolved, footers)
+    fields = check_predicate_fields(predicate, resolved, footers, partitions)
 
     def count_share(indices: Sequence[int]) -> list[int]:
-        if counting.on_columns and stored:
-            return count_in_columns(resolved, footers, indices, predicate, fields)
-        if counting.by_reader is None:
-            raise ValueError(
-                f"the predicate reads {', '.join(fields)}, not all stored columns: only the "
-                "reader that applies it can count its rows"
-            )
-        return counting.by_reader(resolved, footers, indices, fields)
+        return count_in_columns(
+            resolved,
+            footers,
+            indices,
+            predicate,
+            fields,
+            partitions=partitions,
+            kept=counting.kept,
+        )
 
     spread = share is not None and world_size > 1
     return matching_rows(

@@ -1,17 +1,14 @@
 """Rows per row group that pass a row predicate, counted once before training.
 
-Petastorm applies a row predicate (``in_lambda``, ``in_set``, ...) in its workers after a row
-group is read, so the rows a shard yields cannot be known from the footers. They can be
-counted: reading only the predicate's columns of every row group and counting what the
-predicate keeps, called as the training reader will call it. For ``make_batch_reader`` and a
-predicate on stored columns that is a pandas ``DataFrame`` of a row group's columns, read here
-with pyarrow (:func:`count_in_columns`: each file opened once, small row groups read and
-converted together, then cut into the frames each would get alone); otherwise
-(``make_reader``'s decoded rows, hive partition keys) petastorm's own worker runs on each row
-group (``petastorm/readers.py``). The scan is
-spread over the ranks (rank ``r`` counts row groups ``i % W == r``) and the counts are shared,
-so it costs each rank ``1/W`` of a scan of the predicate's columns; a plan of the matching rows
-follows from the counts as from footers.
+A row predicate (a pyarrow expression, or petastorm's ``in_lambda``, ``in_set``, ...) is applied
+after a row group is read, so the rows a shard yields cannot be known from the footers. They can
+be counted: reading only the predicate's columns of every row group (hive partition keys
+included) and counting what the predicate keeps, judged as the training reader will judge them
+(:func:`count_in_columns`: each file opened once, small row groups read and converted together;
+a reader that decodes values first, petastorm's Unischema rows, judges with its own decoding).
+The scan is spread over the ranks (rank ``r`` counts row groups ``i % W == r``) and the counts
+are shared, so it costs each rank ``1/W`` of a scan of the predicate's columns; a plan of the
+matching rows follows from the counts as from footers.
 
 Counts are cached on disk, keyed by the dataset's files, row-group sizes and footers (a digest
 of each file's footer, so a file rewritten in place misses the cache), the reader kind and
@@ -21,7 +18,7 @@ constants, closure and the globals it reads, so an edited predicate misses the c
 predicate does not scan. The ranks first agree that every one of them has the entry (ranks on
 other machines may not), else they all scan. A count that no longer matches the data (a
 predicate that is not deterministic) is caught when the row group is read
-(:class:`~ddp_even.petastorm.planned_workers.RowCountMismatchError`).
+(:class:`~ddp_even.errors.RowCountMismatchError`).
 """
 
 from __future__ import annotations
@@ -41,12 +38,14 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ddp_even.parquet.partitions import PartitionKeys
 from ddp_even.parquet.predicates import check_mask, is_expression, kept_mask
 from ddp_even.planning.provenance import code_identity
 from ddp_even.planning.row_groups import RowGroups
 from ddp_even.storage import ResolvedDataset
 
 __all__ = [
+    "KeptRows",
     "Share",
     "cache_directory",
     "count_in_columns",
@@ -57,6 +56,8 @@ logger = logging.getLogger("ddp_even")
 
 #: Every rank's list of ints, in rank order, from this rank's list (an all-gather).
 Share = Callable[[list[int]], list[list[int]]]
+#: ``kept(predicate, table)``: which rows of a row group's predicate columns a reader keeps.
+KeptRows = Callable[[Any, pa.Table], npt.NDArray[np.bool_]]
 
 # Bytes of a failing rank's error the others are told (its type and message).
 _SAID = 1024
@@ -87,18 +88,25 @@ def count_in_columns(
     indices: Sequence[int],
     predicate: Any,
     fields: list[str],
+    *,
+    partitions: PartitionKeys,
+    kept: KeptRows | None = None,
 ) -> list[int]:
     """Rows ``predicate`` keeps in each of ``indices``, reading its columns with pyarrow.
 
-    What ``make_batch_reader``'s worker does with a predicate on stored columns: each row
-    group's predicate columns as a pandas ``DataFrame`` of its own, given to
-    ``predicate.do_include``. Each file is opened once and its row groups read several at a
-    time; files are read in parallel (pyarrow releases the GIL while it reads and decodes).
+    Each row group's predicate columns (hive partition keys among them) are judged as the
+    reader judges them: by ``kept(predicate, table)`` where given (a reader decoding the
+    values first), else as ``make_batch_reader``'s worker does, a pandas ``DataFrame`` of its
+    own given to ``predicate.do_include`` (or an expression evaluated by pyarrow). Each file is
+    opened once and its row groups read several at a time; files are read in parallel (pyarrow
+    releases the GIL while it reads and decodes).
     """
     by_file: dict[int, list[int]] = {}
     for index in indices:
         by_file.setdefault(int(row_groups.file_of[index]), []).append(index)
     storage = resolved.storage
+    stored = [field for field in fields if field not in partitions.names]
+    keys = [field for field in fields if field in partitions.names]
 
     def count_file(file_index: int) -> list[tuple[int, int]]:
         wanted = by_file[file_index]
@@ -107,19 +115,22 @@ def count_in_columns(
         with storage.open_input_file(row_groups.files[file_index]) as source:
             # pre_buffer: the column chunks of one read come in few, coalesced requests.
             parquet_file = pq.ParquetFile(source, pre_buffer=True)
-            for batch in _read_batches(parquet_file, positions, fields):
-                table = parquet_file.read_row_groups(batch, columns=fields)
+            for batch in _read_batches(parquet_file, positions, stored):
+                table = parquet_file.read_row_groups(batch, columns=stored)
                 sizes = [parquet_file.metadata.row_group(position).num_rows for position in batch]
-                if is_expression(predicate):
+                # Partition keys: the same value in every row of the file.
+                table = partitions.added_to(table, file_index, keys, rows=sum(sizes))
+                if kept is not None or is_expression(predicate):
+                    judge = kept or kept_mask
                     kept_rows.extend(
-                        int(np.count_nonzero(kept_mask(predicate, part)))
+                        int(np.count_nonzero(judge(predicate, part)))
                         for part in _slices(table, sizes)
                     )
                     continue
                 for frame in _frames_per_row_group(table, sizes):
-                    kept = predicate.do_include(frame)
-                    check_mask(kept)
-                    kept_rows.append(int(np.count_nonzero(np.asarray(kept))))
+                    verdict = predicate.do_include(frame)
+                    check_mask(verdict)
+                    kept_rows.append(int(np.count_nonzero(np.asarray(verdict))))
         return list(zip(wanted, kept_rows, strict=True))
 
     if len(by_file) <= 1:  # no thread to start (which waits for a scheduler on a busy machine)

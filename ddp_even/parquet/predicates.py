@@ -17,7 +17,6 @@ what is read.
 from __future__ import annotations
 
 import ctypes
-import posixpath
 import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 if TYPE_CHECKING:
+    from ddp_even.parquet.partitions import PartitionKeys
     from ddp_even.planning.row_groups import RowGroups
     from ddp_even.storage import ResolvedDataset
 
@@ -204,10 +204,10 @@ def check_mask(kept: Any) -> None:
 
 
 def check_predicate_fields(
-    predicate: Any, resolved: ResolvedDataset, row_groups: RowGroups
-) -> tuple[list[str], bool]:
-    """The predicate's fields, and whether all are stored columns (none a hive partition key);
-    a ``ValueError`` naming those the dataset does not have.
+    predicate: Any, resolved: ResolvedDataset, row_groups: RowGroups, partitions: PartitionKeys
+) -> list[str]:
+    """The predicate's fields (stored columns and hive partition keys); a ``ValueError``
+    naming those the dataset does not have.
 
     Every rank reads the same footer, so every rank raises the same error.
     """
@@ -219,19 +219,15 @@ def check_predicate_fields(
             "petastorm predicate (petastorm.predicates.in_lambda, in_set, ...), got "
             f"{type(predicate).__name__}"
         )
-    first_file = row_groups.files[0]
-    schema = resolved.storage.read_footer(first_file).schema.to_arrow_schema()
+    stored = resolved.storage.read_footer(row_groups.files[0]).schema.to_arrow_schema()
+    schema = pa.unify_schemas([stored, partitions.schema])
     fields = predicate_fields(predicate, schema)
     if not fields:
         raise ValueError("the predicate names no fields: its get_fields() must return some")
-    columns = set(schema.names)
-    partitions = {
-        part.split("=", 1)[0] for part in posixpath.dirname(first_file).split("/") if "=" in part
-    }
-    missing = [field for field in fields if field not in columns | partitions]
+    missing = [field for field in fields if field not in schema.names]
     if missing:
         raise ValueError(
             f"the predicate reads field(s) {', '.join(missing)}, which {resolved.describe()} "
-            f"does not have; its columns are: {', '.join(sorted(columns | partitions))}"
+            f"does not have; its columns are: {', '.join(sorted(schema.names))}"
         )
-    return fields, set(fields) <= columns
+    return fields

@@ -4,11 +4,11 @@
 * ``reading.py``: what a reader reads (its row groups, what it was built from), and the plan of
   the usual ``cur_shard``/``shard_count`` loop from its footers;
 * ``spark_converter.py``: petastorm's Spark converter as a source (:class:`ConverterSource`);
-* ``readers.py``: readers that read exactly a plan's shard (``make_shard_factory``), with
-  ``planned_workers.py`` (petastorm's workers keeping a rank's rows) and
-  ``ordered_results.py`` (a thread pool's results in ventilation order);
+* ``decoding.py``: a Unischema's codecs and a ``TransformSpec`` on top of the pyarrow reader
+  (``from_parquet(..., reader="row")``);
 * ``pools.py``: petastorm's thread, process and dummy pools without their end-of-results race;
-* ``legacy_filesystem.py``: the legacy ``pyarrow.filesystem`` petastorm reads through.
+* ``legacy_filesystem.py``: the legacy ``pyarrow.filesystem`` petastorm's own readers need on
+  remote storage.
 
 Nothing here is imported by ``import ddp_even``: the sources register by class name
 (:mod:`ddp_even.sources.base`) and the rest is imported when used.
@@ -23,33 +23,22 @@ Private petastorm 0.12.1 attributes relied on (pinned in ``constraints.txt``), e
 ``tests/test_petastorm_contract.py`` checks every one of them against the installed petastorm
 and fails first, naming the attribute, if a release changes it:
 
-* ``Reader._partition_row_groups`` and ``Reader._create_ventilator`` (their parameters):
-  overridden by the planned reader to read a plan's shard, in a known order (``readers.py``);
-* ``Reader._workers_pool``: set before ``_create_ventilator`` runs; its pool is made race-free
-  (``pools.py``), its worker shows a ``transform_spec`` (``reading.py``), and a
-  predicate's rows are counted through it (``readers.py``);
+* ``Reader._workers_pool``: its pool is made race-free (``pools.py``), its worker shows a
+  ``transform_spec`` (``reading.py``);
 * ``Reader.ventilator._items_to_ventilate`` (a list of dicts with ``piece_index``,
   ``worker_predicate`` and ``shuffle_row_drop_partition``) and ``._randomize_item_order``:
-  which row groups a reader reads, and how (``reading.py``, ``readers.py``);
+  which row groups a reader reads, and how (``reading.py``);
 * ``ThreadPool._workers[i]._worker_impl``, ``DummyPool._worker`` and the worker's
   ``_transform_spec``: whether a ``transform_spec`` may drop rows (``reading.py``); the
   workers' ``args`` 4, 6, 8, 9 and 10 (the dataset's row groups, ``transform_spec``,
   ``filters``, ``shuffle_rows``, ``seed``): what a reader was built from (``reading.py``);
   ``Reader.is_batched_reader``, ``Reader.dataset._partitions`` and ``._common_metadata``
   likewise;
-* ``DummyPool._results_queue`` (a list): a predicate's rows per row group (``readers.py``);
 * ``ThreadPool.get_results`` and its ``_ventilator``, ``_results_queue``, ``_ventilated_items``,
   ``_ventilated_items_processed`` and ``thread_pool._VERIFY_END_OF_VENTILATION_PERIOD``;
   ``ProcessPool.get_results`` and its ``_results_receiver_poller``, ``_results_receiver``,
   ``_serializer``, ``_zmq_copy_buffers``; ``DummyPool.get_results`` and its
   ``_ventilator_queue``: the race-free ``get_results`` (``pools.py``);
-* the workers' ``args[10]`` (the reader's seed), ``publish_func``, ``_shuffle_rows`` and
-  ``_split_pieces``: the planned workers keep a range of rows and shuffle them by the seed
-  (``planned_workers.py``);
-* ``ConcurrentVentilator``'s constructor and ``processed_item``: the planned reader's
-  ventilator counts an item done when it is handed out (``ordered_results.py``);
-* ``ArrowReaderWorker._read_with_shuffle_row_drop``'s split of a row group into parts: the rows
-  of each part (``readers.py``, ``_part_rows``);
 * ``LoaderBase._batch_acc``: ``DataLoader``'s rows left over from the last pass, emptied before
   each pass (``sources.py``);
 * ``Reader.dataset.paths`` and ``Reader.dataset._fs`` (pyarrow 14's legacy ``ParquetDataset``;

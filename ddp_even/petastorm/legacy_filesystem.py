@@ -1,8 +1,10 @@
-"""The legacy ``pyarrow.filesystem`` interface petastorm 0.12.1 reads through.
+"""The legacy ``pyarrow.filesystem`` interface petastorm 0.12.1 reads through: for users who
+build petastorm readers themselves on remote data (docs/remote-storage.md), the wrapped loop.
 
 pyarrow 14 takes its legacy dataset path, the one petastorm's ``validate_schema=`` needs, only
-for a legacy filesystem; :func:`legacy_filesystem` gives it one over the ``pyarrow.fs``
-filesystem planning used, so petastorm names its files exactly as the plan does.
+for a legacy filesystem; :func:`legacy_filesystem` gives it one over a ``pyarrow.fs``
+filesystem (``resolve_dataset(url, storage_options=...).storage.filesystem``), so petastorm
+names its files exactly as a plan of the same URL does.
 (:mod:`ddp_even.storage.resolve` goes the other way for a legacy filesystem a user passes.)
 """
 

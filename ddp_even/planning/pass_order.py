@@ -1,15 +1,15 @@
 """The order in which a planned reader reads its shard: one pure function, for readers and resumes.
 
-A planned reader (:mod:`ddp_even.petastorm.readers`) ventilates its row groups in the order
+The pyarrow reader (:mod:`ddp_even.arrow.reader`) reads its row groups in the order
 :meth:`PassOrder.rows` gives, and :mod:`ddp_even.resume.remainder` works out from the same
 order which rows a rank had read after ``step`` steps. The order is the rank's shard in plan
 order, or, with ``shuffle_row_groups`` and a seed, that shard permuted by the epoch's seed
-(:func:`epoch_seed`). Without a seed a shuffle is petastorm's own, unseeded: it has no order
+(:func:`epoch_seed`). Without a seed a shuffle is drawn afresh each pass: it has no order
 to compute, and :meth:`PassOrder.rows` refuses it.
 
 Rows inside a row group keep their stored order, or with ``shuffle_rows`` and a seed a
-permutation of the row group seeded by ``(epoch seed, row group)`` (applied by the workers,
-:mod:`ddp_even.petastorm.planned_workers`, before a split row group is cut): a
+permutation of the row group seeded by ``(epoch seed, row group)`` (applied by the reader
+before a split row group is cut): a
 :data:`~ddp_even.planning.sharding.RowRange` counts rows in that order, so the ranges here hold
 either way.
 """

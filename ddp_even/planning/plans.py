@@ -162,8 +162,9 @@ class ShardPlan:
         """Why petastorm refuses to build this plan's readers, or None when it will build them.
 
         Petastorm's round robin raises ``NoDataAvailableError`` on every rank when there are
-        fewer row groups than ranks (``Reader._partition_row_groups``). ddp_even's own readers
-        (every other sharding) do not shard through that check and accept empty ranks.
+        fewer row groups than ranks (``Reader._partition_row_groups``): the usual loop over
+        petastorm's own readers cannot start. ``from_parquet`` reads the same shards, empty
+        ones included.
 
         Example:
             >>> plan_shards([5, 5], world_size=3, batch_size=4).petastorm_error is not None
@@ -215,8 +216,8 @@ class ShardPlan:
         )
 
     def _outcome(self, mode: str, steps: int) -> tuple[bool, str]:
-        if self.petastorm_error is not None:
-            return False, f"cannot start: {self.petastorm_error}"
+        # From the shards alone (as from_parquet reads them): petastorm's own reader, which
+        # refuses a round robin with an empty shard, says so through petastorm_error.
         if not self.empty_ranks:
             return True, MODES[mode].summary
         return MODES[mode].note_with_empty_ranks(_rank_list(self.empty_ranks), steps)

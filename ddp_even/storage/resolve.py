@@ -1,11 +1,9 @@
 """Where a dataset lives: the storage that lists and reads it, from a URL and the user's options.
 
 Planning (``ddp_even/planning/row_groups.py``) lists directories and reads Parquet metadata
-through the :class:`Storage` that :func:`resolve_dataset` finds; the planned readers
-(``ddp_even/petastorm/readers.py``) hand petastorm the *same* filesystem, wrapped as the legacy
-``pyarrow.filesystem`` object petastorm 0.12.1 needs
-(:func:`ddp_even.petastorm.legacy_filesystem.legacy_filesystem`), so petastorm names its files
-exactly as the plan does.
+through the :class:`Storage` that :func:`resolve_dataset` finds; the pyarrow reader
+(``ddp_even/arrow/reader.py``) reads the row groups through the *same* storage, so it names the
+files exactly as the plan does.
 
 Which filesystem reads a dataset, first match wins:
 
@@ -82,23 +80,11 @@ class ResolvedDataset:
         >>> resolved = resolve_dataset("file:///data/train/")
         >>> resolved.paths, resolved.is_list, resolved.storage.is_local
         (('/data/train',), False, True)
-        >>> resolved.petastorm_paths
-        '/data/train'
     """
 
     storage: Storage
     paths: tuple[str, ...]
     is_list: bool
-
-    @property
-    def petastorm_paths(self) -> str | list[str]:
-        """What petastorm's ``Reader`` takes as its dataset path: a path or a list of them.
-
-        Example:
-            >>> resolve_dataset(["/d/a.parquet", "/d/b.parquet"]).petastorm_paths
-            ['/d/a.parquet', '/d/b.parquet']
-        """
-        return list(self.paths) if self.is_list else self.paths[0]
 
     def describe(self) -> str:
         """The dataset for people: its URL, or how many files a list holds.
@@ -226,8 +212,8 @@ def _fsspec_dataset(
 
 
 def _unwrap_legacy(filesystem: Any) -> Any:
-    """The filesystem inside a legacy ``pyarrow.filesystem`` wrapper (``S3FSWrapper``, or the
-    adapter :mod:`ddp_even.petastorm.legacy_filesystem` gives petastorm)."""
+    """The filesystem inside a legacy ``pyarrow.filesystem`` wrapper (``S3FSWrapper``, which
+    petastorm users hand their readers)."""
     legacy = sys.modules.get("pyarrow.filesystem")
     if legacy is None or not isinstance(filesystem, legacy.FileSystem):
         return filesystem

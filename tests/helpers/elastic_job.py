@@ -64,7 +64,7 @@ def main() -> None:
         mode,
         sharding="rows",
         joinables=[model] if mode == "join" else (),
-        reader_kwargs={"seed": 3, "shuffle_rows": True, "workers_count": 3},
+        reader_kwargs={"seed": 3, "shuffle_rows": True},
         timeout=60,
     )
     trained: list[int] = []

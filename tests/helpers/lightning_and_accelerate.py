@@ -33,17 +33,17 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 FEATURES = ("x0", "x1", "x2", "x3")
-# The examples' --source choices this environment runs (examples/shard_loaders.py): pyarrow's
-# reader everywhere, the two that read with petastorm where it is installed.
+# The examples' --source choices this environment runs (examples/shard_loaders.py): from_parquet
+# (pyarrow's reader) everywhere, the factory of petastorm loaders where petastorm is installed.
 PETASTORM_INSTALLED = importlib.util.find_spec("petastorm") is not None
-SOURCES = ("factory", "parquet", "arrow") if PETASTORM_INSTALLED else ("arrow",)
+SOURCES = ("factory", "parquet") if PETASTORM_INSTALLED else ("parquet",)
 
 
 def source_runs(modes: Sequence[str]) -> list[Any]:
     """``(mode, source)`` for every mode and source, as parameters; those that read with
     petastorm marked so."""
     return [
-        pytest.param(mode, source, marks=() if source == "arrow" else pytest.mark.petastorm)
+        pytest.param(mode, source, marks=() if source == "parquet" else pytest.mark.petastorm)
         for mode in modes
         for source in SOURCES
     ]

@@ -52,7 +52,7 @@ LR = 0.1
 LOADER_STATES_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
 # "lightning": Lightning's own checkpointing alone; "recipe": with EvenLoaderCheckpoints.
 VARIANTS = ("lightning", "recipe")
-PARQUET_READING = {"seed": 5, "shuffle_rows": True, "workers_count": 3}
+PARQUET_READING = {"seed": 5, "shuffle_rows": True}
 
 
 def shard(rank: int) -> list[torch.Tensor]:

@@ -1,13 +1,13 @@
-"""The pyarrow reader of planned rows (``from_parquet(engine="arrow")``): every guarantee of the
-planned path, without petastorm.
+"""The reader of planned rows (``from_parquet``, pyarrow alone): every guarantee of the planned
+path, without petastorm.
 
 On 4 gloo ranks, real Parquet files, a DDP model taking optimizer steps: every sharding gives
 each rank exactly its planned rows; a pyarrow expression (and a petastorm-style predicate) is
 counted before planning and applied when reading; seeded shuffles repeat within an epoch and
 change between epochs; an epoch resumes exactly, also on another number of ranks; pad's weights
-follow the plan. In one process: what it refuses (petastorm's options, a changed dataset, rows
-that disagree with the plan), and that a pass let go of stops its threads.
-``tests/test_planned_loader.py`` and ``tests/test_resume_elastic.py`` run against both readers.
+follow the plan. In one process: what it refuses (petastorm's own reader's options, columns
+the dataset lacks, a changed dataset, rows that disagree with the plan), and that a pass let go
+of stops its threads.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import pyarrow.compute as pc
 import pytest
 import torch
 
-from ddp_even import EvenLoader, StateMismatchError
+from ddp_even import EvenLoader
+from ddp_even.arrow.decoding import Decoding
 from ddp_even.arrow.passes import make_shard_factory
 from ddp_even.arrow.reader import ArrowPass, PassRows
 from ddp_even.errors import PlanMismatchError, RowCountMismatchError
@@ -95,13 +96,12 @@ def _shardings_worker(rank: int, world_size: int, url: str, cache: str) -> dict[
                 mode,
                 sharding=sharding,
                 joinables=[joined] if mode == "join" else (),
-                engine="arrow",
                 reader_kwargs={"seed": 3, "shuffle_rows": True},
             )
             runs[f"{sharding} {mode}"] = _epoch(loader, joined if mode == "join" else model)
     messages = ddp_even_messages()
     for attempt in ("counted", "cached"):
-        loader = EvenLoader.from_parquet(url, BATCH, "cycle", predicate=KEEP, engine="arrow")
+        loader = EvenLoader.from_parquet(url, BATCH, "cycle", predicate=KEEP)
         runs[f"predicate {attempt}"] = _epoch(loader, model)
     runs["messages"] = messages
     return runs
@@ -155,7 +155,6 @@ def _resume_worker(
             mode,
             sharding="rows",
             joinables=[model] if mode == "join" else (),
-            engine="arrow",
             reader_kwargs=options,
         )
 
@@ -270,27 +269,49 @@ def test_a_predicate_keeps_the_same_rows_whether_its_column_is_handed_out_or_not
 
 
 def test_batches_are_tensors_of_the_columns_asked_for(url: str) -> None:
-    loader = EvenLoader.from_parquet(
-        url, BATCH, engine="arrow", reader_kwargs={"schema_fields": ["id", "label"]}
-    )
+    loader = EvenLoader.from_parquet(url, BATCH, reader_kwargs={"schema_fields": ["id", "label"]})
     batches = list(loader)
     assert set(batches[0]) == {"id", "label"} and batches[0]["id"].dtype == torch.int64
     assert [len(batch["id"]) for batch in batches] == [BATCH] * (TOTAL // BATCH) + [TOTAL % BATCH]
 
 
-def test_what_only_petastorm_has_is_refused_in_one_line(url: str) -> None:
-    for options in ({"workers_count": 4}, {"transform_spec": object()}):
-        with pytest.raises(ValueError, match=r"petastorm's .*engine='petastorm'"):
-            EvenLoader.from_parquet(url, BATCH, engine="arrow", reader_kwargs=options)
-    with pytest.raises(ValueError, match="engine='petastorm'"):
-        EvenLoader.from_parquet(url, BATCH, engine="arrow", reader="row")
+def test_what_only_petastorms_own_reader_has_is_refused_in_one_line(url: str) -> None:
+    for options, instead in (
+        ({"workers_count": 4}, r"loader_kwargs=\{'threads': N\}"),
+        ({"reader_pool_type": "process"}, r"loader_kwargs=\{'threads': N\}"),
+        ({"shuffle_row_drop_partitions": 2}, "shuffle_rows=True"),
+        ({"cur_shard": 0}, "sharding follows the plan"),
+        ({"filters": [("id", ">", 3)]}, "predicate="),
+    ):
+        with pytest.raises(ValueError, match=f"option of petastorm's own reader.*{instead}"):
+            EvenLoader.from_parquet(url, BATCH, reader_kwargs=options)
+    with pytest.raises(ValueError, match="shuffle_rows=True"):
+        EvenLoader.from_parquet(url, BATCH, loader_kwargs={"shuffling_queue_capacity": 10})
+    with pytest.raises(ValueError, match=r"reads every plan with pyarrow.*EvenLoader\(lambda"):
+        EvenLoader.from_parquet(url, BATCH, engine="petastorm")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="loader must be 'batched_dataloader' or 'dataloader'"):
+        EvenLoader.from_parquet(url, BATCH, loader="reader")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"schema_fields=\[\] reads no column"):
-        EvenLoader.from_parquet(url, BATCH, engine="arrow", reader_kwargs={"schema_fields": []})
-    with pytest.raises(ValueError, match="not an option of the pyarrow reader"):
-        EvenLoader.from_parquet(url, BATCH, engine="arrow", loader_kwargs={"nope": 1})
+        EvenLoader.from_parquet(url, BATCH, reader_kwargs={"schema_fields": []})
+    with pytest.raises(ValueError, match="not an option of from_parquet's reader"):
+        EvenLoader.from_parquet(url, BATCH, loader_kwargs={"nope": 1})
+    with pytest.raises(ValueError, match="did you mean 'seed'"):
+        EvenLoader.from_parquet(url, BATCH, reader_kwargs={"sed": 1})
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="pin_memory=True needs a CUDA device"):
-            EvenLoader.from_parquet(url, BATCH, engine="arrow", loader_kwargs={"pin_memory": True})
+            EvenLoader.from_parquet(url, BATCH, loader_kwargs={"pin_memory": True})
+
+
+def test_schema_fields_that_name_no_column_are_refused_naming_the_nearest(url: str) -> None:
+    with pytest.raises(ValueError, match=r"names 'lable'.*did you mean 'label'"):
+        EvenLoader.from_parquet(url, BATCH, reader_kwargs={"schema_fields": ["id", "lable"]})
+    # Petastorm's regular expressions select Unischema fields (reader="row") only.
+    with pytest.raises(ValueError, match="Regular expressions need reader='row'"):
+        EvenLoader.from_parquet(url, BATCH, reader_kwargs={"schema_fields": ["val.*"]})
+    with pytest.raises(TypeError, match="a list of column names"):
+        EvenLoader.from_parquet(url, BATCH, reader_kwargs={"schema_fields": "id"})
+    loader = EvenLoader.from_parquet(url, BATCH, reader_kwargs={"schema_fields": ["label", "id"]})
+    assert list(next(iter(loader))) == ["label", "id"]
 
 
 def test_a_changed_dataset_and_rows_other_than_planned_are_named(tmp_path: Path) -> None:
@@ -303,7 +324,18 @@ def test_a_changed_dataset_and_rows_other_than_planned_are_named(tmp_path: Path)
     # deterministic, footers that disagree with the data): the pass names it.
     planned = plan_dataset(write_plain_dataset(tmp_path / "counted", [6, 5]), 1, 4)
     miscounted = dataclasses.replace(planned.row_groups, num_rows=np.array([6, 4]))
-    rows = PassRows(planned.resolved, miscounted, [(0, 0, 6), (1, 0, 4)], None, None, [], False, 0)
+    rows = PassRows(
+        planned.resolved,
+        miscounted,
+        [(0, 0, 6), (1, 0, 4)],
+        None,
+        None,
+        [],
+        False,
+        0,
+        planned.partitions,
+        Decoding(),
+    )
     reading = ArrowPass(rows, batch_size=4, prefetch=2, threads=1, pin_memory=False)
     with pytest.raises(RowCountMismatchError, match="yielded 5 rows, the shard plan counted 4"):
         list(reading)
@@ -315,19 +347,8 @@ def test_a_pass_let_go_of_stops_its_threads(url: str) -> None:
         return sum(thread.name.startswith("ddp_even-arrow") for thread in threading.enumerate())
 
     before = readers()
-    loader = EvenLoader.from_parquet(url, BATCH, engine="arrow")
+    loader = EvenLoader.from_parquet(url, BATCH)
     for step, _ in enumerate(loader):
         if step == 2:
             break
     assert readers() == before
-
-
-@pytest.mark.petastorm
-def test_a_state_of_the_petastorm_reader_does_not_fit_the_arrow_one(url: str) -> None:
-    stopped = EvenLoader.from_parquet(url, BATCH, engine="petastorm")
-    epoch = iter(stopped)
-    next(epoch)
-    state = stopped.state_dict()
-    del epoch
-    with pytest.raises(StateMismatchError, match="reader"):
-        EvenLoader.from_parquet(url, BATCH, engine="arrow").load_state_dict(state)
