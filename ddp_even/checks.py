@@ -72,7 +72,9 @@ def checked_joinables(joinables: Iterable[Any]) -> tuple[Joinable, ...]:
         if not isinstance(joinable, join.Joinable):
             raise TypeError(
                 f"joinables must be torch Joinable objects (a DDP model, a "
-                f"ZeroRedundancyOptimizer), got {type(joinable).__name__}"
+                f"ZeroRedundancyOptimizer), got {type(joinable).__name__}: join mode shadows "
+                "DDP's all-reduces; with FSDP, tensor parallelism or a device mesh use pad "
+                "(every row once) or cycle"
             )
     return checked
 

@@ -5,7 +5,8 @@
 #                                         ruff, mypy, a short soak, then every test: the fast
 #                                         ones as --fast runs them, the multi-rank and Spark
 #                                         ones also in 3 processes, then the timing ones apart,
-#                                         in 4
+#                                         in 4, then the benchmarks' smoke runs (marked
+#                                         benchmark), in 2
 #   bash scripts/test.sh --latest         .venv-latest, today's numpy and pyarrow without
 #                                         petastorm (constraints-latest.txt): every test that
 #                                         does not need petastorm (or Spark), the same tiers
@@ -43,7 +44,7 @@ in_processes() {
     "$python" -m pytest -n "$workers" --dist loadgroup -m "${lane:+($lane) and }$selected" "$@"
 }
 fast_tests() {
-    in_processes 3 "not multirank and not spark" "$@"
+    in_processes 3 "not multirank and not spark and not benchmark" "$@"
 }
 if [[ ${1:-} == --fast ]]; then
     shift
@@ -73,9 +74,13 @@ fi
 # contention would set that time, so they run last, by themselves. There they wait rather than
 # compute (a quarter of the machine in 4 processes), so they run in 4: each test's time and
 # each fault's margin to its bound measured the same as in one (357 s; 136 s in 3, 112 s in 4).
-# All three run even if one fails.
+# All three run even if one fails. Then, once (in the main lane), the benchmarks' smoke runs:
+# they check that each benchmark still runs end to end, not the library.
 status=0
 fast_tests || status=$?
-in_processes 3 "(multirank or spark) and not timing" || status=$?
-in_processes 4 "timing and (multirank or spark)" || status=$?
+in_processes 3 "(multirank or spark) and not timing and not benchmark" || status=$?
+in_processes 4 "timing and (multirank or spark) and not benchmark" || status=$?
+if [[ -z $lane ]]; then
+    in_processes 2 "benchmark" || status=$?
+fi
 exit "$status"

@@ -18,7 +18,7 @@ from benchmarks.bench_agreement import (
 )
 from tests.helpers.collectives import source_checks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.benchmark, pytest.mark.multirank]
 
 WORKLOADS = {"loader", "ddp model", "busy wait", "idle wait"}
 

@@ -20,7 +20,7 @@ from benchmarks.bench_arrow import (
 from benchmarks.bench_reading import DatasetShape, write_dataset
 from benchmarks.ranks import run_on_ranks
 
-pytestmark = [pytest.mark.petastorm, pytest.mark.multirank]
+pytestmark = [pytest.mark.benchmark, pytest.mark.petastorm, pytest.mark.multirank]
 
 CONFIG = BenchConfig(dataset=DatasetShape(2, 4_000, 1_000), batch_size=256, repeats=1)
 VARIANTS = {PETASTORM, FROM_PARQUET, ARROW_ALONE, DECODING_ALONE}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-pytestmark = pytest.mark.petastorm
+pytestmark = [pytest.mark.benchmark, pytest.mark.petastorm]
 
 
 @pytest.mark.timeout(120)

@@ -8,6 +8,8 @@ import pytest
 
 from benchmarks.bench_heartbeat import BenchConfig, run
 
+pytestmark = pytest.mark.benchmark
+
 
 @pytest.mark.timeout(60)
 def test_two_writers_beat_twice_a_second_into_one_store() -> None:

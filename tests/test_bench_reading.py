@@ -23,7 +23,7 @@ from benchmarks.bench_reading import (
     write_datasets,
 )
 
-pytestmark = [pytest.mark.petastorm, pytest.mark.multirank]
+pytestmark = [pytest.mark.benchmark, pytest.mark.petastorm, pytest.mark.multirank]
 
 CONFIG = BenchConfig(
     batch_dataset=DatasetShape(files=2, rows_per_file=4_000, rows_per_row_group=1_000),

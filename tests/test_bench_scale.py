@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.bench_scale import AGREEMENT_STEPS, KILL_TIMEOUT_S, run_world
 
-pytestmark = [pytest.mark.multirank, pytest.mark.timing]
+pytestmark = [pytest.mark.benchmark, pytest.mark.multirank]
 
 
 @pytest.mark.timeout(420)

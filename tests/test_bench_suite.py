@@ -10,6 +10,8 @@ from click.testing import CliRunner
 
 from benchmarks.bench_suite import main
 
+pytestmark = pytest.mark.benchmark
+
 
 @pytest.fixture(autouse=True)
 def _only_xdist(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -137,7 +137,7 @@ def test_join_is_refused_at_construction_on_every_rank(trained: list[dict[str, A
     join mode without one is refused: docs/stacks.md quotes both errors."""
     for rank in range(WORLD_SIZE):
         (as_joinable, kind), (without, message) = trained[rank]["join"]
-        assert as_joinable == "TypeError" and "Joinable" in kind
+        assert as_joinable == "TypeError" and "Joinable" in kind and "use pad" in kind
         assert without == "ValueError" and "joinables" in message
 
 

@@ -147,7 +147,7 @@ def test_join_is_refused_at_construction(trained: list[dict[str, Any]]) -> None:
     ``Joinable``, and without one join mode is refused: docs/stacks.md quotes both errors."""
     for result in trained:
         (as_joinable, kind), (without, message) = result["join"]
-        assert as_joinable == "TypeError" and "Joinable" in kind
+        assert as_joinable == "TypeError" and "Joinable" in kind and "use pad" in kind
         assert without == "ValueError" and "joinables" in message
 
 
