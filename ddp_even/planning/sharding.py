@@ -89,7 +89,7 @@ class RoundRobin(ShardingPolicy):
     """Petastorm's: row group ``i`` to rank ``i % world_size``."""
 
     name = "round_robin"
-    label = "petastorm round robin"
+    label = "round robin (i % W, as petastorm shards)"
     is_petastorms = True
 
     def cut(self, sizes: npt.NDArray[np.int64], world_size: int) -> Shards:
