@@ -100,22 +100,6 @@ class Mode(ABC):
     waste_means: ClassVar[str]
 
     @property
-    def restarts_short_shards(self) -> bool:
-        """Short shards start a fresh pass until the epoch ends."""
-        return self.after_own_data == "restart"
-
-    @property
-    def pads_short_shards(self) -> bool:
-        """A rank whose own data ran out hands out padding (its last batch again, flagged, of
-        weight 0) until the epoch ends; every real row is handed out once."""
-        return self.after_own_data == "pad"
-
-    @property
-    def shadows_finished_ranks(self) -> bool:
-        """Ranks that run out shadow the others' collectives (torch ``Join``)."""
-        return not self.shares_steps
-
-    @property
     def goes_past_own_data(self) -> bool:
         """Whether a rank hands out batches past its own data (repeats or padding), which
         need a batch of its own to copy (one it reads again when an epoch resumes)."""
@@ -380,8 +364,8 @@ def mode_named(mode: str | Mode) -> Mode:
 
     Example::
 
-        >>> mode_named("cycle").restarts_short_shards
-        True
+        >>> mode_named("cycle").after_own_data
+        'restart'
         >>> mode_named("wrap")
         Traceback (most recent call last):
         ...

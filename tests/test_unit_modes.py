@@ -430,9 +430,8 @@ def test_cycle_repeats_no_rows_of_an_empty_shard_and_cannot_run() -> None:
 @pytest.mark.timeout(30)
 def test_registry_names_and_flags() -> None:
     assert list(MODES) == ["truncate", "cycle", "pad", "join"]
-    assert [name for name, mode in MODES.items() if mode.restarts_short_shards] == ["cycle"]
-    assert [name for name, mode in MODES.items() if mode.pads_short_shards] == ["pad"]
-    assert [name for name, mode in MODES.items() if mode.shadows_finished_ranks] == ["join"]
+    assert [mode.after_own_data for mode in MODES.values()] == ["stop", "restart", "pad", "stop"]
+    assert [name for name, mode in MODES.items() if not mode.shares_steps] == ["join"]
     assert all(mode.name == name for name, mode in MODES.items())
 
 

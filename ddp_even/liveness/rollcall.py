@@ -166,20 +166,6 @@ class RollCall:
         )
         return Attendance(missing=(), unknown_because=why)
 
-    def gave_up_on(self, ticket: Ticket) -> bool:
-        """Whether another rank already gave up waiting at ``ticket``'s collective.
-
-        Asked only after this rank went longer than the timeout between two control
-        collectives: the others' collective may then have completed only because this late
-        rank finally joined it, after they had stopped waiting and raised.
-        """
-        try:
-            _, gave_up = self._read(self._open_store(), ticket.sequence)
-        except Exception as error:  # no store, no verdict: carry on
-            logger.debug("could not read the roll call: %r", error)
-            return False
-        return any(rank != self._rank for rank in gave_up)
-
     def _hold(self, ticket: Ticket) -> Attendance:
         store = self._open_store()
         store.set(f"{self._prefix}gave_up/{self._rank}", _record(ticket, time.time()))
