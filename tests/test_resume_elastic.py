@@ -9,6 +9,7 @@ rows no rank had read are re-planned over the 3 ranks. Real petastorm readers, r
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -82,7 +83,7 @@ def train(
     stop_at: int | None = STOP_AT,
     reader_kwargs: dict[str, Any] = IN_PLAN_ORDER,
 ) -> dict[str, Any]:
-    messages = ddp_even_messages()
+    messages = ddp_even_messages(logging.DEBUG)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -289,7 +290,7 @@ def resume_in_one_job(rank: int, world_size: int, url: str) -> dict[str, Any]:
     by a new loader: three loaders in one job, reading with ``SEEDED``."""
     from petastorm.transform import TransformSpec
 
-    messages = ddp_even_messages()
+    messages = ddp_even_messages(logging.DEBUG)
 
     def loader() -> EvenLoader[Any]:
         options = {**SEEDED, "transform_spec": TransformSpec(_record)}
