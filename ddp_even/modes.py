@@ -23,14 +23,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from ddp_even.agreement.wire import Agreement
 
-__all__ = ["MODES", "AfterOwnData", "EpochOutcome", "Mode", "WindowDecision", "mode_named"]
+__all__ = ["MODES", "AfterOwnData", "Mode", "ModeStats", "WindowDecision", "mode_named"]
 
 #: What a rank hands out once its own data ran out, while the epoch goes on: nothing more
 #: (``"stop"``), batches of a fresh pass over its shard (``"restart"``), or its last batch
@@ -47,31 +47,91 @@ class WindowDecision:
 
 
 @dataclass(frozen=True)
-class EpochOutcome:
-    """A mode's epoch over known shards: per-rank arrays, and the share wasted in percent.
+class ModeStats:
+    """One mode's epoch over known shards: steps, and what each rank drops, repeats, pads or
+    waits (tuples indexed by rank; zeros where the mode does none of it).
 
-    Per-rank arrays a mode does not fill (a truncate epoch repeats nothing) are zeros.
+    ``waste_percent`` is, per mode: rows dropped (truncate) or batches repeated (cycle) as a
+    share of the epoch's own, and for pad and join the share of rank-steps spent on padding or
+    waiting. ``runnable`` and ``note`` say, for people, whether and how the epoch runs
+    (:meth:`ddp_even.planning.ShardPlan.stats` fills them from the plan).
+
+    Example:
+        >>> from ddp_even.planning import plan_shards
+        >>> stats = plan_shards([30, 10], world_size=2, batch_size=10).stats("truncate")
+        >>> stats.steps, stats.dropped_batches, stats.dropped_rows
+        (1, (2, 0), (20, 0))
     """
 
+    mode: str
     steps: int
     waste_percent: float
-    dropped_batches: npt.NDArray[np.int64]
-    dropped_rows: npt.NDArray[np.int64]
-    repeated_batches: npt.NDArray[np.int64]
-    repeated_rows: npt.NDArray[np.int64]
-    idle_steps: npt.NDArray[np.int64]
-    padded_batches: npt.NDArray[np.int64]
-    padded_rows: npt.NDArray[np.int64]
+    dropped_batches: tuple[int, ...]
+    dropped_rows: tuple[int, ...]
+    repeated_batches: tuple[int, ...]
+    repeated_rows: tuple[int, ...]
+    idle_steps: tuple[int, ...]
+    padded_batches: tuple[int, ...]
+    padded_rows: tuple[int, ...]
+    runnable: bool = True
+    note: str = ""
 
     @classmethod
     def of(
-        cls, steps: int, waste: float, whole: int, **per_rank: npt.NDArray[np.int64]
-    ) -> EpochOutcome:
-        """An outcome wasting ``waste`` of ``whole``, with the per-rank arrays given."""
+        cls, mode: str, steps: int, waste: float, whole: int, **per_rank: npt.NDArray[np.int64]
+    ) -> ModeStats:
+        """``mode``'s epoch wasting ``waste`` of ``whole``, with the per-rank arrays given."""
         ranks = len(next(iter(per_rank.values())))
-        zeros = np.zeros(ranks, dtype=np.int64)
-        arrays = {name: per_rank.get(name, zeros) for name in _PER_RANK}
-        return cls(steps=steps, waste_percent=round(100.0 * waste / max(whole, 1), 3), **arrays)
+
+        def of_rank(name: str) -> tuple[int, ...]:
+            return tuple(int(value) for value in per_rank.get(name, np.zeros(ranks, np.int64)))
+
+        return cls(
+            mode=mode,
+            steps=steps,
+            waste_percent=round(100.0 * waste / max(whole, 1), 3),
+            dropped_batches=of_rank("dropped_batches"),
+            dropped_rows=of_rank("dropped_rows"),
+            repeated_batches=of_rank("repeated_batches"),
+            repeated_rows=of_rank("repeated_rows"),
+            idle_steps=of_rank("idle_steps"),
+            padded_batches=of_rank("padded_batches"),
+            padded_rows=of_rank("padded_rows"),
+        )
+
+    @property
+    def total_dropped_rows(self) -> int:
+        """Rows no rank yields this epoch.
+
+        Example:
+            >>> from ddp_even.planning import plan_shards
+            >>> plan = plan_shards([30, 10], world_size=2, batch_size=10)
+            >>> plan.stats("truncate").total_dropped_rows
+            20
+        """
+        return sum(self.dropped_rows)
+
+    @property
+    def total_repeated_rows(self) -> int:
+        """Rows yielded more than once this epoch.
+
+        Example:
+            >>> from ddp_even.planning import plan_shards
+            >>> plan = plan_shards([30, 10], world_size=2, batch_size=10)
+            >>> plan.stats("cycle").total_repeated_rows
+            20
+        """
+        return sum(self.repeated_rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready), as ``ddp-even plan --json`` prints it."""
+        return {
+            "steps": self.steps,
+            "runnable": self.runnable,
+            "note": self.note,
+            "waste_percent": self.waste_percent,
+            **{name: list(getattr(self, name)) for name in _PER_RANK},
+        }
 
 
 _PER_RANK = (
@@ -187,7 +247,7 @@ class Mode(ABC):
     @abstractmethod
     def epoch_outcome(
         self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
-    ) -> EpochOutcome:
+    ) -> ModeStats:
         """The epoch over shards of ``rows`` rows in ``batches`` batches (one per rank)."""
 
     @abstractmethod
@@ -218,11 +278,12 @@ class Truncate(Mode):
 
     def epoch_outcome(
         self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
-    ) -> EpochOutcome:
+    ) -> ModeStats:
         steps = int(batches.min())
         # The first `steps` batches are full unless they are all the rank has.
         dropped_rows = rows - np.minimum(rows, steps * batch_size)
-        return EpochOutcome.of(
+        return ModeStats.of(
+            self.name,
             steps,
             float(dropped_rows.sum()),
             int(rows.sum()),
@@ -251,14 +312,15 @@ class Cycle(Mode):
 
     def epoch_outcome(
         self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
-    ) -> EpochOutcome:
+    ) -> ModeStats:
         steps = int(batches.max())
         repeated_batches = steps - batches
         # Repeats come from fresh passes: whole passes (all rows), then the first, full
         # batches of one more pass. A rank without batches repeats nothing (cycle cannot run).
         whole_passes, extra_batches = np.divmod(repeated_batches, np.maximum(batches, 1))
         repeated_rows = np.where(batches > 0, whole_passes * rows + extra_batches * batch_size, 0)
-        return EpochOutcome.of(
+        return ModeStats.of(
+            self.name,
             steps,
             float(repeated_batches.sum()),
             int(batches.sum()),
@@ -289,7 +351,7 @@ class Pad(Mode):
 
     def epoch_outcome(
         self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
-    ) -> EpochOutcome:
+    ) -> ModeStats:
         steps = int(batches.max())
         padded = steps - batches
         # A padding batch is the rank's last batch again; a rank without one pads with a copy
@@ -298,7 +360,8 @@ class Pad(Mode):
         donors = np.flatnonzero(batches > 0)
         donated = min(batch_size, int(rows[donors[0]])) if donors.size else 0
         padded_rows = padded * np.where(batches > 0, last_rows, donated)
-        return EpochOutcome.of(
+        return ModeStats.of(
+            self.name,
             steps,
             float(padded.sum()),
             steps * len(batches),
@@ -346,10 +409,12 @@ class JoinMode(Mode):
 
     def epoch_outcome(
         self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
-    ) -> EpochOutcome:
+    ) -> ModeStats:
         steps = int(batches.max())
         idle = steps - batches
-        return EpochOutcome.of(steps, float(idle.sum()), steps * len(batches), idle_steps=idle)
+        return ModeStats.of(
+            self.name, steps, float(idle.sum()), steps * len(batches), idle_steps=idle
+        )
 
     def note_with_empty_ranks(self, empty_ranks: str, steps: int) -> tuple[bool, str]:
         return True, f"rank(s) {empty_ranks} have no batch and join at once"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ddp_even.agreement.wire import Agreement
-from ddp_even.modes import AfterOwnData, EpochOutcome, Mode, WindowDecision
+from ddp_even.modes import AfterOwnData, Mode, ModeStats, WindowDecision
 from tests.helpers.scenarios import shard
 from tests.helpers.spawn import run_ranks
 
@@ -57,11 +57,11 @@ class Capped(Mode):
 
     def epoch_outcome(
         self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
-    ) -> EpochOutcome:
+    ) -> ModeStats:
         steps = min(int(batches.max()), LIMIT)
         repeated = np.maximum(steps - batches, 0)
-        return EpochOutcome.of(
-            steps, float(repeated.sum()), int(batches.sum()), repeated_batches=repeated
+        return ModeStats.of(
+            self.name, steps, float(repeated.sum()), int(batches.sum()), repeated_batches=repeated
         )
 
     def note_with_empty_ranks(self, empty_ranks: str, steps: int) -> tuple[bool, str]:

@@ -299,11 +299,11 @@ def test_truncate_outcome_drops_what_follows_the_shortest_shard(
     steps = min(len(shard) for shard in sizes)
     dropped = [sum(shard[steps:]) for shard in sizes]
     assert outcome.steps == steps
-    assert outcome.dropped_batches.tolist() == [len(shard) - steps for shard in sizes]
-    assert outcome.dropped_rows.tolist() == dropped
-    assert outcome.repeated_batches.tolist() == [0] * len(rows)
-    assert outcome.repeated_rows.tolist() == [0] * len(rows)
-    assert outcome.idle_steps.tolist() == [0] * len(rows)
+    assert list(outcome.dropped_batches) == [len(shard) - steps for shard in sizes]
+    assert list(outcome.dropped_rows) == dropped
+    assert list(outcome.repeated_batches) == [0] * len(rows)
+    assert list(outcome.repeated_rows) == [0] * len(rows)
+    assert list(outcome.idle_steps) == [0] * len(rows)
     expected = Fraction(100 * sum(dropped), max(sum(rows), 1))
     assert _rounded_percent(outcome.waste_percent, expected)
 
@@ -319,11 +319,11 @@ def test_cycle_outcome_repeats_short_shards_from_the_start(shards: tuple[list[in
     handed = [[shard[step % len(shard)] for step in range(steps)] for shard in sizes]
     repeated_rows = [sum(out) - count for out, count in zip(handed, rows, strict=True)]
     assert outcome.steps == steps
-    assert outcome.repeated_batches.tolist() == [steps - len(shard) for shard in sizes]
-    assert outcome.repeated_rows.tolist() == repeated_rows
-    assert outcome.dropped_batches.tolist() == [0] * len(rows)
-    assert outcome.dropped_rows.tolist() == [0] * len(rows)
-    assert outcome.idle_steps.tolist() == [0] * len(rows)
+    assert list(outcome.repeated_batches) == [steps - len(shard) for shard in sizes]
+    assert list(outcome.repeated_rows) == repeated_rows
+    assert list(outcome.dropped_batches) == [0] * len(rows)
+    assert list(outcome.dropped_rows) == [0] * len(rows)
+    assert list(outcome.idle_steps) == [0] * len(rows)
     # Over-sampling, as EpochStats.oversampling counts it: repeated batches over own batches.
     repeated = steps * len(rows) - sum(len(shard) for shard in sizes)
     expected = Fraction(100 * repeated, sum(len(shard) for shard in sizes))
@@ -341,11 +341,11 @@ def test_pad_outcome_pads_short_shards_with_their_last_batch(shards: tuple[list[
     donated = next((shard[0] for shard in sizes if shard), 0)
     handed = [shard + [shard[-1] if shard else donated] * (steps - len(shard)) for shard in sizes]
     assert outcome.steps == steps
-    assert outcome.padded_batches.tolist() == [steps - len(shard) for shard in sizes]
+    assert list(outcome.padded_batches) == [steps - len(shard) for shard in sizes]
     padded_rows = [sum(out) - count for out, count in zip(handed, rows, strict=True)]
-    assert outcome.padded_rows.tolist() == padded_rows
+    assert list(outcome.padded_rows) == padded_rows
     for name in ("dropped_rows", "repeated_rows", "idle_steps"):
-        assert getattr(outcome, name).tolist() == [0] * len(rows)
+        assert list(getattr(outcome, name)) == [0] * len(rows)
     padded = steps * len(rows) - sum(len(shard) for shard in sizes)
     expected = Fraction(100 * padded, steps * len(rows)) if steps else Fraction(0)
     assert _rounded_percent(outcome.waste_percent, expected)
@@ -360,9 +360,9 @@ def test_join_outcome_idles_ranks_that_finish_first(shards: tuple[list[int], int
     steps = max(batches)
     idle = [steps - count for count in batches]
     assert outcome.steps == steps
-    assert outcome.idle_steps.tolist() == idle
-    assert outcome.dropped_rows.tolist() == [0] * len(rows)
-    assert outcome.repeated_rows.tolist() == [0] * len(rows)
+    assert list(outcome.idle_steps) == idle
+    assert list(outcome.dropped_rows) == [0] * len(rows)
+    assert list(outcome.repeated_rows) == [0] * len(rows)
     expected = Fraction(100 * sum(idle), steps * len(rows)) if steps else Fraction(0)
     assert _rounded_percent(outcome.waste_percent, expected)
 
@@ -373,24 +373,24 @@ def test_outcomes_on_a_worked_example() -> None:
     rows, batches = np.array([23, 8, 12]), np.array([5, 2, 3])
     truncate = TRUNCATE.epoch_outcome(rows, batches, 5)
     assert truncate.steps == 2
-    assert truncate.dropped_batches.tolist() == [3, 0, 1]
-    assert truncate.dropped_rows.tolist() == [13, 0, 2]
+    assert list(truncate.dropped_batches) == [3, 0, 1]
+    assert list(truncate.dropped_rows) == [13, 0, 2]
     assert _rounded_percent(truncate.waste_percent, Fraction(100 * 15, 43))
     cycle = CYCLE.epoch_outcome(rows, batches, 5)
     assert cycle.steps == 5
     # Rank 1: a whole second pass (8 rows) and one full batch of a third; rank 2: two batches.
-    assert cycle.repeated_batches.tolist() == [0, 3, 2]
-    assert cycle.repeated_rows.tolist() == [0, 13, 10]
+    assert list(cycle.repeated_batches) == [0, 3, 2]
+    assert list(cycle.repeated_rows) == [0, 13, 10]
     assert _rounded_percent(cycle.waste_percent, Fraction(100 * 5, 10))
     pad = PAD.epoch_outcome(rows, batches, 5)
     assert pad.steps == 5
     # Rank 1 hands out its last batch (3 rows) 3 more times, rank 2 its last (2 rows) twice.
-    assert pad.padded_batches.tolist() == [0, 3, 2]
-    assert pad.padded_rows.tolist() == [0, 9, 4]
+    assert list(pad.padded_batches) == [0, 3, 2]
+    assert list(pad.padded_rows) == [0, 9, 4]
     assert _rounded_percent(pad.waste_percent, Fraction(100 * 5, 15))
     join = JOIN.epoch_outcome(rows, batches, 5)
     assert join.steps == 5
-    assert join.idle_steps.tolist() == [0, 3, 2]
+    assert list(join.idle_steps) == [0, 3, 2]
     assert _rounded_percent(join.waste_percent, Fraction(100 * 5, 15))
 
 
@@ -406,7 +406,7 @@ def test_outcomes_with_no_rows_waste_nothing() -> None:
 @pytest.mark.timeout(30)
 def test_cycle_repeats_no_rows_of_an_empty_shard_and_cannot_run() -> None:
     outcome = CYCLE.epoch_outcome(np.array([10, 0]), np.array([3, 0]), 4)
-    assert outcome.repeated_rows.tolist() == [0, 0]
+    assert list(outcome.repeated_rows) == [0, 0]
     runnable, note = CYCLE.note_with_empty_ranks("1", outcome.steps)
     assert not runnable
     assert "rank(s) 1" in note
@@ -421,7 +421,7 @@ def test_cycle_repeats_no_rows_of_an_empty_shard_and_cannot_run() -> None:
         "rank(s) 1 have no batch: they pad with another rank's first",
     )
     padded = PAD.epoch_outcome(np.array([10, 0]), np.array([3, 0]), 4)
-    assert padded.padded_rows.tolist() == [0, 12]  # 3 copies of rank 0's first batch
+    assert list(padded.padded_rows) == [0, 12]  # 3 copies of rank 0's first batch
 
 
 # --- the registry, check and mode_named -----------------------------------------------------

@@ -2,14 +2,14 @@
 
 Pure arithmetic over row-group sizes (:class:`RowGroups`): nothing here reads storage or
 imports petastorm or torch. Reading a dataset's row groups from its Parquet metadata is
-:mod:`ddp_even.parquet`'s; the readers that follow a plan are :mod:`ddp_even.petastorm`'s.
+:mod:`ddp_even.parquet`'s; the reader that follows a plan is :mod:`ddp_even.arrow`'s.
 The names users need::
 
     from ddp_even.planning import plan_shards, ShardPlan
     from ddp_even.parquet import plan_for_dataset, read_row_groups
 """
 
-from ddp_even.planning.mode_stats import ModeStats
+from ddp_even.modes import ModeStats
 from ddp_even.planning.plans import ShardPlan, plan_shards
 from ddp_even.planning.row_groups import RowGroups
 

@@ -21,8 +21,7 @@ import numpy.typing as npt
 
 from ddp_even.agreement.wire import MAX_COUNT
 from ddp_even.checks import check_positive_int
-from ddp_even.modes import MODES, mode_named
-from ddp_even.planning.mode_stats import ModeStats
+from ddp_even.modes import MODES, ModeStats, mode_named
 from ddp_even.planning.row_groups import RowGroups
 from ddp_even.planning.sharding import SHARDINGS, RowRange, Sharding, shard_rows, sharding_from
 
@@ -200,20 +199,7 @@ class ShardPlan:
             self.batch_size,
         )
         runnable, note = self._outcome(chosen.name, outcome.steps)
-        return ModeStats(
-            mode=chosen.name,
-            steps=outcome.steps,
-            dropped_batches=_as_tuple(outcome.dropped_batches),
-            dropped_rows=_as_tuple(outcome.dropped_rows),
-            repeated_batches=_as_tuple(outcome.repeated_batches),
-            repeated_rows=_as_tuple(outcome.repeated_rows),
-            idle_steps=_as_tuple(outcome.idle_steps),
-            padded_batches=_as_tuple(outcome.padded_batches),
-            padded_rows=_as_tuple(outcome.padded_rows),
-            waste_percent=outcome.waste_percent,
-            runnable=runnable,
-            note=note,
-        )
+        return dataclasses.replace(outcome, runnable=runnable, note=note)
 
     def _outcome(self, mode: str, steps: int) -> tuple[bool, str]:
         # From the shards alone (as from_parquet reads them): petastorm's own reader, which
