@@ -52,7 +52,9 @@ class PartitionKeys:
         missing = [name for name in names if name in self.names and name not in table.column_names]
         if not missing:
             return table
-        keys = self.table(file_index, table.num_rows if rows is None else rows, missing)
+        if table.num_columns or rows is None:
+            rows = table.num_rows
+        keys = self.table(file_index, rows, missing)
         if not table.num_columns:
             return keys
         for name in missing:
