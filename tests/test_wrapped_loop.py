@@ -6,9 +6,9 @@ real Parquet files, real petastorm readers, a DDP model taking optimizer steps.
   stop every rank with the same :class:`~ddp_even.ShardCoverageError` before the first step,
   in every mode and epoch shape, whether the user passes a factory, a loader or a reader.
   Every rank reading every row group (no sharding) trains.
-* Process-pool readers (``reader_pool_type="process"``) train in every mode, wrapped and
-  through ``from_parquet``; a resume of such a loop is refused, since the pool hides its
-  workers' settings, unless ``strict=False``.
+* Process-pool readers (``reader_pool_type="process"``) train in every mode, wrapped (beside
+  ``from_parquet``'s own reader on the same job); a resume of such a loop is refused, since the
+  pool hides its workers' settings, unless ``strict=False``.
 * A resumed epoch is the uninterrupted one on every rank, in every mode, also with a rank
   whose shard is empty (pad: it pads with another rank's batch before and after the resume).
 * A resume into a loop built otherwise is refused alike on every rank, in every mode.
@@ -206,7 +206,7 @@ def _process_pool_worker(rank: int, world_size: int, url: str) -> dict[str, Any]
             url,
             BATCH,
             mode,
-            reader_kwargs={"reader_pool_type": "process", "workers_count": 1, "seed": 3},
+            reader_kwargs={"seed": 3},
             joinables=joinables.get(mode, []),
         )
         outcomes[f"from_parquet {mode}"] = (_trained(planned, model), planned.stats.as_dict())
