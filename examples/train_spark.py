@@ -92,7 +92,6 @@ def fit(rank: int, converter: Any, options: dict[str, Any]) -> None:
             batch_size=options["batch_size"],
             mode=options["mode"],
             sharding=options["sharding"],
-            reader_kwargs={"workers_count": 2},
             joinables=joinables,
         )
     else:
