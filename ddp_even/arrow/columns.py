@@ -1,18 +1,20 @@
 """A row group's columns as torch tensors, converted once; batches as views of them.
 
-Numbers and booleans become tensors of their own dtype (integers with nulls become float64 with
-NaN, as pandas and petastorm give them; booleans with nulls float32), without a copy where
-pyarrow hands out one contiguous buffer; dates, times, timestamps and durations become int64
-tensors in their unit, a null as :data:`NULL_TIME`, in every row group alike; dictionaries
-their values; anything else (decimals, strings, binary, lists, structs, maps, intervals) a
-Python list. A batch inside one row group is a slice of its tensors (a view); one across two
-row groups is concatenated. docs/using.md has the table of every type.
+Numbers and booleans become tensors of their own dtype, without a copy where pyarrow hands out
+one contiguous buffer; integers that hold nulls become float64 with NaN, as pandas and petastorm
+give them (booleans float32), in every row group of a column that holds one anywhere in the
+dataset (``with_nulls``, decided at planning: :mod:`ddp_even.parquet.nulls`); dates, times,
+timestamps and durations become int64 tensors in their unit, a null as :data:`NULL_TIME`, in
+every row group alike; dictionaries their values; anything else (decimals, strings, binary,
+lists, structs, maps, intervals) a Python list. A batch inside one row group is a slice of its
+tensors (a view); one across two row groups is concatenated. docs/using.md has the table of
+every type.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,18 +46,21 @@ warnings.filterwarnings(
 )
 
 
-def to_columns(table: pa.Table) -> Columns:
-    """Each column of ``table`` as a tensor (or a list).
+def to_columns(table: pa.Table, with_nulls: Collection[str] = ()) -> Columns:
+    """Each column of ``table`` as a tensor (or a list); the integer and boolean columns named
+    in ``with_nulls`` as floats whether or not these rows hold a null.
 
     Example:
         >>> columns = to_columns(pa.table({"id": [1, 2], "name": ["a", "b"]}))
         >>> columns["id"], columns["name"]
         (tensor([1, 2]), ['a', 'b'])
+        >>> to_columns(pa.table({"id": [1, 2]}), with_nulls={"id"})["id"]
+        tensor([1., 2.], dtype=torch.float64)
     """
-    return {name: _column(table.column(name)) for name in table.column_names}
+    return {name: _column(table.column(name), name in with_nulls) for name in table.column_names}
 
 
-def _column(column: pa.ChunkedArray) -> Any:
+def _column(column: pa.ChunkedArray, as_float: bool = False) -> Any:
     kind = column.type
     if pa.types.is_dictionary(kind):
         column = column.cast(kind.value_type)
@@ -65,8 +70,11 @@ def _column(column: pa.ChunkedArray) -> Any:
     numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind)
     if not numeric and not pa.types.is_boolean(kind):
         return column.to_pylist()
-    if column.null_count and pa.types.is_boolean(kind):
+    if (as_float or column.null_count) and pa.types.is_boolean(kind):
         column = column.cast(pa.float32())
+    elif as_float and pa.types.is_integer(kind):
+        # As pyarrow converts one with nulls: the nearest float64 (unsafe: beyond 2**53 too).
+        column = column.cast(pa.float64(), safe=False)
     values = (
         column.to_numpy()
         if column.num_chunks == 1

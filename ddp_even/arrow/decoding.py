@@ -9,8 +9,9 @@ predicate's rows before planning call the same object, so what was counted is wh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import copy
+from collections.abc import Collection, Sequence
+from typing import Any, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -38,9 +39,19 @@ class Decoding:
     #: rows); otherwise the reader decodes a row group's columns in parts, side by side.
     whole_row_group = False
 
+    #: The integer and boolean columns that hold a null somewhere in the dataset: float in
+    #: every row group (:mod:`ddp_even.parquet.nulls`), so that a column's dtype never changes.
+    with_nulls: frozenset[str] = frozenset()
+
+    def for_dataset(self, with_nulls: Collection[str]) -> Self:
+        """This decoding, for a dataset whose columns ``with_nulls`` hold a null somewhere."""
+        decoding = copy.copy(self)
+        decoding.with_nulls = frozenset(with_nulls)
+        return decoding
+
     def columns(self, table: pa.Table) -> Columns:
         """``table``'s rows as a batch's columns."""
-        return to_columns(table)
+        return to_columns(table, self.with_nulls)
 
     def kept(self, predicate: Any, table: pa.Table) -> npt.NDArray[np.bool_]:
         """Which rows of ``table`` (a row group's predicate columns) ``predicate`` keeps."""

@@ -180,6 +180,8 @@ def make_shard_factory(
         )
     schema = _schema(planned)
     columns = _columns(options.get("schema_fields"), schema.names, decoding)
+    # Integers and booleans with a null anywhere: float in every batch of every rank.
+    decoding = decoding.for_dataset(planned.with_nulls)
     order = PassOrder(options.get("seed"), bool(options.get("shuffle_row_groups", True)))
     fields: list[str] = []
     if predicate is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from ddp_even.checks import check_positive_int
 from ddp_even.parquet.metadata import read_row_groups
+from ddp_even.parquet.nulls import NullColumns
 from ddp_even.parquet.partitions import PartitionKeys, partition_keys
 from ddp_even.parquet.predicate_counts import KeptRows, Share, count_in_columns, matching_rows
 from ddp_even.parquet.predicates import check_predicate_fields
@@ -60,6 +61,9 @@ class DatasetPlan:
     plan: ShardPlan
     #: The hive partition keys of ``footers.files``: columns of every row.
     partitions: PartitionKeys
+    #: The integer and boolean columns that hold a null in some row group, as the footers'
+    #: statistics say (or may: :mod:`ddp_even.parquet.nulls`): float in every batch.
+    with_nulls: frozenset[str] = frozenset()
 
     def for_ranks(self, world_size: int, sharding: Sharding | None = None) -> ShardPlan:
         """The same row groups planned for ``world_size`` ranks (another ``sharding``).
@@ -119,7 +123,8 @@ def plan_dataset(
         resolved = dataset
     else:
         resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
-    footers = read_row_groups(resolved, progress=progress)
+    nulls = NullColumns()
+    footers = read_row_groups(resolved, progress=progress, nulls=nulls)
     logger.debug(
         "ddp_even: %d row groups, %d rows in %d files (from %s)",
         len(footers),
@@ -134,7 +139,7 @@ def plan_dataset(
     if counting is not None:
         row_groups = _counted(resolved, footers, partitions, counting, rank, world_size, share)
     plan = plan_shards(row_groups, world_size, batch_size, sharding=sharding)
-    return DatasetPlan(resolved, footers, row_groups, plan, partitions)
+    return DatasetPlan(resolved, footers, row_groups, plan, partitions, nulls.names)
 
 
 def _counted(

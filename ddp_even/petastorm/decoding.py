@@ -16,8 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+# petastorm itself, first: 0.12.1 installed beside pyarrow 15 or later fails here (it imports
+# pyarrow.filesystem), so that from_parquet refuses reader="row" at once, in one line.
 import numpy as np
 import numpy.typing as npt
+import petastorm  # noqa: F401
 import pyarrow as pa
 import torch
 
@@ -71,7 +74,7 @@ class PetastormDecoding(Decoding):
         if self._schema is None:
             if self._transform is not None:
                 table = self._transformed_frame(table)
-            return to_columns(table)
+            return to_columns(table, self.with_nulls)
         if self._transform is None:
             return {
                 name: self._decoded_column(name, table.column(name)) for name in table.column_names
@@ -95,7 +98,7 @@ class PetastormDecoding(Decoding):
     def _decoded_column(self, name: str, column: pa.ChunkedArray) -> Any:
         field = self._schema.fields.get(name)
         if field is None:  # a partition key petastorm's schema does not name
-            return to_columns(pa.table({name: column}))[name]
+            return to_columns(pa.table({name: column}), self.with_nulls)[name]
         if column.null_count:
             raise TypeError(
                 f"field {name!r} holds nulls, which no tensor can: petastorm's loaders refuse "
@@ -122,12 +125,25 @@ class PetastormDecoding(Decoding):
         return [{k: v for k, v in row.items() if k not in removed} for row in rows]
 
     def _transformed_frame(self, table: pa.Table) -> pa.Table:
+        # A column with nulls somewhere is float in every row group's frame, as in a batch.
+        for index, field in enumerate(table.schema):
+            if field.name in self.with_nulls and _integer_or_boolean(field.type):
+                kind = pa.float32() if pa.types.is_boolean(field.type) else pa.float64()
+                table = table.set_column(
+                    index, pa.field(field.name, kind), table.column(index).cast(kind, safe=False)
+                )
         frame = table.to_pandas()
         if self._transform.func is not None:
             frame = self._transform.func(frame)
         for name in set(frame.columns) & set(self._transform.removed_fields):
             del frame[name]
         return pa.Table.from_pandas(frame, preserve_index=False)
+
+
+def _integer_or_boolean(kind: pa.DataType) -> bool:
+    if pa.types.is_dictionary(kind):
+        return False  # pandas makes it a categorical, its values as they are
+    return bool(pa.types.is_integer(kind) or pa.types.is_boolean(kind))
 
 
 def _collated(rows: list[dict[str, Any]]) -> Columns:
