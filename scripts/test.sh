@@ -28,6 +28,17 @@ if [[ ${1:-} == --latest ]]; then
     DDP_EVEN_VENV=.venv-latest DDP_EVEN_CONSTRAINTS=constraints-latest.txt \
         bash scripts/install.sh dev,recipes
     python=.venv-latest/bin/python
+    # petastorm 0.12.1 as a user gets it beside pyarrow 26 (pip allows it), in a directory of
+    # its own that only tests/test_petastorm_beside_pyarrow_26.py puts on a subprocess's
+    # PYTHONPATH: this environment itself stays without petastorm. No dependencies but the two
+    # petastorm imports before it fails on pyarrow.filesystem (as it does with all of them).
+    beside=.venv-latest/petastorm-0.12.1-beside
+    if [[ ! -f $beside/.installed ]]; then
+        rm -rf "$beside"
+        "$python" -m pip install --disable-pip-version-check --quiet --no-deps --target "$beside" \
+            petastorm==0.12.1 future==1.0.0 diskcache==5.6.3
+        touch "$beside/.installed"
+    fi
     # The tests petastorm or Spark need are deselected: this set has neither.
     lane="not petastorm and not spark"
 else

@@ -316,13 +316,11 @@ def _decoding(
     if reader == "batch" and transform_spec is None:
         return Decoding()
     try:
+        # It imports petastorm itself: 0.12.1 fails there on pyarrow 15 and later.
         from ddp_even.petastorm.decoding import PetastormDecoding, read_unischema
     except ImportError as error:  # petastorm missing, or broken on this pyarrow
-        wanted = "reader='row'" if reader == "row" else "transform_spec"
-        raise ImportError(
-            f"{wanted} is petastorm's and needs petastorm, which cannot be imported here "
-            f"({error}): pip install 'ddp_even[petastorm]' (pyarrow < 15, numpy < 2)"
-        ) from error
+        # One line, on every rank before planning; petastorm's own traceback says no more.
+        raise ImportError(_without_petastorm(reader, error)) from None
     from ddp_even.storage import resolve_dataset
 
     schema = None
@@ -330,6 +328,37 @@ def _decoding(
         resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
         schema = read_unischema(resolved)
     return PetastormDecoding(schema, transform_spec)
+
+
+def _without_petastorm(reader: str, error: ImportError) -> str:
+    """Why ``reader="row"`` (or a ``transform_spec``) cannot be read here, and what to do."""
+    import importlib.metadata
+    import importlib.util
+
+    import pyarrow as pa
+
+    wanted = "reader='row'" if reader == "row" else "transform_spec"
+    instead = (
+        "read plain Parquet with reader='batch' (the default), which needs no petastorm"
+        if reader == "row"
+        else "leave transform_spec out and transform batches in the training loop"
+    )
+    try:
+        found = importlib.util.find_spec("petastorm") is not None
+        version = importlib.metadata.version("petastorm") if found else ""
+    except (ImportError, ValueError, importlib.metadata.PackageNotFoundError):
+        found, version = True, ""
+    if not found:
+        return (
+            f"{wanted} is petastorm's and needs petastorm, which is not installed ({error}): "
+            f"pip install 'ddp_even[petastorm]' (pyarrow < 15, numpy < 2), or {instead}"
+        )
+    installed = f"petastorm {version}" if version else "petastorm"
+    return (
+        f"{wanted} is petastorm's, and {installed} is installed but cannot be imported with "
+        f"pyarrow {pa.__version__} ({error}): it needs pyarrow < 15 and numpy < 2 (pip install "
+        f"'ddp_even[petastorm]' in an environment with those), or {instead}"
+    )
 
 
 def _schema(planned: DatasetPlan) -> Any:
