@@ -214,22 +214,22 @@ class ShardPlan:
         Example:
             >>> plan = plan_shards([5, 5], world_size=3, batch_size=4)
             >>> print(plan.describe_too_many_ranks())  # doctest: +NORMALIZE_WHITESPACE
-            world size 3 is larger than the 2 row groups: with petastorm's round robin every
-            rank's reader raises NoDataAvailableError, so every mode fails; with whole balanced
-            row groups, rank(s) 2 get no rows: truncate runs 0 steps, cycle cannot run, pad
-            pads them, join trains on 2 rank(s); sharding="rows" splits row groups so that
-            every rank gets rows
+            world size 3 is larger than the 2 row groups: petastorm's own readers
+            (cur_shard/shard_count) raise NoDataAvailableError; from_parquet reads the same
+            shards with empty ranks: rank(s) 2 get no rows (with whole balanced row groups
+            too), so truncate runs 0 steps, cycle cannot run, pad pads them, join trains on 2
+            rank(s); sharding="rows" splits row groups so that every rank gets rows
         """
         if self.world_size <= self.num_row_groups:
             return None
         empty = _rank_list(tuple(range(self.num_row_groups, self.world_size)))
         return (
             f"world size {self.world_size} is larger than the {self.num_row_groups} row groups: "
-            "with petastorm's round robin every rank's reader raises NoDataAvailableError, so "
-            f"every mode fails; with whole balanced row groups, rank(s) {empty} get no rows: "
-            "truncate runs 0 steps, cycle cannot run, pad pads them, join trains on "
-            f'{self.num_row_groups} rank(s); sharding="rows" splits row groups so that every '
-            "rank gets rows"
+            "petastorm's own readers (cur_shard/shard_count) raise NoDataAvailableError; "
+            f"from_parquet reads the same shards with empty ranks: rank(s) {empty} get no rows "
+            "(with whole balanced row groups too), so truncate runs 0 steps, cycle cannot run, "
+            f"pad pads them, join trains on {self.num_row_groups} rank(s); "
+            'sharding="rows" splits row groups so that every rank gets rows'
         )
 
     def to_dict(self) -> dict[str, Any]:
