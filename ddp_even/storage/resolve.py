@@ -1,72 +1,52 @@
-"""Where a dataset lives: the storage that lists and reads it, from a URL and the user's options.
+"""Where a dataset lives: the filesystem for a URL, as pyarrow.fs or fsspec builds it.
 
-Planning (``ddp_even/planning/row_groups.py``) lists directories and reads Parquet metadata
-through the :class:`Storage` that :func:`resolve_dataset` finds; the pyarrow reader
-(``ddp_even/arrow/reader.py``) reads the row groups through the *same* storage, so it names the
-files exactly as the plan does.
-
-Which filesystem reads a dataset, first match wins:
-
-- ``filesystem=``: a ``pyarrow.fs.FileSystem`` as it is; an fsspec filesystem through
-  ``pyarrow.fs.FSSpecHandler``; a legacy ``pyarrow.filesystem`` wrapper (``S3FSWrapper``) is
-  unwrapped to the fsspec filesystem inside it.
-- ``file://`` URLs and paths: the local disk (petastorm's own local filesystem reads them).
-- ``s3://`` (``s3a``, ``s3n``), ``gs://`` (``gcs``) and ``hdfs://`` (``viewfs``): pyarrow's own
-  filesystems, configured from ``storage_options`` and the standard environment
-  (``filesystems.py``).
-- any other scheme (``abfs://``, ``az://``, ``memory://``, ...): the fsspec filesystem registered
-  for it, given ``storage_options``.
-
-One fsspec private is relied on: ``AbstractFileSystem._strip_protocol``, a URL's path on its
-filesystem (the same as fsspec's own ``url_to_fs`` uses; ``tests/test_remote_storage.py``).
+``filesystem=`` is used as given; else paths and ``file://`` URLs are the local disk,
+``s3://``, ``gs://``, ``hdfs://`` pyarrow's own filesystems, other schemes fsspec's. S3 and
+GCS take pyarrow's option names or s3fs's / gcsfs's (renamed here: neither is needed) and the
+endpoint from ``AWS_ENDPOINT_URL`` / ``STORAGE_EMULATOR_HOST``, which pyarrow 14 does not read.
+Paths are petastorm 0.12.1's, so a plan names files as petastorm does: without one trailing
+slash, a ``file://`` URL's path not unquoted, a plain path absolute, ``bucket/key`` on object
+stores, what ``_strip_protocol`` gives on fsspec (the private fsspec's ``url_to_fs`` uses).
 """
 
 from __future__ import annotations
 
-import logging
+import datetime
 import os
 import sys
-from collections.abc import Callable, Mapping
+import textwrap
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode, urlparse
 
 import pyarrow.fs as pafs
 
 from ddp_even.errors import DatasetError
-from ddp_even.storage.backends import ArrowStorage, FailureHints, LocalStorage, Storage
-from ddp_even.storage.filesystems import (
-    GCS_SCHEMES,
-    HDFS_SCHEMES,
-    S3_SCHEMES,
-    fsspec_filesystem,
-    fsspec_hints,
-    gcs_filesystem,
-    hdfs_filesystem,
-    s3_filesystem,
-)
-from ddp_even.storage.locations import (
-    DatasetLocation,
-    ParsedLocation,
-    bucket_path,
-    dataset_items,
-    local_path,
-    parse_location,
-    trim_path,
-)
+from ddp_even.storage.backends import FailureHints, Storage
 
-__all__ = [
-    "SCHEMES",
-    "DatasetLocation",
-    "ResolvedDataset",
-    "Storage",
-    "StorageOptions",
-    "resolve_dataset",
-]
+__all__ = ["DatasetLocation", "ResolvedDataset", "StorageOptions", "resolve_dataset"]
 
-logger = logging.getLogger("ddp_even")
-
+#: A dataset: a URL or a local path (directory or file), or a list of files.
+DatasetLocation = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 #: Options for the filesystem of a URL, as given to petastorm / fsspec (``storage_options``).
 StorageOptions = Mapping[str, Any]
+
+_BUCKET_SCHEMES = ("s3", "s3a", "s3n", "gs", "gcs", "abfs", "abfss", "az")
+# s3fs's (and boto3's) names for pyarrow's S3FileSystem parameters; pyarrow refuses the rest.
+_S3FS_NAMES = {
+    **{"key": "access_key", "secret": "secret_key", "token": "session_token", "anon": "anonymous"},
+    **{"aws_access_key_id": "access_key", "aws_secret_access_key": "secret_key"},
+    **{"aws_session_token": "session_token", "region_name": "region"},
+}
+# google-cloud-cpp retries transient errors for 15 minutes by default: an unreachable endpoint
+# would look like a hang. Seconds; storage_options retry_time_limit overrides it.
+_GCS_RETRY_TIME_LIMIT_S = 30.0
+# How long the GCE metadata server may take to answer the probe for default credentials
+# (google-auth waits about as long); off Google Cloud nothing answers.
+_METADATA_PROBE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -106,13 +86,11 @@ def resolve_dataset(
 ) -> ResolvedDataset:
     """Find the filesystem for ``dataset`` and its paths there; no request is made.
 
-    ``dataset`` is a URL (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ``file://``, any
-    fsspec scheme) or a local path, or a list of files on one filesystem. ``storage_options``
-    configure the filesystem built for the URL (s3fs-style keys such as ``key``, ``secret``,
-    ``endpoint_url``, ``client_kwargs``, ``config_kwargs`` for S3; pyarrow's parameter names
-    work too); ``filesystem`` is a ready ``pyarrow.fs.FileSystem`` or fsspec filesystem instead.
-    Credentials not given come from the environment, as the cloud SDKs read it. Raises
-    :class:`DatasetError` for a scheme with no installed filesystem or options it cannot take.
+    ``dataset`` is a URL (any scheme pyarrow or fsspec reads) or a local path, or a list of
+    files on one filesystem. ``storage_options`` configure the filesystem built for the URL
+    (for S3 s3fs's keys such as ``key``, ``endpoint_url``, ``client_kwargs``, ``config_kwargs``,
+    or pyarrow's); ``filesystem`` is a ready ``pyarrow.fs`` or fsspec filesystem instead.
+    Credentials not given come from the environment, as the cloud SDKs read it.
 
     Example:
         >>> resolve_dataset("s3://bucket/train/", storage_options={
@@ -124,148 +102,232 @@ def resolve_dataset(
         >>> memory.paths, memory.storage.url(memory.paths[0])
         (('/datasets/train',), 'memory:///datasets/train')
     """
-    items, is_list = dataset_items(dataset)
+    given = [dataset] if isinstance(dataset, str | os.PathLike) else dataset
+    items, is_list = [os.fspath(item) for item in given], given is dataset
+    if not items:
+        raise DatasetError("the list of dataset files is empty: pass at least one Parquet file")
+    places = {_split(item)[:2] for item in items}
+    if len(places) > 1:
+        raise DatasetError(
+            f"the listed files are on {len(places)} filesystems ({', '.join(items[:3])}...): "
+            "a dataset is read through one; list files with one scheme and one bucket or host"
+        )
+    (scheme, netloc), local = places.pop(), _split(items[0])[0] in ("", "file")
+    built, hints = None, None
     if filesystem is not None:
         if storage_options:
             raise ValueError(
                 "pass storage_options or filesystem=, not both: storage options configure the "
                 "filesystem ddp_even builds from the URL, a filesystem object is used as it is"
             )
-        return _with_filesystem(items, is_list, filesystem)
-    parsed = [parse_location(item) for item in items]
-    places = {(url.scheme, url.netloc) for url in parsed}
-    if len(places) > 1:
-        raise DatasetError(
-            f"the listed files are on {len(places)} filesystems ({', '.join(items[:3])}...): "
-            "a dataset is read through one; list files with one scheme and one bucket or host"
-        )
-    scheme = parsed[0].scheme
-    options = dict(storage_options or {})
-    resolve = SCHEMES.get(scheme)
-    if resolve is None:
-        return _fsspec_dataset(items, is_list, fsspec_filesystem(items[0], scheme, options), scheme)
-    storage, paths = resolve(items, parsed, options)
-    return ResolvedDataset(storage, paths, is_list)
-
-
-def _local(
-    items: list[str], parsed: list[ParsedLocation], options: dict[str, Any]
-) -> tuple[Storage, tuple[str, ...]]:
-    if options:
-        logger.debug("ddp_even: storage_options ignored for the local dataset %s", items[0])
-    return LocalStorage(), tuple(local_path(item) for item in items)
-
-
-def _object_store(
-    items: list[str], parsed: list[ParsedLocation], options: dict[str, Any]
-) -> tuple[Storage, tuple[str, ...]]:
-    scheme = parsed[0].scheme
-    if scheme in S3_SCHEMES:
-        filesystem, hints = s3_filesystem(options, items[0])
+        built, hints = _given(filesystem)
+    elif not local:
+        built, hints = _build_filesystem(items[0], scheme, dict(storage_options or {}))
+    fsspec_filesystem = getattr(getattr(built, "handler", None), "fs", None)
+    to_url: Callable[[str], str] = str
+    if fsspec_filesystem is not None:
+        paths = [fsspec_filesystem._strip_protocol(item) for item in items]
+        to_url = fsspec_filesystem.unstrip_protocol
+    elif local:
+        paths = [path if scheme else os.path.abspath(path) for _, _, path in map(_split, items)]
+    elif scheme in ("hdfs", "viewfs"):
+        paths, to_url = [_split(item)[2] for item in items], f"{scheme}://{netloc}".__add__
     else:
-        filesystem, hints = gcs_filesystem(options, items[0])
-    storage = ArrowStorage(
-        filesystem, scheme, lambda path: f"{scheme}://{path}", hints, has_buckets=True
-    )
-    return storage, tuple(bucket_path(url) for url in parsed)
-
-
-def _hdfs(
-    items: list[str], parsed: list[ParsedLocation], options: dict[str, Any]
-) -> tuple[Storage, tuple[str, ...]]:
-    location = parsed[0]
-    filesystem, hints = hdfs_filesystem(location, options, items[0])
-    prefix = f"{location.scheme}://{location.netloc}"
-    storage = ArrowStorage(filesystem, location.scheme, lambda path: prefix + path, hints)
-    return storage, tuple(trim_path(url.path) for url in parsed)
-
-
-#: How each URL scheme reaches its storage, from ``(urls, parsed urls, storage options)``;
-#: any other scheme (``abfs://``, ``az://``, ``memory://``...) goes to the fsspec filesystem
-#: registered for it. A new scheme is one entry here and its filesystem in ``filesystems.py``.
-SCHEMES: dict[
-    str,
-    Callable[[list[str], list[ParsedLocation], dict[str, Any]], tuple[Storage, tuple[str, ...]]],
-] = {
-    "": _local,
-    "file": _local,
-    **dict.fromkeys(S3_SCHEMES + GCS_SCHEMES, _object_store),
-    **dict.fromkeys(HDFS_SCHEMES, _hdfs),
-}
-
-
-def _fsspec_dataset(
-    items: list[str], is_list: bool, filesystem: Any, scheme: str
-) -> ResolvedDataset:
-    protocols = filesystem.protocol
-    name = scheme or (protocols if isinstance(protocols, str) else protocols[0])
-    hints = fsspec_hints(name, filesystem)
-    storage = ArrowStorage(
-        pafs.PyFileSystem(pafs.FSSpecHandler(filesystem)),
-        name,
-        filesystem.unstrip_protocol,
-        hints,
-        has_buckets=name in ("abfs", "abfss", "az", "gcs", "gs", "s3"),
-    )
-    paths = tuple(trim_path(filesystem._strip_protocol(item)) for item in items)
-    return ResolvedDataset(storage, paths, is_list)
-
-
-def _unwrap_legacy(filesystem: Any) -> Any:
-    """The filesystem inside a legacy ``pyarrow.filesystem`` wrapper (``S3FSWrapper``, which
-    petastorm users hand their readers)."""
-    legacy = sys.modules.get("pyarrow.filesystem")
-    if legacy is None or not isinstance(filesystem, legacy.FileSystem):
-        return filesystem
-    adapted = getattr(filesystem, "filesystem", None)
-    if isinstance(adapted, pafs.FileSystem):
-        return adapted
-    if isinstance(filesystem, legacy.LocalFileSystem):
-        return pafs.LocalFileSystem()
-    inner = getattr(filesystem, "fs", None)
-    if inner is None:
-        raise TypeError(
-            f"cannot read through the legacy {type(filesystem).__name__}: pass a "
-            "pyarrow.fs.FileSystem or an fsspec filesystem"
-        )
-    return inner
-
-
-def _with_filesystem(items: list[str], is_list: bool, filesystem: Any) -> ResolvedDataset:
-    filesystem = _unwrap_legacy(filesystem)
-    if not isinstance(filesystem, pafs.FileSystem):
-        fsspec = sys.modules.get("fsspec")
-        if fsspec is None or not isinstance(filesystem, fsspec.AbstractFileSystem):
-            raise TypeError(
-                "filesystem must be a pyarrow.fs.FileSystem or an fsspec filesystem, got "
-                f"{type(filesystem).__name__}"
-            )
-        return _fsspec_dataset(items, is_list, filesystem, parse_location(items[0]).scheme)
-    parsed = [parse_location(item) for item in items]
-    scheme = parsed[0].scheme
-    local = filesystem.type_name == "local"
-    paths: list[str] = []
-    for location in parsed:
-        if location.scheme in ("", "file"):
-            paths.append(trim_path(os.path.abspath(location.path) if local else location.path))
-        elif location.scheme in HDFS_SCHEMES:
-            paths.append(trim_path(location.path))
-        else:
-            paths.append(bucket_path(location))
-    hints = FailureHints(
-        credentials=f"the credentials of the {filesystem.type_name} filesystem you passed",
-        endpoint=f"the {filesystem.type_name} filesystem you passed",
-        endpoint_setting="how that filesystem was built",
-    )
-
-    def to_url(path: str) -> str:
-        return path if scheme in ("", "file") else f"{scheme}://{path}"
-
-    storage = ArrowStorage(
-        filesystem,
-        scheme or filesystem.type_name,
-        to_url,
-        hints,
-        has_buckets=filesystem.type_name in ("s3", "gcs"),
-    )
+        paths, to_url = [netloc + _split(item)[2] for item in items], f"{scheme}://".__add__
+    # As petastorm's normalize_dir_url leaves them: without one trailing slash.
+    paths = [path[:-1] if len(path) > 1 and path.endswith("/") else path for path in paths]
+    storage = Storage(built, to_url, hints, scheme in _BUCKET_SCHEMES)
     return ResolvedDataset(storage, tuple(paths), is_list)
+
+
+def _given(filesystem: Any) -> tuple[pafs.FileSystem, FailureHints]:
+    """``filesystem=`` as pyarrow's; a legacy ``pyarrow.filesystem`` ``S3FSWrapper``, which
+    petastorm users hand their readers, gives the fsspec filesystem it wraps (``.fs``)."""
+    legacy = sys.modules.get("pyarrow.filesystem")
+    if legacy is not None and isinstance(filesystem, legacy.LocalFileSystem):
+        filesystem = pafs.LocalFileSystem()
+    elif legacy is not None and isinstance(filesystem, legacy.FileSystem):
+        filesystem = getattr(filesystem, "fs", filesystem)
+    fsspec = sys.modules.get("fsspec")
+    if fsspec is not None and isinstance(filesystem, fsspec.AbstractFileSystem):
+        return _wrap_fsspec(filesystem)
+    if not isinstance(filesystem, pafs.FileSystem):
+        raise TypeError(
+            "filesystem must be a pyarrow.fs.FileSystem or an fsspec filesystem, got "
+            f"{type(filesystem).__name__}"
+        )
+    return filesystem, _hints(f"the {filesystem.type_name} filesystem you passed")
+
+
+def _build_filesystem(
+    url: str, scheme: str, options: dict[str, Any]
+) -> tuple[pafs.FileSystem, FailureHints]:
+    if scheme in ("s3", "s3a", "s3n"):
+        return _s3(options, url)
+    if scheme in ("gs", "gcs"):
+        return _gcs(options, url)
+    if scheme not in ("hdfs", "viewfs"):
+        return _wrap_fsspec(_fsspec(url, scheme, options))
+    # pyarrow takes user, kerb_ticket, replication, ... from the URI's query; other keys (and
+    # extra_conf's) are Hadoop settings.
+    query = urlencode({**options, **options.pop("extra_conf", {})})
+    try:
+        filesystem, _ = pafs.FileSystem.from_uri(urlparse(url)._replace(query=query).geturl())
+    except (OSError, ValueError) as error:
+        raise DatasetError(
+            f"{url}: cannot open HDFS ({textwrap.shorten(str(error), 200)}): it needs Hadoop's "
+            "libhdfs and Java (HADOOP_HOME, JAVA_HOME, CLASSPATH=$(hadoop classpath --glob)) "
+            "and a namenode at the URL's host and port"
+        ) from error
+    return filesystem, _hints("HDFS's namenode in the URL (or fs.defaultFS)")
+
+
+def _s3(options: dict[str, Any], url: str) -> tuple[pafs.FileSystem, FailureHints]:
+    client = options.pop("client_kwargs", None) or {}
+    config = dict(options.pop("config_kwargs", None) or {})
+    kwargs = {_S3FS_NAMES.get(key, key): value for key, value in {**options, **client}.items()}
+    endpoint, endpoint_source = _endpoint(kwargs, "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+    if kwargs.get("use_ssl") is not None:
+        kwargs.setdefault("scheme", "https" if kwargs["use_ssl"] else "http")
+    kwargs.pop("use_ssl", None)
+    # botocore's Config, as s3fs takes it: timeouts and attempts bound an unreachable endpoint.
+    for name, parameter in (("connect_timeout",) * 2, ("read_timeout", "request_timeout")):
+        if name in config:
+            kwargs[parameter] = config.pop(name)
+    retries = config.pop("retries", None)
+    if isinstance(retries, Mapping) and "max_attempts" in retries:
+        attempts = int(retries["max_attempts"])
+        kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=attempts)
+    if config:  # pyarrow refuses it, and its message names it
+        kwargs["config_kwargs"] = config
+    for variable in ("AWS_REGION", "AWS_DEFAULT_REGION"):  # pyarrow 14 reads neither itself
+        if "region" not in kwargs and os.environ.get(variable):
+            kwargs["region"] = os.environ[variable]
+    default = f"AWS S3 in region {kwargs.get('region', 'us-east-1')}"
+    hints = FailureHints(
+        "the credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) or "
+        "AWS_PROFILE in the environment, or storage_options key / secret / token",
+        f"the S3 endpoint {endpoint} set by {endpoint_source}" if endpoint else default,
+        "AWS_ENDPOINT_URL or storage_options endpoint_url",
+    )
+    return _construct(pafs.S3FileSystem, kwargs, url), hints
+
+
+def _gcs(kwargs: dict[str, Any], url: str) -> tuple[pafs.FileSystem, FailureHints]:
+    endpoint, endpoint_source = _endpoint(kwargs, "STORAGE_EMULATOR_HOST")
+    if "project" in kwargs:
+        kwargs["project_id"] = kwargs.pop("project")
+    if kwargs.get("token") in ("anon", "google_default"):  # other tokens: pyarrow refuses them
+        kwargs["anonymous"] = kwargs.pop("token") == "anon"
+    limit = kwargs.get("retry_time_limit", _GCS_RETRY_TIME_LIMIT_S)
+    if not isinstance(limit, datetime.timedelta):  # gcsfs and the command line give seconds
+        kwargs["retry_time_limit"] = datetime.timedelta(seconds=float(limit))
+    # Without credentials every request would retry for retry_time_limit before saying "Could
+    # not create a OAuth2 access token", and planning makes several: look for them first, as
+    # google-cloud-cpp does (given, the environment, gcloud's default ones, a GCE metadata server).
+    gcloud = Path(os.environ.get("CLOUDSDK_CONFIG") or Path.home() / ".config" / "gcloud")
+    if not (
+        kwargs.get("anonymous")
+        or kwargs.get("access_token")
+        or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+        or os.environ.get("STORAGE_EMULATOR_HOST")
+        or (gcloud / "application_default_credentials.json").is_file()
+        or _metadata_server_answers()
+    ):
+        raise DatasetError(
+            f"{url}: no Google Cloud credentials found: set GOOGLE_APPLICATION_CREDENTIALS to a "
+            "service-account key file or run 'gcloud auth application-default login'; for a "
+            "public bucket pass storage_options token='anon' (--storage-option token=anon), "
+            "for an emulator set STORAGE_EMULATOR_HOST"
+        )
+    hints = FailureHints(
+        "GOOGLE_APPLICATION_CREDENTIALS (a service-account key file) or the default gcloud "
+        "credentials, or storage_options token='anon' for a public bucket",
+        f"the GCS endpoint {endpoint} set by {endpoint_source}" if endpoint else "Google Cloud",
+        "STORAGE_EMULATOR_HOST or storage_options endpoint_url",
+    )
+    return _construct(pafs.GcsFileSystem, kwargs, url), hints
+
+
+def _metadata_server_answers() -> bool:
+    """Whether a GCE metadata server answers, as google-auth probes it (by address: resolving
+    metadata.google.internal off Google Cloud can take seconds)."""
+    host = os.environ.get("GCE_METADATA_ROOT") or os.environ.get("GCE_METADATA_HOST")
+    request = urllib.request.Request(
+        f"http://{host or '169.254.169.254'}/computeMetadata/v1/",
+        headers={"Metadata-Flavor": "Google"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=_METADATA_PROBE_S) as answer:
+            return bool(answer.headers.get("Metadata-Flavor") == "Google")
+    except (OSError, ValueError):  # urllib's URLError is an OSError
+        return False
+
+
+def _fsspec(url: str, scheme: str, options: Mapping[str, Any]) -> Any:
+    try:
+        import fsspec.core  # type: ignore[import-untyped]
+
+        return fsspec.core.url_to_fs(url, **options)[0]
+    except ImportError as error:  # fsspec itself, or the package for the scheme
+        registry = sys.modules.get("fsspec.registry")
+        known = registry.known_implementations.get(scheme, {}) if registry else {}
+        package = known.get("class", "fsspec").split(".", 1)[0]
+        raise DatasetError(
+            f"{url}: no filesystem for {scheme}:// is installed ({error}): pip install {package}"
+            + (" (or the extra ddp_even[remote])" if package == "adlfs" else "")
+        ) from error
+    except ValueError as error:  # "Protocol not known"
+        raise DatasetError(
+            f"{url}: no filesystem knows {scheme}:// URLs ({error}): use s3://, gs://, hdfs://, "
+            "abfs://, a file:// URL or a local path, or pass filesystem= (a pyarrow.fs or "
+            "fsspec filesystem)"
+        ) from error
+    except TypeError as error:
+        raise DatasetError(
+            f"{url}: storage_options {sorted(options)} do not fit the {scheme}:// filesystem "
+            f"({error}): check their names"
+        ) from error
+
+
+def _wrap_fsspec(filesystem: Any) -> tuple[pafs.FileSystem, FailureHints]:
+    """An fsspec filesystem as a pyarrow one (whose ``.handler.fs`` it is), and its hints."""
+    hints = _hints(f"the {type(filesystem).__name__} filesystem")
+    return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem)), hints
+
+
+def _hints(filesystem: str) -> FailureHints:
+    """What to check where the filesystem's own credentials and endpoint are not known here."""
+    return FailureHints(f"the credentials of {filesystem}", filesystem, "the URL and options")
+
+
+def _endpoint(kwargs: dict[str, Any], *variables: str) -> tuple[str | None, str]:
+    """``endpoint_url`` or else the first of ``variables`` set, and what set it; put into
+    ``kwargs`` as pyarrow's ``endpoint_override`` and ``scheme``."""
+    endpoint, source = kwargs.pop("endpoint_url", None), "storage_options endpoint_url"
+    for variable in variables:
+        if endpoint is None and os.environ.get(variable):
+            endpoint, source = os.environ[variable], variable
+    if endpoint is not None and "endpoint_override" not in kwargs:
+        parsed = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+        kwargs["endpoint_override"] = parsed.netloc + parsed.path.rstrip("/")
+        kwargs.setdefault("scheme", parsed.scheme)
+    return endpoint, source
+
+
+def _construct(kind: Any, kwargs: dict[str, Any], url: str) -> Any:
+    try:
+        return kind(**kwargs)
+    except (TypeError, ValueError, OSError) as error:  # pyarrow's message names the option
+        raise DatasetError(
+            f"{url}: the storage options do not build a pyarrow.fs.{kind.__name__} ({error}): "
+            "use its parameter names or s3fs's / gcsfs's, or pass filesystem= one you built"
+        ) from error
+
+
+def _split(text: str) -> tuple[str, str, str]:
+    """A URL's scheme, host and path; a plain path has no scheme or host."""
+    if "://" not in text and not text.startswith("file:"):
+        return "", "", text
+    url = urlparse(text)
+    return url.scheme.lower(), url.netloc, url.path
