@@ -163,7 +163,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         # loader's plan worked out from its footers (no plan given).
         self._first_pass = FirstPass()
         # Made at the first epoch, a point every rank reaches (or met while planning).
-        self._agreer: Agreer | None = None if self._passes is None else self._passes.agreer
+        self._agreer: Agreer | None = None
         self._next_epoch = 0
         self._running: weakref.ref[Epoch[BatchT]] | None = None
         self._current_run: EpochRun[BatchT] | None = None
@@ -235,6 +235,9 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         check_batching_loader(loader)
         check_timeout(timeout)
         rank, world_size = rank_and_world_size(group)
+        # Counting a predicate's rows is the first time the ranks meet: the loader goes on with
+        # that agreement.
+        agreer = agreer_for(group, timeout) if predicate is not None else None
         _, passes = make_shard_factory(
             parquet_dataset(dataset),  # a Spark converter: its files, in petastorm's order
             rank,
@@ -243,8 +246,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             sharding=sharding,
             balanced=balanced,
             predicate=predicate,
-            # Counting a predicate's rows is the first time the ranks meet.
-            agreer=agreer_for(group, timeout) if predicate is not None else None,
+            share=None if agreer is None else agreer.gather_counts,
             loader=loader,
             reader=reader,
             reader_kwargs=reader_kwargs,
@@ -252,7 +254,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             storage_options=storage_options,
             filesystem=filesystem,
         )
-        return cls(
+        planned = cls(
             passes,
             mode,
             steps_per_epoch=steps_per_epoch,
@@ -261,6 +263,8 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             joinables=joinables,
             timeout=timeout,
         )
+        planned._agreer = agreer
+        return planned
 
     def state_dict(self) -> dict[str, Any]:
         """Where this rank is: plain data to save with the model, to resume mid-epoch.

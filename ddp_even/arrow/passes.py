@@ -47,7 +47,7 @@ from ddp_even.sources import PlannedSource
 from ddp_even.storage import DatasetLocation, StorageOptions
 
 if TYPE_CHECKING:
-    from ddp_even.agreement.transport import Agreer
+    from ddp_even.parquet.predicate_counts import Share
 
 __all__ = ["ArrowPasses", "make_shard_factory"]
 
@@ -112,11 +112,13 @@ def make_shard_factory(
     storage_options: StorageOptions | None = None,
     filesystem: Any = None,
     predicate: Any = None,
-    agreer: Agreer | None = None,
+    share: Share | None = None,
 ) -> tuple[ShardPlan, ArrowPasses]:
     """Plan the shards of ``dataset`` and return ``(plan, factory)`` for ``rank``, read with
     pyarrow: ``factory(epoch=N)`` is one pass over this rank's shard of epoch ``N``, batches as
-    dicts of tensors (see the module's docstring for the options).
+    dicts of tensors (see the module's docstring for the options). ``share``, an all-gather
+    among the ranks (every rank then calls this together), spreads the count of a predicate's
+    rows over them.
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
@@ -166,7 +168,7 @@ def make_shard_factory(
             else PredicateCounting(predicate, kind=decoding.kind, kept=decoding.kept)
         ),
         rank=rank,
-        share=agreer.gather_counts if agreer is not None else None,
+        share=share,
     )
     plan = planned.plan
     plan.row_groups_of(rank)  # checks rank
@@ -221,7 +223,6 @@ def make_shard_factory(
             batch_size=batch_size,
             sharding=plan.sharding,
         ),
-        agreer,
     )
     return plan, passes
 
@@ -243,9 +244,8 @@ class ArrowPasses(PlannedSource):
         open_pass: functools.partial[ArrowPass],
         why_not_in_plan_order: str | None,
         provenance: Provenance,
-        agreer: Agreer | None,
     ) -> None:
-        super().__init__(dataset_plan, order, why_not_in_plan_order, provenance, agreer)
+        super().__init__(dataset_plan, order, why_not_in_plan_order, provenance)
         self._rank = rank
         self._pass_rows = pass_rows
         self._open_pass = open_pass

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ddp_even.agreement.transport import Agreer
     from ddp_even.modes import AfterOwnData
     from ddp_even.parquet.dataset_plan import DatasetPlan
     from ddp_even.planning.pass_order import PassOrder
@@ -186,7 +185,6 @@ class PlannedSource(ABC):
         order: PassOrder,
         why_not_in_plan_order: str | None,
         provenance: Provenance,
-        agreer: Agreer | None,
     ) -> None:
         #: The dataset's plan (:mod:`ddp_even.parquet.dataset_plan`): the plan of a whole
         #: epoch, the row groups it shares out, the same row groups planned for other ranks.
@@ -202,9 +200,6 @@ class PlannedSource(ABC):
         #: What the plan and the reading order follow from: the data, the reader settings
         #: that decide what is read and in which order, the predicate's code, the batch size.
         self.provenance = provenance
-        #: The agreement the ranks already met in while planning (counting a predicate's
-        #: rows), which the loader goes on with; None if they did not meet.
-        self.agreer = agreer
 
     @abstractmethod
     def __call__(self, epoch: int = 0, shard_plan: ShardPlan | None = None) -> Any:
