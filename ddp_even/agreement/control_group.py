@@ -22,13 +22,14 @@ Torch internals relied on (torch 2.13; each guarded, with a fallback where one e
 * ``distributed_c10d._get_default_store()``: the job's store, where ranks meet before the
   group is created (:func:`_meet_before_creating`), write their heartbeats
   (``heartbeat.default_store``) and hold their roll calls (``rollcall.py``);
-* ``ProcessGroup._get_backend(device)._set_default_timeout``: the group is created with a
-  short timeout of ddp_even's own, then given the training group's (:func:`_create`; created
-  with the training group's timeout when ``_set_default_timeout`` is missing);
-* ``torch._C._distributed_c10d``'s ``ProcessGroupGloo`` (here), ``PrefixStore`` and
-  ``TCPStore`` (``liveness/heartbeat.py``: a prefix store's ``underlying_store``, a TCP
-  store's ``host`` and ``port``): the classes ``torch.distributed`` re-exports, imported from
-  where their type information is.
+* ``torch._C._distributed_c10d``'s ``PrefixStore`` and ``TCPStore``
+  (``liveness/heartbeat.py``: a prefix store's ``underlying_store``, a TCP store's ``host``
+  and ``port``): the classes ``torch.distributed`` re-exports, imported from where their type
+  information is.
+
+The group is created (gloo's rendezvous, ``dist.new_group``) in a thread of its own, under the
+training group's timeout, while the calling thread watches the peers' heartbeats
+(:func:`_create`): nothing but a lost peer ends it sooner.
 
 ``tests/test_clean_exit.py`` fails first if any of them changes.
 """
@@ -40,13 +41,13 @@ import datetime
 import functools
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroupGloo
 
 from ddp_even.errors import EvenLoaderError
 from ddp_even.liveness.heartbeat import start_heartbeat, waiting
@@ -157,8 +158,8 @@ def control_group_for(
     Creating it is a collective over the training group's ranks, so every rank must reach this
     call; ``EvenLoader`` does so at the start of its first epoch. The ranks first meet in the
     store (:func:`_meet_before_creating`), where a rank that comes late is waited for while it
-    lives, so that gloo's rendezvous runs only once every rank is there, under a deadline of
-    ddp_even's own (:func:`_create`).
+    lives, so that gloo's rendezvous runs only once every rank is there, waited for while
+    every rank lives (:func:`_create`).
     """
     release_orphaned()
     group: Any = training_group if training_group is not None else dist.group.WORLD
@@ -268,8 +269,9 @@ _ONE_LOOP = (
     "every rank of the training group must iterate the loader at the same point; to loop on "
     "some ranks only (evaluation on rank 0), iterate the underlying loader there"
 )
-# The shortest deadline of gloo's rendezvous once every rank has met (connecting a few sockets).
-_CREATION_MIN_S = 5.0
+_CREATING = "the creation of ddp_even's group, after every rank had met"
+# The thread that runs gloo's rendezvous (``_create``).
+_CREATOR = "ddp-even-create-group"
 
 
 def _meet_before_creating(
@@ -336,7 +338,7 @@ def _why_not_all_here(
     me = dist.get_rank()
     views = watch.look(others)
     if views is None:
-        return store_silence(watch, by=me, timeout=timeout, what=_MEETING)
+        return store_silence(watch, by=me, timeout=timeout, what=_MEETING, patience=gloo_timeout)
     lost = lost_peers(views, timeout)
     if lost:
         return verdict_on(views, lost, by=me, timeout=timeout, what=_MEETING)
@@ -361,32 +363,80 @@ def _why_not_all_here(
 
 
 def _create(meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float) -> Any:
-    """``dist.new_group`` once every rank has met, under ddp_even's deadline, not gloo's.
+    """``dist.new_group`` once every rank has met, waited for while every rank lives.
 
-    Gloo's rendezvous waits for every rank for the group's timeout. Every rank is known to be
-    here, so the group is created with a short one (``timeout``, at least
-    :data:`_CREATION_MIN_S`), which only a rank lost in between can outlast, and is then given
-    the training group's, which its collectives need to wait for a live peer.
+    Gloo's rendezvous connects every pair of ranks (W(W - 1)/2 connections): seconds for 64
+    processes sharing 2 cores, and no sign of any peer's death. It runs in a thread of its own
+    under the training group's timeout, the one deadline for a live peer, while this thread
+    reads the peers' heartbeats as any wait in ddp_even does: a peer that dies or freezes
+    meanwhile is named within ``timeout`` (and the creating thread left to gloo's timeout or
+    the process's exit), a live one is waited for, and said so in the log after ``timeout``.
     """
-    settable = hasattr(ProcessGroupGloo, "_set_default_timeout")
-    creating = max(timeout, _CREATION_MIN_S) if settable else gloo_timeout
-    try:
-        group = dist.new_group(
-            ranks=ranks,
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=creating),
-            use_local_synchronization=True,
-        )
-    except Exception as error:  # gloo's raw error: which rank was lost?
-        raise _creation_failure(meeting, ranks, timeout, creating, error) from error
-    if settable:
-        backend = group._get_backend(torch.device("cpu"))
-        backend._set_default_timeout(datetime.timedelta(seconds=gloo_timeout))
-    return group
+    created: list[Any] = []
+    failed: list[BaseException] = []
+
+    def create() -> None:
+        try:
+            created.append(
+                dist.new_group(
+                    ranks=ranks,
+                    backend="gloo",
+                    timeout=datetime.timedelta(seconds=gloo_timeout),
+                    use_local_synchronization=True,
+                )
+            )
+        except BaseException as error:  # raised by the waiting thread, with ddp_even's words
+            failed.append(error)
+
+    creator = threading.Thread(target=create, name=_CREATOR, daemon=True)
+    creator.start()
+    me = dist.get_rank()
+    watch = current_watch()
+    board = Board(watch, meeting, me, hosts_store=me == 0)
+    others = [rank for rank in ranks if rank != me]
+    poll = poll_interval(timeout, len(ranks))
+    began = time.monotonic()
+    said = False
+    with waiting():
+        while True:
+            creator.join(poll)
+            if not creator.is_alive():
+                break
+            verdict = board.read()
+            if verdict is None:
+                verdict = _lost_while_creating(watch, others, me, timeout, gloo_timeout)
+                if verdict is not None:
+                    verdict = board.publish(verdict)
+            if verdict is not None:
+                logger.debug("gave up creating ddp_even's group: %s", verdict)
+                raise board.adopt(verdict, len(ranks))
+            if not said and time.monotonic() - began >= timeout:
+                said = True
+                logger.info(
+                    "creating ddp_even's gloo group over %d ranks has taken %.1f s, every rank "
+                    "alive: waiting for it (up to the training group's timeout, %g s)",
+                    len(ranks),
+                    time.monotonic() - began,
+                    gloo_timeout,
+                )
+    if failed:
+        raise _creation_failure(meeting, ranks, timeout, gloo_timeout, failed[0]) from failed[0]
+    logger.debug("ddp_even's group created in %.2f s", time.monotonic() - began)
+    return created[0]
+
+
+def _lost_while_creating(
+    watch: Watch, others: list[int], me: int, timeout: float, gloo_timeout: float
+) -> Verdict | None:
+    views = watch.look(others)
+    if views is None:
+        return store_silence(watch, by=me, timeout=timeout, what=_CREATING, patience=gloo_timeout)
+    lost = lost_peers(views, timeout)
+    return verdict_on(views, lost, by=me, timeout=timeout, what=_CREATING) if lost else None
 
 
 def _creation_failure(
-    meeting: str, ranks: Sequence[int], timeout: float, creating: float, error: Exception
+    meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float, error: BaseException
 ) -> EvenLoaderError:
     """ddp_even's error for a failed gloo rendezvous: the ranks lost since the meeting."""
     me = dist.get_rank()
@@ -394,7 +444,7 @@ def _creation_failure(
     board = Board(watch, meeting, me, hosts_store=me == 0)
     others = [rank for rank in ranks if rank != me]
     words = f"gloo: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
-    what = "the creation of ddp_even's group, after every rank had met"
+    what = _CREATING
     # Their silence counts from when this rank first saw it: watch for up to ``timeout``.
     deadline = time.monotonic() + timeout + 1.0
     while time.monotonic() < deadline:
@@ -405,11 +455,13 @@ def _creation_failure(
             if views is not None and lost:
                 verdict = board.publish(verdict_on(views, lost, by=me, timeout=timeout, what=what))
             elif views is None:
-                verdict = store_silence(watch, by=me, timeout=timeout, what=what)
+                verdict = store_silence(
+                    watch, by=me, timeout=timeout, what=what, patience=gloo_timeout
+                )
         if verdict is not None:
             return board.adopt(verdict, len(ranks))
         time.sleep(poll_interval(timeout, len(ranks)))
     return EvenLoaderError(
-        f"ddp_even could not create its gloo group within {creating:g} s although every rank "
+        f"ddp_even could not create its gloo group within {gloo_timeout:g} s although every rank "
         f"had met and none is known to be lost since ({words})"
     )
