@@ -23,8 +23,8 @@ import pytest
 from tests.helpers.spawn import RankError, run_ranks
 
 TIMEOUT = 2.0
-# The largest world the multi-rank tier affords on 2 cores (a run takes about a minute there).
-WORLD_SIZE = 12
+# The largest world the multi-rank tier affords on 2 cores (20 s idle, a minute under load).
+WORLD_SIZE = 16
 
 
 def _busy() -> None:
@@ -88,7 +88,7 @@ def run_job(world_size: int, timeout: float, hogs: int, limit_s: float) -> list[
 @pytest.mark.timing
 @pytest.mark.timeout(300)
 def test_no_live_rank_is_named_at_scale_beside_a_cpu_hog() -> None:
-    """12 ranks, a 2 s timeout, a busy loop beside them: every rank takes the epoch's 6 steps
+    """16 ranks, a 2 s timeout, a busy loop beside them: every rank takes the epoch's 6 steps
     (cycle: the longest shard's), none raises, none is named."""
     results = run_job(WORLD_SIZE, TIMEOUT, hogs=1, limit_s=240)
     longest = max(3 + rank % 4 for rank in range(WORLD_SIZE))
@@ -96,6 +96,86 @@ def test_no_live_rank_is_named_at_scale_beside_a_cpu_hog() -> None:
         assert not isinstance(result, RankError), (rank, result)
         assert result["error"] is None, (rank, result)
         assert result["steps"] == longest, (rank, result)
+
+
+def _fault_when_creating(fault: str) -> None:
+    """SIGKILL or SIGSTOP this process as soon as ddp_even's group is being created (its gloo
+    rendezvous runs in a thread of its own); a stopped one is continued 10 s later."""
+    import os
+    import signal
+    import subprocess
+    import threading
+
+    from ddp_even.agreement.creation import _CREATOR
+
+    def watch_for_creation() -> None:
+        while not any(thread.name == _CREATOR for thread in threading.enumerate()):
+            time.sleep(0.001)
+        if fault == "stop":
+            subprocess.Popen(["sh", "-c", f"sleep 10; kill -CONT {os.getpid()}"])
+        marks[fault] = time.time()
+        os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+
+    marks: dict[str, float] = {}
+    threading.Thread(target=watch_for_creation, daemon=True).start()
+
+
+def lost_while_creating(rank: int, world_size: int, victim: int, fault: str) -> dict[str, Any]:
+    import torch
+
+    from ddp_even import EvenLoader, PeerTimeoutError
+
+    if rank == victim:
+        _fault_when_creating(fault)
+    loader = EvenLoader([torch.zeros(1)] * 4, mode="truncate", timeout=TIMEOUT)
+    began = time.time()
+    try:
+        steps = len(list(loader))
+    except PeerTimeoutError as error:
+        return {
+            "missing": list(error.missing_ranks),
+            "states": dict(error.states),
+            "late": error.late,
+            "began": began,
+            "at": time.time(),
+            "message": str(error),
+        }
+    return {"steps": steps}
+
+
+@pytest.mark.multirank
+@pytest.mark.timing
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("fault", "victim", "state"), [("kill", 1, "dead"), ("stop", 2, "stalled"), ("kill", 0, "dead")]
+)
+def test_a_rank_lost_while_the_group_is_created_is_named(
+    fault: str, victim: int, state: str
+) -> None:
+    """Gloo's rendezvous waits under the training group's timeout (20 s here): a rank killed or
+    frozen inside it is named from the heartbeats by every survivor, within ``timeout`` + 5 s
+    of its loader's start (rank 0's death takes the store with it: named as the store's host)."""
+    results = run_ranks(
+        lost_while_creating,
+        3,
+        victim,
+        fault,
+        timeout=90,
+        capture_exceptions=True,
+        pg_timeout=20,
+        tcp_store=True,
+    )
+    for rank, result in enumerate(results):
+        if rank == victim:
+            continue
+        assert isinstance(result, dict) and "missing" in result, (rank, result)
+        assert result["missing"] == [victim], (rank, result)
+        assert result["states"] == {victim: state}, (rank, result)
+        assert not result["late"], (rank, result)
+        assert result["at"] - result["began"] <= TIMEOUT + 5, (rank, result)
+    if fault == "stop":
+        late = results[victim]
+        assert isinstance(late, dict) and late.get("late"), late
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ Torch internals relied on (torch 2.13; each guarded, with a fallback where one e
 * ``distributed_c10d._world.pg_map``: whether torch still knows a group, i.e. it was not
   destroyed (:func:`_registered`; assumed alive when unreadable);
 * ``distributed_c10d._get_default_store()``: the job's store, where ranks meet before the
-  group is created (:func:`_meet_before_creating`), write their heartbeats
+  group is created (``creation.meet_before_creating``), write their heartbeats
   (``heartbeat.default_store``) and hold their roll calls (``rollcall.py``);
 * ``torch._C._distributed_c10d``'s ``PrefixStore`` and ``TCPStore``
   (``liveness/heartbeat.py``: a prefix store's ``underlying_store``, a TCP store's ``host``
@@ -29,7 +29,7 @@ Torch internals relied on (torch 2.13; each guarded, with a fallback where one e
 
 The group is created (gloo's rendezvous, ``dist.new_group``) in a thread of its own, under the
 training group's timeout, while the calling thread watches the peers' heartbeats
-(:func:`_create`): nothing but a lost peer ends it sooner.
+(``creation.create``): nothing but a lost peer ends it sooner.
 
 ``tests/test_clean_exit.py`` fails first if any of them changes.
 """
@@ -37,31 +37,20 @@ training group's timeout, while the calling thread watches the peers' heartbeats
 from __future__ import annotations
 
 import atexit
-import datetime
-import functools
 import gc
 import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddp_even.errors import EvenLoaderError
-from ddp_even.liveness.heartbeat import start_heartbeat, waiting
+from ddp_even.agreement.creation import create, meet_before_creating
+from ddp_even.liveness.heartbeat import start_heartbeat
 from ddp_even.liveness.peers import (
-    BUSY,
-    UNSEEN,
-    Watch,
-    current_watch,
-    lost_peers,
-    poll_interval,
     watch_from_now,
 )
 from ddp_even.liveness.rollcall import finish_roll_calls
-from ddp_even.liveness.verdict import Board, Verdict, store_silence, verdict_on
 from ddp_even.process_group import group_is_up
 
 __all__ = ["Channel", "channel_for", "control_group_for", "release_orphaned", "training_timeout"]
@@ -157,9 +146,9 @@ def control_group_for(
 
     Creating it is a collective over the training group's ranks, so every rank must reach this
     call; ``EvenLoader`` does so at the start of its first epoch. The ranks first meet in the
-    store (:func:`_meet_before_creating`), where a rank that comes late is waited for while it
+    store (``creation.meet_before_creating``), where a rank that comes late is waited for while it
     lives, so that gloo's rendezvous runs only once every rank is there, waited for while
-    every rank lives (:func:`_create`).
+    every rank lives (``creation.create``).
     """
     release_orphaned()
     group: Any = training_group if training_group is not None else dist.group.WORLD
@@ -171,8 +160,8 @@ def control_group_for(
         creation = _creations.get(group, 0)
         _creations[group] = creation + 1
         meeting = f"ddp_even/meet/{group.group_name}/{creation}/"
-        _meet_before_creating(meeting, ranks, timeout, gloo_timeout)
-        control_group = _create(meeting, ranks, timeout, gloo_timeout)
+        meet_before_creating(meeting, ranks, timeout, gloo_timeout)
+        control_group = create(meeting, ranks, timeout, gloo_timeout)
         channel = Channel(control_group, group)
         _control_groups[key] = _channels[control_group.group_name] = channel
         _register_release_at_exit()
@@ -261,207 +250,3 @@ def _registered(group: Any) -> bool:
     # Private, and the only place that says so for a group other than the world.
     pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
     return True if pg_map is None else group in pg_map
-
-
-# What the ranks meet for, in the words of an error.
-_MEETING = "ddp_even's first meeting (each rank's first epoch, before ddp_even's group exists)"
-_ONE_LOOP = (
-    "every rank of the training group must iterate the loader at the same point; to loop on "
-    "some ranks only (evaluation on rank 0), iterate the underlying loader there"
-)
-_CREATING = "the creation of ddp_even's group, after every rank had met"
-# The thread that runs gloo's rendezvous (``_create``).
-_CREATOR = "ddp-even-create-group"
-
-
-def _meet_before_creating(
-    meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float
-) -> None:
-    """Wait in the store until every rank is here, for as long as the absent ones live.
-
-    A peer that shows no sign of life for ``timeout`` (or exited) is named at once; a live one,
-    or one with no heartbeat yet (it has not made its ``EvenLoader``: a long set-up), is waited
-    for up to the training group's timeout, as DDP's first all-reduce would wait for it.
-    """
-    me = dist.get_rank()
-    watch = current_watch()
-    board = Board(watch, meeting, me, hosts_store=me == 0)
-    keys = [f"{meeting}{rank}" for rank in ranks]
-    others = [rank for rank in ranks if rank != me]
-    poll = poll_interval(timeout, len(ranks))
-    began = time.monotonic()
-
-    def say_here(store: Any) -> bool:
-        store.set(f"{meeting}{me}", "here")
-        return True
-
-    here = False
-    with waiting():
-        while True:
-            # Said again until the store answers: its host may be frozen at this moment.
-            here = here or _answered(watch, say_here)
-            if here and _answered(watch, lambda store: bool(store.check(keys))):
-                return
-            verdict = board.read()
-            if verdict is None:
-                verdict = _why_not_all_here(
-                    watch, keys, ranks, others, began, timeout, gloo_timeout
-                )
-                if verdict is not None:
-                    verdict = board.publish(verdict)
-            if verdict is not None:
-                raise board.adopt(verdict, len(ranks))
-            time.sleep(poll)
-
-
-def _holds(store: Any, key: str) -> bool:
-    return bool(store.check([key]))
-
-
-def _answered(watch: Watch, question: Callable[[Any], bool]) -> bool:
-    """Whether the store answered ``question``, and with True."""
-    try:
-        return watch.ask(question)
-    except Exception:  # the store did not answer: the next look says why
-        return False
-
-
-def _why_not_all_here(
-    watch: Watch,
-    keys: list[str],
-    ranks: Sequence[int],
-    others: list[int],
-    began: float,
-    timeout: float,
-    gloo_timeout: float,
-) -> Verdict | None:
-    me = dist.get_rank()
-    views = watch.look(others)
-    if views is None:
-        return store_silence(watch, by=me, timeout=timeout, what=_MEETING, patience=gloo_timeout)
-    lost = lost_peers(views, timeout)
-    if lost:
-        return verdict_on(views, lost, by=me, timeout=timeout, what=_MEETING)
-    if time.monotonic() - began < gloo_timeout:
-        return None
-    absent = [
-        rank
-        for rank, key in zip(ranks, keys, strict=True)
-        if not _answered(watch, functools.partial(_holds, key=key))
-    ]
-    states = {rank: BUSY if views[rank].beat is not None else UNSEEN for rank in absent}
-    verdict = verdict_on(views, states, by=me, timeout=gloo_timeout, what=_MEETING)
-    return Verdict(
-        me,
-        verdict.missing,
-        verdict.states,
-        gloo_timeout,
-        _MEETING,
-        f"not within the training group's timeout ({gloo_timeout:g} s): {verdict.detail}. "
-        f"Did they never start iterating an EvenLoader? {_ONE_LOOP}",
-    )
-
-
-def _create(meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float) -> Any:
-    """``dist.new_group`` once every rank has met, waited for while every rank lives.
-
-    Gloo's rendezvous connects every pair of ranks (W(W - 1)/2 connections): seconds for 64
-    processes sharing 2 cores, and no sign of any peer's death. It runs in a thread of its own
-    under the training group's timeout, the one deadline for a live peer, while this thread
-    reads the peers' heartbeats as any wait in ddp_even does: a peer that dies or freezes
-    meanwhile is named within ``timeout`` (and the creating thread left to gloo's timeout or
-    the process's exit), a live one is waited for, and said so in the log after ``timeout``.
-    """
-    created: list[Any] = []
-    failed: list[BaseException] = []
-
-    def create() -> None:
-        try:
-            created.append(
-                dist.new_group(
-                    ranks=ranks,
-                    backend="gloo",
-                    timeout=datetime.timedelta(seconds=gloo_timeout),
-                    use_local_synchronization=True,
-                )
-            )
-        except BaseException as error:  # raised by the waiting thread, with ddp_even's words
-            failed.append(error)
-
-    creator = threading.Thread(target=create, name=_CREATOR, daemon=True)
-    creator.start()
-    me = dist.get_rank()
-    watch = current_watch()
-    board = Board(watch, meeting, me, hosts_store=me == 0)
-    others = [rank for rank in ranks if rank != me]
-    poll = poll_interval(timeout, len(ranks))
-    began = time.monotonic()
-    said = False
-    with waiting():
-        while True:
-            creator.join(poll)
-            if not creator.is_alive():
-                break
-            verdict = board.read()
-            if verdict is None:
-                verdict = _lost_while_creating(watch, others, me, timeout, gloo_timeout)
-                if verdict is not None:
-                    verdict = board.publish(verdict)
-            if verdict is not None:
-                logger.debug("gave up creating ddp_even's group: %s", verdict)
-                raise board.adopt(verdict, len(ranks))
-            if not said and time.monotonic() - began >= timeout:
-                said = True
-                logger.info(
-                    "creating ddp_even's gloo group over %d ranks has taken %.1f s, every rank "
-                    "alive: waiting for it (up to the training group's timeout, %g s)",
-                    len(ranks),
-                    time.monotonic() - began,
-                    gloo_timeout,
-                )
-    if failed:
-        raise _creation_failure(meeting, ranks, timeout, gloo_timeout, failed[0]) from failed[0]
-    logger.debug("ddp_even's group created in %.2f s", time.monotonic() - began)
-    return created[0]
-
-
-def _lost_while_creating(
-    watch: Watch, others: list[int], me: int, timeout: float, gloo_timeout: float
-) -> Verdict | None:
-    views = watch.look(others)
-    if views is None:
-        return store_silence(watch, by=me, timeout=timeout, what=_CREATING, patience=gloo_timeout)
-    lost = lost_peers(views, timeout)
-    return verdict_on(views, lost, by=me, timeout=timeout, what=_CREATING) if lost else None
-
-
-def _creation_failure(
-    meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float, error: BaseException
-) -> EvenLoaderError:
-    """ddp_even's error for a failed gloo rendezvous: the ranks lost since the meeting."""
-    me = dist.get_rank()
-    watch = current_watch()
-    board = Board(watch, meeting, me, hosts_store=me == 0)
-    others = [rank for rank in ranks if rank != me]
-    words = f"gloo: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
-    what = _CREATING
-    # Their silence counts from when this rank first saw it: watch for up to ``timeout``.
-    deadline = time.monotonic() + timeout + 1.0
-    while time.monotonic() < deadline:
-        verdict = board.read()
-        if verdict is None:
-            views = watch.look(others)
-            lost = {} if views is None else lost_peers(views, timeout)
-            if views is not None and lost:
-                verdict = board.publish(verdict_on(views, lost, by=me, timeout=timeout, what=what))
-            elif views is None:
-                verdict = store_silence(
-                    watch, by=me, timeout=timeout, what=what, patience=gloo_timeout
-                )
-        if verdict is not None:
-            return board.adopt(verdict, len(ranks))
-        time.sleep(poll_interval(timeout, len(ranks)))
-    return EvenLoaderError(
-        f"ddp_even could not create its gloo group within {gloo_timeout:g} s although every rank "
-        f"had met and none is known to be lost since ({words})"
-    )
