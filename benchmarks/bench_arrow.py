@@ -329,7 +329,7 @@ def results_table(result: dict[str, Any], config: BenchConfig) -> Table:
 )
 @click.option("--quick", is_flag=True, help="Smoke run: 4 x 20,000 rows, 2 rounds.")
 def main(ranks: tuple[int, ...], repeats: int, out: Path, row_group_rows: int, quick: bool) -> None:
-    """Rows/s of the pyarrow reader, ddp_even's petastorm path and petastorm's own loop."""
+    """Rows/s of from_parquet's reader (pyarrow) and petastorm's own loop, side by side."""
     config = (
         QUICK
         if quick

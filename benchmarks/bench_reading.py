@@ -29,8 +29,9 @@ side in the same process:
   ``petastorm`` is what keeping ranks in step this way costs on the machine; between it and
   the ddp_even rows of known lengths, ddp_even's own cost;
 * ``from_parquet <sharding>`` for ``round_robin``, ``row_groups``, ``rows`` and
-  ``replicate``: ``EvenLoader.from_parquet(url, batch_size, mode, sharding=...)`` with
-  petastorm's default reader options (a thread pool of 10). Its planning (footers, plan) is
+  ``replicate``: ``EvenLoader.from_parquet(url, batch_size, mode, sharding=...)``, read by its
+  own reader (pyarrow; for the row reader, ``reader="row"``: the Unischema decoded by
+  petastorm's codecs, as ``make_reader`` decodes it). Its planning (footers, plan) is
   done once before the rounds and not timed: what is timed is a pass's reading. With
   ``replicate`` every rank reads the whole dataset (2x the rows of the others on two ranks);
   its rows/s compare all the same.
