@@ -7,6 +7,13 @@ raised what.
 * :func:`stop_phase`: the last rank stops itself (SIGSTOP) after its second batch, a loop
   agreeing every step and without a collective of its own: the others wait for it in ddp_even's
   agreement, and name it ``stalled``; a helper continues it ``timeout`` + 8 s later.
+* :func:`parquet_kill_phase`: a fresh job's first loader (so ddp_even's group is created under
+  the short ``timeout``, beside the CPU hogs) reads the Parquet dataset in cycle mode, with
+  from_parquet's pyarrow reader or petastorm's own (``make_batch_reader``, one worker,
+  ``cur_shard``/``shard_count``); the last rank kills itself before its third ``backward()``.
+
+The fault phases run beside CPU hogs (:func:`cpu_hogs`, busy loops as ``scripts/soak.py``
+starts): a live rank starved of CPU must not be named, only the victim.
 
 Each writes when the fault began to ``<workdir>/fault_at``, and returns what this rank raised
 (:func:`outcome`); :func:`fault_summary` checks the survivors' outcomes.
@@ -14,12 +21,35 @@ Each writes when the fault began to ``<workdir>/fault_at``, and returns what thi
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+def _busy() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[None]:
+    """``count`` busy loops, each in a process of its own, while the block runs."""
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_busy, daemon=True) for _ in range(count)]
+    for proc in procs:
+        proc.start()
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join()
 
 
 def outcome(error: Exception | None) -> dict[str, Any]:
@@ -78,6 +108,45 @@ def stop_phase(rank: int, world_size: int, here: Path, timeout: float) -> Any:
                 subprocess.Popen(["sh", "-c", f"sleep {timeout + 8}; kill -CONT {os.getpid()}"])
                 _mark_fault(here)
                 os.kill(os.getpid(), signal.SIGSTOP)
+    except Exception as error:
+        return outcome(error)
+    return outcome(None)
+
+
+def parquet_kill_phase(
+    rank: int, world_size: int, dataset: Path, here: Path, timeout: float, reader: str
+) -> Any:
+    import torch
+
+    from ddp_even import EvenLoader, allreduce_hook
+
+    hooked = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    hooked.register_comm_hook(None, allreduce_hook)
+    loader: Any
+    if reader == "petastorm":
+        from petastorm import make_batch_reader
+        from petastorm.pytorch import BatchedDataLoader
+
+        url = dataset.resolve().as_uri()
+
+        def one_pass() -> Any:
+            return BatchedDataLoader(
+                make_batch_reader(
+                    url, num_epochs=1, workers_count=1, cur_shard=rank, shard_count=world_size
+                ),
+                batch_size=4,
+            )
+
+        loader = EvenLoader(one_pass, "cycle", timeout=timeout)
+    else:
+        loader = EvenLoader.from_parquet(str(dataset), 4, "cycle", timeout=timeout)
+    try:
+        for step, batch in enumerate(loader):
+            loss = hooked(batch["x"].reshape(-1, 1).float()).sum()
+            if step == 2 and rank == world_size - 1:
+                _mark_fault(here)
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
     except Exception as error:
         return outcome(error)
     return outcome(None)

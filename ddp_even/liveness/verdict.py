@@ -28,6 +28,7 @@ from ddp_even.liveness.peers import (
     connection_lost,
     describe,
     judge,
+    process_state,
     store_host,
 )
 from ddp_even.liveness.rollcall import Ticket
@@ -219,13 +220,24 @@ def verdict_on_missing(
     lost = connection_lost(gloo_message)
     views = watch.look(list(missing)) or {}
     states = {}
+    living = []
     for rank in missing:
         view = views.get(rank)
         state = None if view is None else judge(view, timeout, connection_lost=lost)
+        process = None if view is None or view.beat is None else process_state(view.beat)
+        if state is None and lost and process == "gone":
+            state = DEAD  # killed a moment ago: its heartbeat has not missed a beat yet
+        if state is None and lost and process == "running":
+            # Alive on this host, only slow to check in (a busy machine): not the one whose
+            # connection closed.
+            living.append(rank)
         if state is None:
             alive = view is not None and view.beat is not None
             state = DEAD if lost else BUSY if alive else UNSEEN if view else STALLED
         states[rank] = state
+    if living and len(living) < len(missing):
+        missing = [rank for rank in missing if rank not in living]
+        states = {rank: states[rank] for rank in missing}
     timed_out = not lost and any(state in (BUSY, UNSEEN) for state in states.values())
     applied = gloo_timeout if timed_out else timeout
     if views:
