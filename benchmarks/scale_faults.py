@@ -144,8 +144,10 @@ def parquet_kill_phase(
     # readers (petastorm's, on 34 processes sharing 2 cores, take seconds), timed apart.
     batches = iter(loader)
     result = outcome(None)
+    steps = 0
     try:
         for step, batch in enumerate(batches):
+            steps = step + 1
             loss = hooked(batch["x"].reshape(-1, 1).float()).sum()
             if step == 2 and rank == world_size - 1:
                 _mark_fault(here)
@@ -161,6 +163,7 @@ def parquet_kill_phase(
     del batches
     if "at" in result:
         result["closed_s"] = time.time() - result["at"]
+        result["steps"] = steps  # batches it had when it raised: behind the others, or not
     return result
 
 
@@ -180,6 +183,8 @@ def fault_summary(
         closed = [result["closed_s"] for result in outcomes if "closed_s" in result]
         if closed:
             summary["closing_readers_s"] = max(closed)
+            last = max(outcomes, key=lambda result: result["at"])
+            summary["last_survivors_batches"] = last["steps"]
     else:
         summary["outcomes"] = sorted({str(result) for result in outcomes})[:3]
     return summary
