@@ -171,12 +171,16 @@ def fault_summary(
     outcomes: list[dict[str, Any]], victim: int, state: str, fault_at: float | None
 ) -> dict[str, Any]:
     """Whether every survivor named ``victim`` in ``state``, and the fault's time to the last."""
-    named = all(
-        result["error"] == "PeerTimeoutError"
-        and result["missing"] == [victim]
-        and result["states"] == {str(victim): state}
+    wrong = [
+        result
         for result in outcomes
-    )
+        if not (
+            result["error"] == "PeerTimeoutError"
+            and result["missing"] == [victim]
+            and result["states"] == {str(victim): state}
+        )
+    ]
+    named = not wrong
     summary: dict[str, Any] = {"named": named}
     if named and fault_at is not None:
         summary["to_last_error_s"] = max(result["at"] for result in outcomes) - fault_at
@@ -186,5 +190,5 @@ def fault_summary(
             last = max(outcomes, key=lambda result: result["at"])
             summary["last_survivors_batches"] = last["steps"]
     else:
-        summary["outcomes"] = sorted({str(result) for result in outcomes})[:3]
+        summary["outcomes"] = sorted({str(result) for result in wrong or outcomes})[:3]
     return summary

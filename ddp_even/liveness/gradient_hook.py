@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
+from ddp_even.agreement.control_group import training_timeout
 from ddp_even.errors import EvenLoaderError
 from ddp_even.liveness.heartbeat import loader_timeout
 from ddp_even.liveness.peers import (
@@ -269,9 +270,13 @@ def named_failure(error: RuntimeError, group: dist.ProcessGroup | None) -> EvenL
     board = Board(watch, f"ddp_even/{training_group.group_name}/gradients/", me, store_host() == me)
     lost_connection = connection_lost(gloo)
     give_up = time.monotonic() + timeout + _LAST_LOOK_S
+    # A store that does not answer while its serving process runs is busy, not a reason to
+    # give up on naming the peer: waited for up to the training group's timeout.
+    patience = time.monotonic() + max(training_timeout(training_group), timeout)
     while (verdict := board.read()) is None:
         verdict = _look(watch, peers, str(error), me, timeout, lost_connection)
-        if verdict is None and time.monotonic() >= give_up:
+        store_busy = watch.silent_since() is not None and time.monotonic() < patience
+        if verdict is None and time.monotonic() >= give_up and not store_busy:
             detail = f"every peer's heartbeat went on for {timeout:g} s after the failure"
             verdict = Verdict(me, (), {}, timeout, WHAT, detail)
         if verdict is not None:
