@@ -16,7 +16,7 @@ exception") after its work is done. See ``_release``.
 Torch internals relied on (torch 2.13; each guarded, with a fallback where one exists):
 
 * ``ProcessGroup._get_backend(device).options._timeout``: the training group's timeout
-  (:func:`training_timeout`; torch's default of 30 minutes when unreadable);
+  (``process_group.training_timeout``; torch's default of 30 minutes when unreadable);
 * ``distributed_c10d._world.pg_map``: whether torch still knows a group, i.e. it was not
   destroyed (:func:`_registered`; assumed alive when unreadable);
 * ``distributed_c10d._get_default_store()``: the job's store, where ranks meet before the
@@ -42,7 +42,6 @@ import logging
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ddp_even.agreement.creation import create, meet_before_creating
@@ -51,15 +50,11 @@ from ddp_even.liveness.peers import (
     watch_from_now,
 )
 from ddp_even.liveness.rollcall import finish_roll_calls
-from ddp_even.process_group import group_is_up
+from ddp_even.process_group import group_is_up, training_timeout
 
 __all__ = ["Channel", "channel_for", "control_group_for", "release_orphaned", "training_timeout"]
 
 logger = logging.getLogger("ddp_even")
-
-# The gloo timeout of a control group when the training group's cannot be read: torch's
-# default for process groups.
-_DEFAULT_TRAINING_TIMEOUT_S = 30 * 60.0
 
 
 class Channel:
@@ -108,18 +103,6 @@ def channel_for(control_group: dist.ProcessGroup) -> Channel:
         # A group made elsewhere, or a name reused after the world was made again.
         channel = _channels[control_group.group_name] = Channel(control_group)
     return channel
-
-
-def training_timeout(training_group: dist.ProcessGroup | None) -> float:
-    """The training group's collective timeout in seconds (torch's default when unreadable)."""
-    group: Any = training_group if training_group is not None else dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            backend = group._get_backend(torch.device(device))
-            return float(backend.options._timeout.total_seconds())
-        except Exception:  # private API, or no backend for this device: try the next
-            continue
-    return _DEFAULT_TRAINING_TIMEOUT_S
 
 
 _control_groups: dict[tuple[Any, float], Channel] = {}

@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket
 
-from ddp_even.agreement.control_group import training_timeout
 from ddp_even.errors import EvenLoaderError
 from ddp_even.liveness.heartbeat import loader_timeout
 from ddp_even.liveness.peers import (
@@ -67,6 +66,7 @@ from ddp_even.liveness.verdict import (
     store_silence,
     verdict_on,
 )
+from ddp_even.process_group import training_timeout
 
 __all__ = ["allreduce_hook", "register_on"]
 
