@@ -181,7 +181,11 @@ def create(meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: flo
 
     with waiting():
         while True:
+            joined_at = time.monotonic()
             creator.join(poll)
+            # This thread overslept by the timeout: this process stood still (SIGSTOP), seen
+            # before its heartbeat thread has had the chance to say so.
+            late_here(began_wall, timeout, _CREATING, time.monotonic() - joined_at - poll)
             if not creator.is_alive():
                 if failed:
                     error = failed[0]
@@ -212,11 +216,12 @@ def create(meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: flo
     return created[0]
 
 
-def late_here(since: float, timeout: float, what: str) -> None:
+def late_here(since: float, timeout: float, what: str, overslept: float = 0.0) -> None:
     """Raise ``PeerTimeoutError(late=True)`` naming this rank when its own process stood still
-    for ``timeout`` or more since ``since`` (a ``time.time()``): the others gave up on it, and
-    the store that would tell it so may have left with them."""
-    seconds = stood_still_since(since)
+    for ``timeout`` or more since ``since`` (a ``time.time()``; or the caller's own wait
+    ``overslept`` that long): the others gave up on it, and the store that would tell it so
+    may have left with them."""
+    seconds = max(stood_still_since(since), overslept)
     if seconds >= timeout:
         me = dist.get_rank()
         detail = (
