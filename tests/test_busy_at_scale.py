@@ -11,40 +11,18 @@ silent, so no rank may be named and every rank finishes its epoch.
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from benchmarks.scale_faults import cpu_hogs
 from tests.helpers.spawn import RankError, run_ranks
 
 TIMEOUT = 2.0
 # The largest world the multi-rank tier affords on 2 cores (20 s idle, a minute under load).
 WORLD_SIZE = 16
-
-
-def _busy() -> None:
-    while True:
-        pass
-
-
-@contextlib.contextmanager
-def cpu_hogs(count: int) -> Iterator[None]:
-    """``count`` busy loops beside the block, in processes of their own (as scripts/soak.py)."""
-    context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_busy, daemon=True) for _ in range(count)]
-    for proc in procs:
-        proc.start()
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.join()
 
 
 def train_one_epoch(rank: int, world_size: int, timeout: float) -> dict[str, Any]:
