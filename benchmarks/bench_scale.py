@@ -28,15 +28,7 @@ rank, in turn:
    (:mod:`benchmarks.scale_faults`).
 
 Then a second job of W ranks: the last rank SIGSTOPs itself in a loop agreeing every step,
-every survivor names it ``stalled``, the time from the stop to the last survivor's error. Then
-one job per Parquet reader (from_parquet's pyarrow reader; petastorm's ``make_batch_reader``,
-one worker, where petastorm is installed) whose first loader, in cycle mode, creates ddp_even's
-group under the short timeout: the last rank SIGKILLs itself before its third ``backward()``.
-
-The fault phases (the SIGKILL of the first job, the whole of the others) run with the loader's
-``timeout`` at 10 s beside ``--hogs`` CPU hogs (busy loops, as ``scripts/soak.py`` runs): ranks
-starved of CPU while they create ddp_even's group, connect to the store and wait for it are
-alive, and only the victim may be named (issue 64).
+every survivor names it ``stalled``, the time from the stop to the last survivor's error.
 
 Peak resident memory per rank (``ru_maxrss``). Where W stops (memory, time) the run says so
 and what was measured before. On 2 cores every rank's process competes for them: times here
@@ -46,7 +38,6 @@ are the oversubscribed worst case, not what W GPUs on W hosts see.
 from __future__ import annotations
 
 import collections
-import contextlib
 import datetime
 import json
 import multiprocessing
@@ -66,13 +57,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.report import write_results
-from benchmarks.scale_faults import (
-    cpu_hogs,
-    fault_summary,
-    kill_phase,
-    parquet_kill_phase,
-    stop_phase,
-)
+from benchmarks.scale_faults import fault_summary, kill_phase, stop_phase
 from benchmarks.scale_parquet import check_parquet, measure_parquet, write_dataset
 from ddp_even.names import ModeName
 
@@ -83,10 +68,6 @@ KILL_TIMEOUT_S = 10.0
 # Everywhere else: long, so that a rank starved of CPU by 63 others is not taken for dead.
 TIMEOUT_S = 60.0
 JOB_LIMIT_S = 900.0
-# CPU hogs beside the fault phases.
-HOGS = 2
-# Marks, in the job's folder, that the first job's fault phase begins (the hogs start then).
-FAULTS_BEGIN = "faults_begin"
 
 
 @dataclass(frozen=True)
@@ -94,8 +75,6 @@ class ScaleConfig:
     ranks: tuple[int, ...]
     agreement_steps: int = AGREEMENT_STEPS
     kill_timeout_s: float = KILL_TIMEOUT_S
-    hogs: int = HOGS
-    readers: tuple[str, ...] = ()
 
 
 def shard_length(rank: int) -> int:
@@ -198,11 +177,6 @@ def _rank_main(rank: int, world_size: int, port: int, workdir: str, phase: str) 
         dist.barrier()
         if phase == "stop":
             result["fault"] = stop_phase(rank, world_size, Path(workdir), KILL_TIMEOUT_S)
-        elif phase.startswith("kill-"):
-            dataset = Path(workdir, "scale.parquet")
-            result["fault"] = parquet_kill_phase(
-                rank, world_size, dataset, Path(workdir), KILL_TIMEOUT_S, phase[5:]
-            )
         else:
             _measure(rank, world_size, store, result, Path(workdir))
     except BaseException as error:  # written down: the parent reads every rank's outcome
@@ -296,8 +270,6 @@ def _measure(rank: int, world_size: int, store: Any, result: dict[str, Any], her
     # written first.
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (here / f"rank-{rank}.json").write_text(json.dumps(result))
-    if rank == 0:
-        (here / FAULTS_BEGIN).touch()
     result["fault"] = kill_phase(rank, world_size, shard, here, KILL_TIMEOUT_S)
 
 
@@ -307,32 +279,16 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def available_readers() -> tuple[str, ...]:
-    """The Parquet readers of the kill jobs: pyarrow's, and petastorm's where installed."""
-    try:
-        import petastorm  # noqa: F401
-    except ImportError:
-        return ("arrow",)
-    return ("arrow", "petastorm")
-
-
-def run_world(
-    world_size: int, hogs: int = HOGS, readers: tuple[str, ...] | None = None
-) -> dict[str, Any]:
-    """The jobs of ``world_size`` ranks (measures and a SIGKILL, a SIGSTOP, a SIGKILL per
-    Parquet reader; faults beside ``hogs`` CPU hogs), summed up."""
-    summary = _run_job(world_size, "main", hogs)
-    summary["hogs"] = hogs
+def run_world(world_size: int) -> dict[str, Any]:
+    """The jobs of ``world_size`` ranks (measures and a SIGKILL, then a SIGSTOP), summed up."""
+    summary = _run_job(world_size, "main")
     if "group_s" in summary:
-        stopped = _run_job(world_size, "stop", hogs)
+        stopped = _run_job(world_size, "stop")
         summary["stop"] = stopped.get("fault") or {"named": False, "outcomes": stopped}
-        for reader in available_readers() if readers is None else readers:
-            killed = _run_job(world_size, f"kill-{reader}", hogs)
-            summary[f"kill_{reader}"] = killed.get("fault") or {"named": False, "outcomes": killed}
     return summary
 
 
-def _run_job(world_size: int, phase: str, hogs: int) -> dict[str, Any]:
+def _run_job(world_size: int, phase: str) -> dict[str, Any]:
     """One job of ``world_size`` ranks doing ``phase``; what each rank measured, summed up."""
     os.environ["OMP_NUM_THREADS"] = "1"
     context = multiprocessing.get_context("spawn")
@@ -347,15 +303,8 @@ def _run_job(world_size: int, phase: str, hogs: int) -> dict[str, Any]:
         for process in ranks:
             process.start()
         deadline = time.monotonic() + JOB_LIMIT_S
-        with contextlib.ExitStack() as hogging:
-            if phase != "main":
-                hogging.enter_context(cpu_hogs(hogs))
-            for process in ranks:
-                while process.is_alive() and time.monotonic() < deadline:
-                    process.join(0.5)
-                    if phase == "main" and hogs and Path(workdir, FAULTS_BEGIN).exists():
-                        hogging.enter_context(cpu_hogs(hogs))
-                        hogs = 0  # started once
+        for process in ranks:
+            process.join(max(0.0, deadline - time.monotonic()))
         hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
         for process in ranks:
             if process.is_alive():
@@ -367,13 +316,12 @@ def _run_job(world_size: int, phase: str, hogs: int) -> dict[str, Any]:
         fault_mark = Path(workdir, "fault_at")
         fault_at = float(fault_mark.read_text()) if fault_mark.exists() else None
         seconds = time.perf_counter() - started
-    if phase != "main":
+    if phase == "stop":
         survivors = [result for result in results if result["rank"] != world_size - 1]
         faults = [result["fault"] for result in survivors if "fault" in result]
         if hung or len(faults) < world_size - 1:
             return {"hung": hung, "errors": [result.get("error") for result in results]}
-        state = "stalled" if phase == "stop" else "dead"
-        return {"fault": fault_summary(faults, world_size - 1, state, fault_at)}
+        return {"fault": fault_summary(faults, world_size - 1, "stalled", fault_at)}
     return summarize(world_size, results, hung, fault_at, seconds)
 
 
@@ -434,7 +382,6 @@ def results_table(runs: list[dict[str, Any]]) -> Table:
         "W", "group s", "control group s", "first step s", "modes", "Parquet, resume",
         "K=1 median / p99", "known median / p99", "collectives K=1 / known",
         "store req/s train / wait", "SIGKILL → last error", "SIGSTOP → last error",
-        "SIGKILL, Parquet: pyarrow / petastorm",
         "peak RSS/rank", "job s",
     ):  # fmt: skip
         table.add_column(column, justify="right")
@@ -457,16 +404,11 @@ def results_table(runs: list[dict[str, Any]]) -> Table:
             f"{rates['training']:.0f} / {rates['waiting']:.0f}",
             _fault_cell(run["kill"]),
             _fault_cell(run.get("stop", {"named": False})),
-            " / ".join(
-                _fault_cell(run[f"kill_{reader}"]) if f"kill_{reader}" in run else "-"
-                for reader in ("arrow", "petastorm")
-            ),
             f"{run['peak_rss_mib']:.0f} MiB",
             f"{run['seconds']:.0f}",
         )
     table.caption = (
-        f"known lengths: {AGREEMENT_STEPS} steps; faults: the loader's timeout "
-        f"{KILL_TIMEOUT_S:g} s, beside {runs[0].get('hogs', HOGS) if runs else HOGS} CPU hogs"
+        f"known lengths: {AGREEMENT_STEPS} steps; faults: the loader's timeout {KILL_TIMEOUT_S:g} s"
     )
     return table
 
@@ -478,22 +420,20 @@ def _fault_cell(fault: dict[str, Any]) -> str:
 
 @click.command()
 @click.option("--ranks", multiple=True, type=click.IntRange(2), help="[default: 8 16 32 64]")
-@click.option("--hogs", type=click.IntRange(0), default=HOGS, show_default=True,
-              help="CPU hogs (busy loops) beside the fault phases")  # fmt: skip
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=Path("bench-results/scale.json"),
     show_default=True,
 )
-def main(ranks: tuple[int, ...], hogs: int, out: Path) -> None:
+def main(ranks: tuple[int, ...], out: Path) -> None:
     """Every guarantee's cost as W grows: group creation, agreement, store load, a death."""
     console = Console() if sys.stdout.isatty() else Console(width=200)
-    config = ScaleConfig(ranks or (8, 16, 32, 64), hogs=hogs, readers=available_readers())
+    config = ScaleConfig(ranks or (8, 16, 32, 64))
     runs = []
     for world_size in config.ranks:
         console.print(f"W = {world_size} ...")
-        run = run_world(world_size, hogs, config.readers)
+        run = run_world(world_size)
         runs.append(run)
         if "group_s" not in run:
             console.print(f"W = {world_size} stopped: {run['errors'] or run['hung']}")

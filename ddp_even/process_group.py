@@ -4,15 +4,9 @@ none, and neither has a process that did not call ``init_process_group``)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 import torch.distributed as dist
 
-__all__ = ["group_is_up", "training_timeout"]
-
-# A training group's timeout when it cannot be read: torch's default for process groups.
-_DEFAULT_TRAINING_TIMEOUT_S = 30 * 60.0
+__all__ = ["group_is_up"]
 
 
 def group_is_up() -> bool:
@@ -24,15 +18,3 @@ def group_is_up() -> bool:
         False
     """
     return dist.is_available() and dist.is_initialized()
-
-
-def training_timeout(training_group: dist.ProcessGroup | None) -> float:
-    """The training group's collective timeout in seconds (torch's default when unreadable)."""
-    group: Any = training_group if training_group is not None else dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            backend = group._get_backend(torch.device(device))
-            return float(backend.options._timeout.total_seconds())
-        except Exception:  # private API, or no backend for this device: try the next
-            continue
-    return _DEFAULT_TRAINING_TIMEOUT_S

@@ -83,6 +83,7 @@ _MAX_INTERVAL_S = 1.0
 _MIN_INTERVAL_S = 0.05
 # The thread's store calls give up after this; joined at exit for a little longer.
 _STORE_TIMEOUT_S = 2.0
+_JOIN_AT_EXIT_S = _STORE_TIMEOUT_S + 1.0
 # A wait between beats that overran by this much: the whole process stood still.
 _STOOD_STILL_S = 1.0
 THREAD_NAME = "ddp-even-heartbeat"
@@ -177,15 +178,11 @@ def default_store() -> Any:
         return None
 
 
-# One clone at a time: each lends the job's store a timeout of its own for its connect.
+# One clone at a time: each lends the job's store a short timeout for its connect.
 _clone_lock = threading.Lock()
-# How long one try to connect to the store waits: milliseconds while its server answers at
-# once, seconds while it waits for a core (32 ranks and a busy loop on 2 cores). A try that
-# times out is no failure: the caller tries again (the next beat, the next question) for as
-# long as the server lives; one whose process is gone is refused at once.
-_CONNECT_S = 2.0
-# The thread is joined at exit for as long as a store call or a connect (torch tries twice).
-_JOIN_AT_EXIT_S = max(_STORE_TIMEOUT_S, 2 * _CONNECT_S) + 1.0
+# The most a new connection to the store may take: milliseconds while its server answers;
+# one that fails returns after about twice this (torch tries once more).
+_CONNECT_S = 0.5
 
 
 def own_connection(store: Any, timeout_s: float) -> Any:
@@ -193,16 +190,14 @@ def own_connection(store: Any, timeout_s: float) -> Any:
     job's own connection where the store type cannot be cloned.
 
     Raises the connect's error when the store's server does not answer within
-    :data:`_CONNECT_S` (a try; the callers try again while the server lives, and judge its
-    silence by whether its process runs, ``store_silence``): ``OSError``
-    (``ConnectionRefusedError`` once its process is gone) or ``torch.distributed``'s
-    ``DistNetworkError``. A clone connects with the timeout of the store it is cloned from (30
-    minutes by default) and retries a server that is gone for that long. ``PrefixStore`` does
-    not say its prefix, so a client of one's own cannot be built beside it: a plain TCP connect
-    first finds the server listening (refused at once when its process is gone), then the job's
-    store lends the try's timeout for the clone's connect.
+    :data:`_CONNECT_S`: ``OSError`` (``ConnectionRefusedError`` once its process is gone) or
+    ``torch.distributed``'s ``DistNetworkError``. A clone connects with the timeout of the
+    store it is cloned from (30 minutes by default) and retries a server that is gone for that
+    long. ``PrefixStore`` does not say its prefix, so a client of one's own cannot be built
+    beside it: a plain TCP connect first finds the server listening (refused at once when its
+    process is gone), then the job's store lends a short timeout for the clone's connect.
     """
-    connect_s = _CONNECT_S
+    connect_s = min(timeout_s, _CONNECT_S)
     _connect_to_server(store, connect_s)
     with _clone_lock:
         previous = store.timeout
