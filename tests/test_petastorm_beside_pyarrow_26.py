@@ -1,7 +1,7 @@
 """petastorm 0.12.1 installed beside pyarrow 15 or later (pip allows it), where it cannot be
 imported (``No module named 'pyarrow.filesystem'``): ``from_parquet`` reads plain Parquet all
 the same, and ``reader="row"`` (petastorm's) is refused in one line that says why and what to
-do (issue 63, item 9).
+do.
 
 The lane without petastorm (``scripts/test.sh --latest``) installs petastorm 0.12.1 into a
 directory of its own (``.venv-latest/petastorm-0.12.1-beside``, or where
