@@ -1,6 +1,6 @@
 """An integer or boolean column with a null anywhere in the dataset is float in every batch of an
 epoch, on every rank: decided at planning from the footers' null counts, never from the row
-group being read (issue 63, item 2).
+group being read.
 
 Each dataset is written here with pyarrow; the expected dtype and values are computed from what
 was written (which rows hold a null), not by the reader. Without statistics the decision is
