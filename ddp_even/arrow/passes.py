@@ -44,7 +44,7 @@ from ddp_even.planning.plans import ShardPlan
 from ddp_even.planning.provenance import Provenance
 from ddp_even.planning.sharding import Sharding, sharding_from
 from ddp_even.sources import PlannedSource
-from ddp_even.storage import DatasetLocation, StorageOptions
+from ddp_even.storage import DatasetLocation, ResolvedDataset, StorageOptions, resolve_dataset
 
 if TYPE_CHECKING:
     from ddp_even.parquet.predicate_counts import Share
@@ -154,14 +154,14 @@ def make_shard_factory(
     predicate = taken_once("predicate", predicate, options)
     _check_predicate(predicate)
     transform_spec = options.get("transform_spec")
-    decoding = _decoding(dataset, reader, transform_spec, storage_options, filesystem)
+    # Resolved once: the Unischema (reader="row") and the plan read the same storage.
+    resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
+    decoding = _decoding(resolved, reader, transform_spec)
     planned = plan_dataset(
-        dataset,
+        resolved,
         world_size,
         batch_size,
         sharding=sharding_from(sharding, balanced),
-        storage_options=storage_options,
-        filesystem=filesystem,
         counting=(
             None
             if predicate is None
@@ -305,13 +305,7 @@ def _check_predicate(predicate: Any) -> None:
         )
 
 
-def _decoding(
-    dataset: DatasetLocation,
-    reader: str,
-    transform_spec: Any,
-    storage_options: StorageOptions | None,
-    filesystem: Any,
-) -> Decoding:
+def _decoding(resolved: ResolvedDataset, reader: str, transform_spec: Any) -> Decoding:
     """Plain Parquet, or petastorm's decoding on top where ``reader="row"`` or a transform."""
     if reader == "batch" and transform_spec is None:
         return Decoding()
@@ -321,12 +315,7 @@ def _decoding(
     except ImportError as error:  # petastorm missing, or broken on this pyarrow
         # One line, on every rank before planning; petastorm's own traceback says no more.
         raise ImportError(_without_petastorm(reader, error)) from None
-    from ddp_even.storage import resolve_dataset
-
-    schema = None
-    if reader == "row":
-        resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
-        schema = read_unischema(resolved)
+    schema = read_unischema(resolved) if reader == "row" else None
     return PetastormDecoding(schema, transform_spec)
 
 
