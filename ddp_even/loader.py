@@ -18,35 +18,26 @@ from torch.distributed.algorithms.join import Joinable
 from ddp_even.agreement.control_group import start_heartbeat_for
 from ddp_even.agreement.transport import Agreer, agreer_for
 from ddp_even.checks import check_batching_loader, check_timeout, checked_loader_arguments
-from ddp_even.liveness.gradient_hook import register_on
 from ddp_even.modes import Mode, mode_named
 from ddp_even.process_group import group_is_up
-from ddp_even.resume.state import (
-    PendingResume,
-    loader_state,
-    pending_resume,
-    provenance_of,
-    refusal,
-    resumed_start,
-)
 from ddp_even.runtime.environment import (
+    check_world_size,
     rank_and_world_size,
-    rank_in_plan,
     refuse_join_inside_lightning,
     warn_if_launched_without_a_group,
 )
-from ddp_even.runtime.epoch_shape import run_epoch, settle_epoch
+from ddp_even.runtime.epoch_shape import EpochStart, FooterPlan, run_epoch, settle_epoch
 from ddp_even.runtime.epochs import EpochRun
 from ddp_even.runtime.feed import ShardFeed
-from ddp_even.runtime.first_pass import FirstPass
 from ddp_even.runtime.iteration import Epoch, EpochNumbering, HandedOut, LoaderAccount
 from ddp_even.runtime.settings import Settings
-from ddp_even.runtime.stats import EpochStats
 from ddp_even.sources import PlannedSource, as_source
 
 if TYPE_CHECKING:
     from ddp_even.names import ModeName, Sharding
     from ddp_even.planning.plans import ShardPlan
+    from ddp_even.resume.state import PendingResume
+    from ddp_even.runtime.stats import EpochStats
 
 BatchT = TypeVar("BatchT")
 
@@ -144,8 +135,11 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             plan=plan,
         )
         self._mode.check(steps_per_epoch=steps_per_epoch, has_joinables=bool(joinables))
-        for joinable in joinables:
-            register_on(joinable)
+        if joinables:
+            from ddp_even.liveness.gradient_hook import register_on
+
+            for joinable in joinables:
+                register_on(joinable)
         self._source = as_source(source)
         self._source.check_fits(self._mode.after_own_data, steps_per_epoch)
         if group_is_up():
@@ -159,9 +153,8 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         # A factory that reads any plan of its dataset (from_parquet's): resumes elastically.
         self._passes = source if isinstance(source, PlannedSource) else None
         self._plan = plan if plan is not None or self._passes is None else self._passes.plan
-        # What the ranks' first passes read, checked at every epoch's start, and a petastorm
-        # loader's plan worked out from its footers (no plan given).
-        self._first_pass = FirstPass()
+        # A petastorm loader's plan worked out from its footers (no plan given).
+        self._footer_plan = FooterPlan()
         # Made at the first epoch, a point every rank reaches (or met while planning).
         self._agreer: Agreer | None = None
         self._next_epoch = 0
@@ -224,8 +217,12 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             print(len(loader))          # steps per epoch, the same on every rank
         """
         from ddp_even.arrow.passes import make_shard_factory
-        from ddp_even.petastorm.spark_converter import parquet_dataset
 
+        if not isinstance(dataset, str | os.PathLike | Sequence):
+            from ddp_even.petastorm.spark_converter import parquet_dataset
+
+            # A Spark converter: its files, in petastorm's order.
+            dataset = parquet_dataset(dataset)
         if engine not in (None, "arrow"):
             raise ValueError(
                 f"engine={engine!r}: from_parquet reads every plan with pyarrow (leave engine "
@@ -239,7 +236,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         # that agreement.
         agreer = agreer_for(group, timeout) if predicate is not None else None
         _, passes = make_shard_factory(
-            parquet_dataset(dataset),  # a Spark converter: its files, in petastorm's order
+            dataset,
             rank,
             world_size,
             batch_size,
@@ -292,12 +289,14 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             >>> list(resumed), resumed.stats.steps, resumed.stats.resumed_at_step
             ([[2], [3]], (3,), 1)
         """
+        from ddp_even.resume.state import loader_state, provenance_of
+
         alive = self._running is not None and self._running() is not None
         return loader_state(
             self._current_run if alive else None,
             self._next_epoch,
             self._pending,
-            settings=self._settings(self._sync_every, self._plan).description,
+            settings=self._settings().description,
             world_size=rank_and_world_size(self._group)[1],
             provenance=provenance_of(
                 self._passes, None if self._current_run is None else self._current_run.feed.reading
@@ -318,9 +317,11 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         it was saved by a loop that read other data or in another order, or when either loop
         cannot tell; ``strict=False`` resumes anyway. docs/resume.md has the whole story.
         """
+        from ddp_even.resume.state import pending_resume
+
         self._next_epoch, self._pending = pending_resume(
             state,
-            settings_for=self._settings_described,
+            settings_for=lambda plan: self._settings(plan).description,
             world_size=rank_and_world_size(self._group)[1],
             mode=self._mode,
             steps_per_epoch=self._steps_per_epoch,
@@ -354,7 +355,8 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
     def __len__(self) -> int:
         plan = self._known_plan
         if plan is not None:
-            rank = rank_in_plan(plan, self._group)
+            rank, world_size = rank_and_world_size(self._group)
+            check_world_size(plan, world_size)
             return self._mode.steps_per_rank(plan.batches_per_rank, self._steps_per_epoch)[rank]
         steps = None if self._current_run is None else self._current_run.agreed_steps
         if steps is None:
@@ -388,9 +390,15 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         self._next_epoch += 1
         agreer = self._agreer_for_this_process()
         pending, self._pending = self._pending, None
-        start = resumed_start(
-            pending, epoch, self._source, self._plan, self._passes, self._mode, agreer
-        )
+        if pending is not None and pending.epoch == epoch:
+            from ddp_even.resume.state import resumed_start
+
+            start = resumed_start(
+                pending, self._source, self._plan, self._passes, self._mode, agreer
+            )
+        else:
+            self._source.start_epoch(epoch)
+            start = EpochStart(self._source)
         feed: ShardFeed[BatchT] = ShardFeed(
             start.source,
             self._mode.after_own_data,
@@ -401,43 +409,38 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         # closes what it opened: a reader left running at exit aborts the process.
         try:
             run = settle_epoch(
-                self._settings(self._sync_every, self._plan),
+                self._settings(),
                 epoch=epoch,
                 agreer=agreer,
                 start=start,
                 feed=feed,
-                first_pass=self._first_pass,
+                footer_plan=self._footer_plan,
                 previous=self._current_run,
                 mark=self._handed_out.add,
                 record=self.history.append,
             )
             if start.unchecked is not None:
-                # What the resumed epoch reads (its first pass opened), checked against the state.
-                feed.first_pass_reading()
-                provenance = provenance_of(self._passes, feed.reading)
-                feed.failure = feed.failure or refusal(start, provenance, agreer.rank)
+                from ddp_even.resume.state import check_resumed_reading
+
+                check_resumed_reading(start, feed, self._passes, agreer.rank)
             if not self._mode.shares_steps and agreer.world_size > 1:
                 refuse_join_inside_lightning()
             self._current_run = run
             self._handed_out.epoch_started()
             if start.step is not None:
-                out_of_order = None if self._passes is None else self._passes.why_not_in_plan_order
-                run.resume_after(start.step, start.skipped, out_of_order)
+                run.resume_after(start.step, start.skipped, start.out_of_order)
             yield from run_epoch(run, self._joinables)
         finally:
             self._handed_out.epoch_ended()
             feed.close()
 
-    def _settings(self, sync_every: int | None, plan: ShardPlan | None) -> Settings:
-        return Settings(self._mode, self._steps_per_epoch, sync_every, plan)
-
-    def _settings_described(self, plan: ShardPlan | None) -> str:
-        """What a saved state holds of the settings, with ``plan`` (the loader's by default)."""
-        return self._settings(self._sync_every, plan or self._plan).description
+    def _settings(self, plan: ShardPlan | None = None) -> Settings:
+        """The loader's settings, with ``plan`` (the loader's by default)."""
+        return Settings(self._mode, self._steps_per_epoch, self._sync_every, plan or self._plan)
 
     @property
     def _known_plan(self) -> ShardPlan | None:
-        return self._plan if self._plan is not None else self._first_pass.plan
+        return self._plan if self._plan is not None else self._footer_plan.plan
 
     def _agreer_for_this_process(self) -> Agreer:
         if self._agreer is None:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ddp_even.agreement.transport import Agreer
     from ddp_even.planning.plans import ShardPlan
     from ddp_even.runtime.epochs import EpochRun
+    from ddp_even.runtime.feed import ShardFeed
     from ddp_even.sources.base import PassReading
 
 logger = logging.getLogger("ddp_even")
@@ -203,18 +204,19 @@ def provenance_of(planned: PlannedSource | None, reading: PassReading | None) ->
     return None if reading is None else reading.provenance()
 
 
-def refusal(
-    start: EpochStart, provenance: Provenance | None, rank: int
-) -> StateMismatchError | None:
-    """Why the state ``start`` resumes from does not fit, checked once the epoch's first pass
-    is open (every rank reports it at the resume agreement), or None."""
+def check_resumed_reading(
+    start: EpochStart, feed: ShardFeed[Any], planned: PlannedSource | None, rank: int
+) -> None:
+    """What the resumed epoch reads (its first pass opened here), checked against the state
+    ``start`` resumes from: a state that does not fit is the feed's failure, which every rank
+    reports at the resume agreement."""
     if start.unchecked is None:
-        return None
+        return
+    feed.first_pass_reading()
     try:
-        check_provenance(start.unchecked, provenance, start.strict, rank)
+        check_provenance(start.unchecked, provenance_of(planned, feed.reading), start.strict, rank)
     except StateMismatchError as error:
-        return error
-    return None
+        feed.failure = feed.failure or error
 
 
 def _library_version() -> str:
@@ -308,20 +310,16 @@ def pending_resume(
 
 
 def resumed_start(
-    pending: PendingResume | None,
-    epoch: int,
+    pending: PendingResume,
     source: ShardSource[Any],
     plan: ShardPlan | None,
     planned: PlannedSource | None,
     mode: Mode,
     agreer: Agreer,
 ) -> EpochStart:
-    """What ``epoch`` reads and where it starts on this rank: its source from the start, or
-    where ``pending`` resumes it (the sources are told the epoch first)."""
-    if pending is None or pending.epoch != epoch:
-        source.start_epoch(epoch)
-        return EpochStart(source)
-    step, rank, world_size = pending.step, agreer.rank, agreer.world_size
+    """What the epoch ``pending`` resumes reads, and where it starts on this rank (the sources
+    are told the epoch first)."""
+    epoch, step, rank, world_size = pending.epoch, pending.step, agreer.rank, agreer.world_size
     if pending.saved_plan is not None:
         assert planned is not None
         rest = _rest_of_epoch(planned, pending.saved_plan, epoch, step, world_size)
@@ -333,6 +331,7 @@ def resumed_start(
             rest_source, plan=rest, resumed_from=(step, pending.saved_plan.world_size)
         )
     unchecked, strict = pending.unchecked, pending.strict
+    out_of_order = None if planned is None else planned.why_not_in_plan_order
     tails = _own_tails(planned, plan, mode, epoch, step, rank)
     if tails is not None:
         assert planned is not None and plan is not None
@@ -347,15 +346,23 @@ def resumed_start(
             skipped=skipped,
             unchecked=unchecked,
             strict=strict,
+            out_of_order=out_of_order,
         )
     source.start_epoch(epoch)
     # A repeated pass (cycle) cannot be reached by starting the first one later, nor can
     # padding (pad) that copies a batch before the step.
     if not mode.goes_past_own_data and source.starts_at(step):
         return EpochStart(
-            source, step=step, skipped=[None] * step, unchecked=unchecked, strict=strict
+            source,
+            step=step,
+            skipped=[None] * step,
+            unchecked=unchecked,
+            strict=strict,
+            out_of_order=out_of_order,
         )
-    return EpochStart(source, step=step, unchecked=unchecked, strict=strict)
+    return EpochStart(
+        source, step=step, unchecked=unchecked, strict=strict, out_of_order=out_of_order
+    )
 
 
 def _own_tails(

@@ -32,15 +32,13 @@ def rank_and_world_size(group: dist.ProcessGroup | None = None) -> tuple[int, in
     return 0, 1
 
 
-def rank_in_plan(plan: ShardPlan, group: dist.ProcessGroup | None) -> int:
-    """This process's rank in ``group``; ``ValueError`` when ``plan`` is for another world size."""
-    rank, world_size = rank_and_world_size(group)
+def check_world_size(plan: ShardPlan, world_size: int) -> None:
+    """``ValueError`` when ``plan`` is for another number of ranks than ``world_size``."""
     if plan.world_size != world_size:
         raise ValueError(
             f"the shard plan is for {plan.world_size} ranks but the process group has "
             f"{world_size}; plan with world_size={world_size}"
         )
-    return rank
 
 
 def refuse_join_inside_lightning() -> None:

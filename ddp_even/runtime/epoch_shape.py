@@ -21,21 +21,21 @@ may, agree on the plan their footers give: :mod:`ddp_even.runtime.first_pass`), 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from torch.distributed.algorithms.join import Joinable
-
+from ddp_even.runtime.environment import check_world_size
 from ddp_even.runtime.epochs import EpochRun, run_known_lengths, run_windows
-from ddp_even.runtime.join import run_join
 from ddp_even.runtime.stats import RankCounts
 
 if TYPE_CHECKING:
+    from torch.distributed.algorithms.join import Joinable
+
     from ddp_even.agreement.transport import Agreer
     from ddp_even.planning.plans import ShardPlan
     from ddp_even.runtime.feed import ShardFeed
-    from ddp_even.runtime.first_pass import FirstPass
     from ddp_even.runtime.iteration import BatchMarks
     from ddp_even.runtime.settings import Settings
     from ddp_even.runtime.stats import EpochStats
@@ -43,7 +43,45 @@ if TYPE_CHECKING:
 
 BatchT = TypeVar("BatchT")
 
-__all__ = ["EpochStart", "run_epoch", "settle_epoch"]
+logger = logging.getLogger("ddp_even")
+
+__all__ = ["EpochStart", "FooterPlan", "run_epoch", "settle_epoch"]
+
+
+class FooterPlan:
+    """The plan a loader's footers give (:mod:`ddp_even.runtime.first_pass`), worked out again
+    at every epoch's start (a dataset rewritten between epochs is planned anew, never trusted
+    from an earlier epoch), with every rank whatever its source (a rank whose source failed
+    reports it there)."""
+
+    def __init__(self) -> None:
+        self.plan: ShardPlan | None = None
+
+    def settle(
+        self,
+        feed: ShardFeed[Any],
+        agreer: Agreer,
+        settings: Settings,
+        epoch: int,
+        wants_plan: bool,
+    ) -> None:
+        """Check what the ranks' first passes read and, if ``wants_plan``, agree on the plan
+        their footers give (None when any rank has another, or none)."""
+        from ddp_even.runtime.first_pass import agreed_first_pass, plan_digest
+
+        before = self.plan
+        self.plan = agreed_first_pass(feed, agreer, settings, epoch, wants_plan)
+        if (
+            before is not None
+            and self.plan is not None
+            and plan_digest(before) != plan_digest(self.plan)
+        ):
+            logger.info(
+                "ddp_even: epoch %d: the Parquet footers changed since the last epoch; batches "
+                "per rank now %s",
+                epoch,
+                "/".join(map(str, self.plan.batches_per_rank)),
+            )
 
 
 @dataclass(frozen=True)
@@ -65,6 +103,8 @@ class EpochStart:
     # The state, when what it follows from is to be checked once the epoch's plan is settled.
     unchecked: Mapping[str, Any] | None = None
     strict: bool = True
+    # Why a pass of a planned reader may read the rows before the step in another order.
+    out_of_order: str | None = None
 
     @property
     def resumes(self) -> bool:
@@ -79,13 +119,13 @@ def settle_epoch(
     agreer: Agreer,
     start: EpochStart,
     feed: ShardFeed[BatchT],
-    first_pass: FirstPass,
+    footer_plan: FooterPlan,
     previous: EpochRun[Any] | None,
     mark: Callable[[BatchMarks], None],
     record: Callable[[EpochStats], None],
 ) -> EpochRun[BatchT]:
     """The epoch's run, in its shape: ``configured`` are the loader's settings (its
-    ``sync_every`` as given, its plan if it has one); ``first_pass`` checks what the ranks'
+    ``sync_every`` as given, its plan if it has one); ``footer_plan`` checks what the ranks'
     first passes read and works out a plan from their footers where none is given;
     ``previous`` is the loader's last epoch (its checks' spacing goes on)."""
     mode, steps_per_epoch = configured.mode, configured.steps_per_epoch
@@ -98,10 +138,10 @@ def settle_epoch(
     unplanned = configured.plan is None and known_batches is None
     if unplanned and (wants_plan or feed.first_pass_reading() is not None):
         unwindowed = dataclasses.replace(configured, plan=None)
-        first_pass.settle(feed, agreer, unwindowed, epoch, wants_plan)
-    plan = start.plan or configured.plan or (first_pass.plan if wants_plan else None)
+        footer_plan.settle(feed, agreer, unwindowed, epoch, wants_plan)
+    plan = start.plan or configured.plan or (footer_plan.plan if wants_plan else None)
     if plan is not None:
-        _check_world_size(plan, agreer.world_size)
+        check_world_size(plan, agreer.world_size)
         known_batches = counts.planned_batches = plan.batches_per_rank[rank]
         counts.planned_rows = plan.rows_per_rank[rank]
     if agrees_as_it_goes or (mode.weighs_batches and plan is None):
@@ -138,13 +178,7 @@ def run_epoch(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[
     if run.settings.sync_every is None:
         return run_known_lengths(run, run.known_batches)
     if not run.settings.mode.shares_steps and run.agreer.world_size > 1:
+        from ddp_even.runtime.join import run_join
+
         return run_join(run, joinables)
     return run_windows(run)
-
-
-def _check_world_size(plan: ShardPlan, world_size: int) -> None:
-    if plan.world_size != world_size:
-        raise ValueError(
-            f"the shard plan is for {plan.world_size} ranks but the process group has "
-            f"{world_size}; plan with world_size={world_size}"
-        )

@@ -23,25 +23,21 @@ import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-from ddp_even.agreement.pending import Pending, PendingAgreement
+from ddp_even.agreement.pending import PendingAgreement
 from ddp_even.agreement.transport import Agreer
 from ddp_even.agreement.wire import SHORT_MOST, Agreement, Report, error_from_reports
 from ddp_even.errors import EmptyShardError, RankMismatchError
 from ddp_even.modes import WindowDecision
 from ddp_even.runtime.feed import FedBatch, ShardFeed
 from ddp_even.runtime.iteration import BatchMarks
-from ddp_even.runtime.padding import (
-    PlannedRows,
-    batch_weight,
-    rows_to_sum,
-    share_padding,
-    summed_rows,
-)
 from ddp_even.runtime.settings import Settings
 from ddp_even.runtime.source_checks import LARGEST_PROPOSAL, CheckSchedule
 from ddp_even.runtime.stats import EpochStats, RankCounts, gather_epoch_stats
+
+if TYPE_CHECKING:
+    from ddp_even.runtime.padding import PadWeights
 
 logger = logging.getLogger("ddp_even")
 
@@ -75,21 +71,17 @@ class EpochRun(Generic[BatchT]):
     finished: bool = False
     # A check of the sources (known lengths) started and not yet waited for.
     pending_check: tuple[Report, PendingAgreement] | None = None
-    # Pad: every rank's real rows at every step, from the plan; without one, the real rows
-    # over all ranks at each step of the current window, from the step ``window_start``, and
-    # the sum for the next window once every rank is known to start it.
-    planned_rows: PlannedRows | None = None
-    window_rows: list[int | None] = dataclasses.field(default_factory=list)
-    window_start: int = 0
-    pending_rows: Pending[list[int]] | None = None
-    sums_rows_ahead: bool = False
+    # Pad: each step's loss weight (a mode that weighs its batches; None in the others).
+    pad_weights: PadWeights | None = None
     # Known lengths: the spacing the epoch's last check agreed, once it is settled (what the
     # next epoch's checks start at).
     agreed_check_spacing: int = 0
 
     def __post_init__(self) -> None:
-        if self.settings.mode.weighs_batches and self.settings.plan is not None:
-            self.planned_rows = PlannedRows(self.settings.plan)
+        if self.settings.mode.weighs_batches:
+            from ddp_even.runtime.padding import PadWeights
+
+            self.pad_weights = PadWeights(self.agreer, self.settings.plan)
 
     def hand_out(self, fed: FedBatch[BatchT]) -> BatchT:
         step = self.counts.steps
@@ -102,13 +94,9 @@ class EpochRun(Generic[BatchT]):
         """The loss weight of ``fed`` (of ``rows`` rows), handed out at ``step``."""
         if fed.padding:
             return 0.0
-        if not self.settings.mode.weighs_batches:
+        if self.pad_weights is None:
             return 1.0
-        world_size = self.agreer.world_size
-        if self.planned_rows is not None:
-            planned = self.planned_rows
-            return batch_weight(planned.of(self.agreer.rank, step), planned.total(step), world_size)
-        return batch_weight(rows, self.window_rows[step - self.window_start], world_size)
+        return self.pad_weights.weight(step, rows)
 
     def finish(self, had_more_own_data: bool) -> None:
         """Gather the statistics; called at a point every rank reaches."""
@@ -230,25 +218,9 @@ class EpochRun(Generic[BatchT]):
             self.feed.buffered, self.feed.own_buffered, self.feed.empty_shard, most=window
         )
         pending = self.agreer.start(report)
-        if self.sums_rows_ahead:
-            self.pending_rows = self._start_rows_sum(window)
+        if self.pad_weights is not None:
+            self.pad_weights.offered(self.feed, window)
         return report, pending
-
-    def _start_rows_sum(self, window: int) -> Pending[list[int]]:
-        return self.agreer.start_sum(rows_to_sum(self.feed.buffered_rows(), window))
-
-    def settle_rows(self, window: int) -> None:
-        """Pad without a plan: the real rows over all ranks at each step of this window."""
-        if not self.settings.mode.weighs_batches or self.planned_rows is not None:
-            return
-        if self.pending_rows is None:
-            # The epoch's first window: its agreement showed that every rank runs this loop,
-            # so every rank starts this sum, and from now on with each agreement.
-            self.pending_rows = self._start_rows_sum(window)
-            self.sums_rows_ahead = True
-        pending, self.pending_rows = self.pending_rows, None
-        self.window_rows = summed_rows(pending.wait())
-        self.window_start = self.counts.steps
 
     def check(self, report: Report, agreement: Agreement) -> Agreement:
         """Raise the same error on every rank when the agreement carries a problem; in pad, give
@@ -258,6 +230,8 @@ class EpochRun(Generic[BatchT]):
         reports = self.agreer.gather_reports(report)
         error = error_from_reports(reports, self.feed.failure, self.steps_done)
         if isinstance(error, EmptyShardError) and self.settings.mode.after_own_data == "pad":
+            from ddp_even.runtime.padding import share_padding
+
             fixed_steps = self.settings.steps_per_epoch is not None
             agreement = share_padding(self.agreer, self.feed, reports, fixed_steps)
             # A resumed epoch's steps before its resume point were padding on this rank too.
@@ -306,7 +280,8 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
             # A rank given a batch to pad with at this agreement fills its window with it.
             run.feed.fill(window)
             decision = run.decide(agreement, window)
-            run.settle_rows(window)
+            if run.pad_weights is not None:
+                run.pad_weights.settle(run.feed, window, run.counts.steps)
             run.steps_done += decision.steps
             for remaining in reversed(range(decision.steps)):
                 # Out of the buffer as handed out: a batch the consumer is done with is not
@@ -328,8 +303,8 @@ def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
         # the consumer stops early on every rank.
         if pending is not None:
             pending.finish_started()
-        if run.pending_rows is not None:
-            run.pending_rows.finish_started()
+        if run.pad_weights is not None:
+            run.pad_weights.finish_started()
 
 
 def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterator[BatchT]:

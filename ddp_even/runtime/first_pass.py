@@ -47,35 +47,6 @@ _FIRST_PASS = 0x0F0F_0F0F_0F0F
 _UNTOLD = "row groups it cannot tell"
 
 
-class FirstPass:
-    """The plan a loader's footers give, worked out again at every epoch's start (a dataset
-    rewritten between epochs is planned anew, never trusted from an earlier epoch), with every
-    rank whatever its source (a rank whose source failed reports it here)."""
-
-    def __init__(self) -> None:
-        self.plan: ShardPlan | None = None
-
-    def settle(
-        self,
-        feed: ShardFeed[Any],
-        agreer: Agreer,
-        settings: Settings,
-        epoch: int,
-        wants_plan: bool,
-    ) -> None:
-        """Check what the ranks' first passes read and, if ``wants_plan``, agree on the plan
-        their footers give (None when any rank has another, or none)."""
-        before = self.plan
-        self.plan = agreed_first_pass(feed, agreer, settings, epoch, wants_plan)
-        if before is not None and self.plan is not None and _digest(before) != _digest(self.plan):
-            logger.info(
-                "ddp_even: epoch %d: the Parquet footers changed since the last epoch; batches "
-                "per rank now %s",
-                epoch,
-                "/".join(map(str, self.plan.batches_per_rank)),
-            )
-
-
 def agreed_first_pass(
     feed: ShardFeed[Any], agreer: Agreer, settings: Settings, epoch: int, wants_plan: bool
 ) -> ShardPlan | None:
@@ -100,7 +71,7 @@ def agreed_first_pass(
             )
         except Exception as error:  # reported at the agreement, as any source failure
             feed.failure = feed.failure or error
-    digest = 0 if local is None else _digest(local)
+    digest = 0 if local is None else plan_digest(local)
     failure = feed.failure
     prefix = f"{settings.description}; first pass"
     plan_words = f"footer plan {digest:014x}" if digest else "no footer plan"
@@ -184,7 +155,7 @@ def _hashed(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
 
 
-def _digest(plan: ShardPlan) -> int:
+def plan_digest(plan: ShardPlan) -> int:
     """56 bits naming the plan's every rank's batches and rows, and its sharding."""
     identity = (plan.sharding, plan.batch_size, plan.batches_per_rank, plan.rows_per_rank)
     digest = hashlib.blake2b(repr(identity).encode(), digest_size=7).digest()

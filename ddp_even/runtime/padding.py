@@ -40,12 +40,20 @@ from ddp_even.errors import EmptyShardError
 from ddp_even.runtime.feed import ShardFeed, compacted
 
 if TYPE_CHECKING:
+    from ddp_even.agreement.pending import Pending
     from ddp_even.agreement.transport import Agreer
     from ddp_even.planning.plans import ShardPlan
 
 logger = logging.getLogger("ddp_even")
 
-__all__ = ["PlannedRows", "batch_weight", "rows_to_sum", "share_padding", "summed_rows"]
+__all__ = [
+    "PadWeights",
+    "PlannedRows",
+    "batch_weight",
+    "rows_to_sum",
+    "share_padding",
+    "summed_rows",
+]
 
 # A rank whose batch's rows cannot be told adds this to the step's sum: a sum this large says
 # "unknown" (no batch has 2**40 rows, and fewer than 2**22 ranks add it).
@@ -124,6 +132,58 @@ def summed_rows(totals: Sequence[int]) -> list[int | None]:
     """Each step's real rows over all ranks, from the sum of :func:`rows_to_sum`; None where
     some rank could not tell its batch's rows."""
     return [None if total >= _UNKNOWN_ROWS else total for total in totals]
+
+
+class PadWeights:
+    """Each step's loss weight in one pad epoch: every rank's real rows at every step from the
+    plan (:class:`PlannedRows`), or, without one, the real rows over all ranks at each step of
+    the current window, summed with its agreement."""
+
+    def __init__(self, agreer: Agreer, plan: ShardPlan | None) -> None:
+        self._agreer = agreer
+        self._planned = None if plan is None else PlannedRows(plan)
+        # Without a plan: the current window's sums, from the step ``_window_start``, and the
+        # sum for the next window once every rank is known to start it.
+        self._window_rows: list[int | None] = []
+        self._window_start = 0
+        self._pending: Pending[list[int]] | None = None
+        self._sums_ahead = False
+
+    def weight(self, step: int, rows: int | None) -> float | None:
+        """The weight of this rank's batch of ``rows`` real rows handed out at ``step``."""
+        world_size = self._agreer.world_size
+        planned = self._planned
+        if planned is not None:
+            own = planned.of(self._agreer.rank, step)
+            return batch_weight(own, planned.total(step), world_size)
+        return batch_weight(rows, self._window_rows[step - self._window_start], world_size)
+
+    def offered(self, feed: ShardFeed[Any], window: int) -> None:
+        """A window's agreement was started: its sum starts beside it (after the first)."""
+        if self._sums_ahead:
+            self._pending = self._start_sum(feed, window)
+
+    def settle(self, feed: ShardFeed[Any], window: int, first_step: int) -> None:
+        """Without a plan: the real rows over all ranks at each step of the window agreed,
+        which starts at ``first_step``."""
+        if self._planned is not None:
+            return
+        if self._pending is None:
+            # The epoch's first window: its agreement showed that every rank runs this loop,
+            # so every rank starts this sum, and from now on with each agreement.
+            self._pending = self._start_sum(feed, window)
+            self._sums_ahead = True
+        pending, self._pending = self._pending, None
+        self._window_rows = summed_rows(pending.wait())
+        self._window_start = first_step
+
+    def finish_started(self) -> None:
+        """Wait for a sum in flight (every rank started it) when the epoch stops early."""
+        if self._pending is not None:
+            self._pending.finish_started()
+
+    def _start_sum(self, feed: ShardFeed[Any], window: int) -> Pending[list[int]]:
+        return self._agreer.start_sum(rows_to_sum(feed.buffered_rows(), window))
 
 
 def share_padding(
