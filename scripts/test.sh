@@ -9,7 +9,8 @@
 #                                         benchmark), in 2
 #   bash scripts/test.sh --latest         .venv-latest, today's numpy and pyarrow without
 #                                         petastorm (constraints-latest.txt): every test that
-#                                         does not need petastorm (or Spark), the same tiers
+#                                         does not need petastorm (or Spark), but for the
+#                                         timing and in_memory ones (see below), the same tiers
 #   bash scripts/test.sh --fast [ARGS]    only the fast tests (no multi-rank jobs, no Spark), in
 #                                         3 processes (on 2 cores: many tests wait on a server
 #                                         or a subprocess; benchmarks/bench_suite.py)
@@ -71,11 +72,13 @@ if [[ $# -gt 0 ]]; then
     exec "$python" -m pytest ${lane:+-m "$lane"} "$@"
 fi
 # The whole run starts with a short soak (docs/performance.md, "Soak"): the
-# every-mode petastorm cases on 2 to 4 ranks beside a CPU hog and a disk hog, random pauses, a
-# hard timeout per run. Arguments (a selection of tests) skip it; so does the lane without
-# petastorm.
+# every-mode petastorm cases beside a CPU hog and a disk hog, random pauses, a hard timeout per
+# run; three runs, on 2, 3 and 4 ranks (about 70 s). It is a sample of what the long soak
+# (CONTRIBUTING.md, "Soak") proves, and a check that the soak itself still runs: the 22
+# runs of its three minutes in three clean-clone CI runs found nothing. Arguments (a selection
+# of tests) skip it; so does the lane without petastorm.
 if [[ -z $lane ]]; then
-    "$python" scripts/soak.py --minutes 3 --suite every-mode --hogs 1 --io-hogs 1
+    "$python" scripts/soak.py --runs 3 --suite every-mode --hogs 1 --io-hogs 1
 fi
 # Every test, in three runs. The fast ones in 3 processes (73 s in one process, 42 s in 3, the
 # same hour). Those that start ranks or use Spark also in 3 (667 s in one process, 508 s in 3,
@@ -87,11 +90,21 @@ fi
 # each fault's margin to its bound measured the same as in one (357 s; 136 s in 3, 112 s in 4).
 # All three run even if one fails. Then, once (in the main lane), the benchmarks' smoke runs:
 # they check that each benchmark still runs end to end, not the library.
+#
+# The lane on today's numpy and pyarrow leaves out the timing tests and those marked in_memory
+# (about 200 s of its 500). What differs between the lanes is numpy and pyarrow (torch is the
+# same wheel in both): these tests train on in-memory lists of ints, and what they check (the
+# protocol, faults, heartbeats, the TCP store, gloo) never reaches pyarrow; the one numpy path
+# they take, the agreement's encoding, every other multi-rank test of that lane takes too (and
+# tests/test_agreement_forms.py both of its forms). Every other test runs in both lanes.
+if [[ -n $lane ]]; then
+    lane="$lane and not in_memory"
+fi
 status=0
 fast_tests || status=$?
 in_processes 3 "(multirank or spark) and not timing and not benchmark" || status=$?
-in_processes 4 "timing and (multirank or spark) and not benchmark" || status=$?
 if [[ -z $lane ]]; then
+    in_processes 4 "timing and (multirank or spark) and not benchmark" || status=$?
     in_processes 2 "benchmark" || status=$?
 fi
 exit "$status"

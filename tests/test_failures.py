@@ -31,7 +31,7 @@ from tests.helpers.scenarios import (
 )
 from tests.helpers.spawn import RankError, run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.in_memory]
 
 # ---------------------------------------------------------------------------------------------
 # Dead and stalled peers

@@ -42,6 +42,8 @@ from tests.helpers.scenarios import (
 )
 from tests.helpers.spawn import run_ranks
 
+pytestmark = pytest.mark.in_memory
+
 # Cases per world size, and the most one case may take (a hang shows as far more: the
 # loader's timeout in these cases is 30 s).
 CASES = {1: 400, 2: 250, 3: 160, 4: 120}
