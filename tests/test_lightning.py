@@ -33,7 +33,13 @@ from tests.helpers.lightning_and_accelerate import (
     write_regression_dataset,
 )
 
-pytestmark = [pytest.mark.multirank, pytest.mark.skipif(sys.platform != "linux", reason="Linux")]
+# In one worker (scripts/test.sh's --dist loadgroup), so that the module's one job runs once,
+# not once in each worker that gets one of its tests.
+pytestmark = [
+    pytest.mark.multirank,
+    pytest.mark.xdist_group("lightning"),
+    pytest.mark.skipif(sys.platform != "linux", reason="Linux"),
+]
 
 
 @pytest.fixture(autouse=True, scope="module")

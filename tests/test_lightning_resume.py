@@ -30,9 +30,12 @@ from tests.helpers.datasets import shard_ids, write_plain_dataset
 from tests.helpers.lightning_and_accelerate import PYTHON, REPO, launch, read_ranks, skip_without
 from tests.helpers.lightning_resume_data import BATCH_SIZE, BATCHES, EPOCHS, PARQUET_ROW_GROUPS
 
+# In one worker (scripts/test.sh's --dist loadgroup), so that the module's one job runs once,
+# not once in each worker that gets one of its tests.
 pytestmark = [
     pytest.mark.petastorm,
     pytest.mark.multirank,
+    pytest.mark.xdist_group("lightning-resume"),
     pytest.mark.skipif(sys.platform != "linux", reason="Linux"),
 ]
 
