@@ -38,7 +38,7 @@ from ddp_even.errors import PlanMismatchError
 from ddp_even.modes import MODES
 from ddp_even.parquet.dataset_plan import DatasetPlan, PredicateCounting, plan_dataset
 from ddp_even.parquet.metadata import changed_row_groups
-from ddp_even.parquet.predicates import is_expression, predicate_fields
+from ddp_even.parquet.predicates import check_predicate, dataset_schema, predicate_fields
 from ddp_even.planning.pass_order import PassOrder, epoch_seed, pass_rows
 from ddp_even.planning.plans import ShardPlan
 from ddp_even.planning.provenance import Provenance
@@ -152,7 +152,8 @@ def make_shard_factory(
     storage_options = taken_once("storage_options", storage_options, options)
     filesystem = taken_once("filesystem", filesystem, options)
     predicate = taken_once("predicate", predicate, options)
-    _check_predicate(predicate)
+    if predicate is not None:
+        check_predicate(predicate)
     transform_spec = options.get("transform_spec")
     # Resolved once: the Unischema (reader="row") and the plan read the same storage.
     resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
@@ -180,7 +181,7 @@ def make_shard_factory(
             planned.resolved.describe(),
             "; ".join(f"{mode}: {plan.stats(mode).note}" for mode in MODES),
         )
-    schema = _schema(planned)
+    schema = dataset_schema(planned.resolved, planned.footers, planned.partitions)
     columns = _columns(options.get("schema_fields"), schema.names, decoding)
     # Integers and booleans with a null anywhere: float in every batch of every rank.
     decoding = decoding.for_dataset(planned.with_nulls)
@@ -292,19 +293,6 @@ def _checked(options: dict[str, Any], accepted: set[str], where: str) -> dict[st
     return options
 
 
-def _check_predicate(predicate: Any) -> None:
-    if (
-        predicate is not None
-        and not is_expression(predicate)
-        and not hasattr(predicate, "do_include")
-    ):
-        raise TypeError(
-            "predicate must be a pyarrow expression (pyarrow.compute.field('label') == 1) or a "
-            "petastorm predicate (petastorm.predicates.in_lambda, in_set, ...), got "
-            f"{type(predicate).__name__}"
-        )
-
-
 def _decoding(resolved: ResolvedDataset, reader: str, transform_spec: Any) -> Decoding:
     """Plain Parquet, or petastorm's decoding on top where ``reader="row"`` or a transform."""
     if reader == "batch" and transform_spec is None:
@@ -348,14 +336,6 @@ def _without_petastorm(reader: str, error: ImportError) -> str:
         f"pyarrow {pa.__version__} ({error}): it needs pyarrow < 15 and numpy < 2 (pip install "
         f"'ddp_even[petastorm]' in an environment with those), or {instead}"
     )
-
-
-def _schema(planned: DatasetPlan) -> Any:
-    """The columns of the dataset's first file and its partition keys, as a pyarrow schema."""
-    import pyarrow as pa
-
-    footer = planned.resolved.storage.read_footer(planned.footers.files[0])
-    return pa.unify_schemas([footer.schema.to_arrow_schema(), planned.partitions.schema])
 
 
 def _columns(

@@ -52,6 +52,15 @@ class Column:
     whole: bool = False
 
 
+# A rank's columns, in the table of every rank and in the summary of many.
+_RANK_COLUMNS = (
+    Column("rank", whole=True),
+    Column("row groups"),
+    Column("rows"),
+    Column("batches"),
+)
+
+
 @dataclass
 class Section:
     """One table of the plan, and the sentences that go under it."""
@@ -221,13 +230,7 @@ def _rank_section(plan: ShardPlan, most_listed: int | None) -> Section:
     fewest, most = min(plan.rows_per_rank), max(plan.rows_per_rank)
     section = Section(
         "Ranks",
-        (
-            Column("rank", whole=True),
-            Column("row groups"),
-            Column("rows"),
-            Column("batches"),
-            Column("rows (bar = most)", numeric=False),
-        ),
+        (*_RANK_COLUMNS, Column("rows (bar = most)", numeric=False)),
         notes=_rank_notes(plan),
         legend="red: fewest rows, yellow: most" if fewest != most else None,
     )
@@ -235,15 +238,18 @@ def _rank_section(plan: ShardPlan, most_listed: int | None) -> Section:
         rows = plan.rows_per_rank[rank]
         style = "red" if rows == fewest and fewest != most else ""
         style = "yellow" if rows == most and fewest != most else style
-        section.add_row(
-            str(rank),
-            f"{plan.row_group_counts[rank]:,}",
-            f"{rows:,}",
-            f"{plan.batches_per_rank[rank]:,}",
-            _bar(rows, most),
-            style=style,
-        )
+        section.add_row(*_rank_cells(plan, rank), _bar(rows, most), style=style)
     return section
+
+
+def _rank_cells(plan: ShardPlan, rank: int) -> tuple[str, ...]:
+    """A rank's cells under :data:`_RANK_COLUMNS`."""
+    return (
+        str(rank),
+        f"{plan.row_group_counts[rank]:,}",
+        f"{plan.rows_per_rank[rank]:,}",
+        f"{plan.batches_per_rank[rank]:,}",
+    )
 
 
 def _rank_notes(plan: ShardPlan) -> list[str]:
@@ -269,13 +275,7 @@ def _rank_summary_section(plan: ShardPlan) -> Section:
     at_fewest = sum(1 for n in batches if n == min(batches))
     section = Section(
         f"Ranks ({plan.world_size}, summarised)",
-        (
-            Column("", numeric=False, whole=True),
-            Column("rank", whole=True),
-            Column("row groups"),
-            Column("rows"),
-            Column("batches"),
-        ),
+        (Column("", numeric=False, whole=True), *_RANK_COLUMNS),
         notes=[
             f"{at_fewest} rank(s) have the fewest batches ({min(batches):,}); "
             "--all-ranks lists every rank.",
@@ -287,13 +287,7 @@ def _rank_summary_section(plan: ShardPlan) -> Section:
         ("median", order[len(order) // 2]),
         ("most rows", order[-1]),
     ):
-        section.add_row(
-            label,
-            str(rank),
-            f"{plan.row_group_counts[rank]:,}",
-            f"{rows[rank]:,}",
-            f"{plan.batches_per_rank[rank]:,}",
-        )
+        section.add_row(label, *_rank_cells(plan, rank))
     return section
 
 

@@ -96,14 +96,10 @@ def find_even_loaders(dataloaders: object) -> dict[str, EvenLoader[Any]]:
         >>> sorted(find_even_loaders({"a": loader, "b": [[3]], "c": [loader]}))
         ['a', 'c/0']
     """
-    found: dict[str, EvenLoader[Any]] = {}
-    for name, candidate in _walk(dataloaders, ""):
-        if isinstance(candidate, EvenLoader):
-            found[name] = candidate
-    return found
+    return dict(_walk(dataloaders, ""))
 
 
-def _walk(node: object, name: str) -> Iterator[tuple[str, object]]:
+def _walk(node: object, name: str) -> Iterator[tuple[str, EvenLoader[Any]]]:
     if isinstance(node, EvenLoader):
         yield name, node
     elif isinstance(node, Mapping):

@@ -119,10 +119,7 @@ def plan_dataset(
     """
     check_positive_int("world_size", world_size)
     check_positive_int("batch_size", batch_size)
-    if isinstance(dataset, ResolvedDataset):
-        resolved = dataset
-    else:
-        resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
+    resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
     nulls = NullColumns()
     footers = read_row_groups(resolved, progress=progress, nulls=nulls)
     logger.debug(

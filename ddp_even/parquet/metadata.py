@@ -84,12 +84,7 @@ def read_row_groups(
         >>> read_row_groups(f"file://{root}").num_rows.tolist()
         [4, 4, 2]
     """
-    if isinstance(dataset, ResolvedDataset):
-        if storage_options is not None or filesystem is not None:
-            raise ValueError("a resolved dataset already has its filesystem: pass no options")
-        resolved = dataset
-    else:
-        resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
+    resolved = resolve_dataset(dataset, storage_options=storage_options, filesystem=filesystem)
     reader = MetadataReader(resolved.storage, progress, nulls)
     if not resolved.is_list or len(resolved.paths) == 1:
         # pyarrow treats a one-element list as that single path (file or directory).

@@ -31,7 +31,14 @@ if TYPE_CHECKING:
     from ddp_even.planning.row_groups import RowGroups
     from ddp_even.storage import ResolvedDataset
 
-__all__ = ["check_predicate_fields", "is_expression", "kept_mask", "predicate_fields"]
+__all__ = [
+    "check_predicate",
+    "check_predicate_fields",
+    "dataset_schema",
+    "is_expression",
+    "kept_mask",
+    "predicate_fields",
+]
 
 
 def is_expression(predicate: Any) -> bool:
@@ -211,16 +218,8 @@ def check_predicate_fields(
 
     Every rank reads the same footer, so every rank raises the same error.
     """
-    if not is_expression(predicate) and not (
-        hasattr(predicate, "get_fields") and hasattr(predicate, "do_include")
-    ):
-        raise TypeError(
-            "predicate must be a pyarrow expression (pyarrow.compute.field('label') == 1) or a "
-            "petastorm predicate (petastorm.predicates.in_lambda, in_set, ...), got "
-            f"{type(predicate).__name__}"
-        )
-    stored = resolved.storage.read_footer(row_groups.files[0]).schema.to_arrow_schema()
-    schema = pa.unify_schemas([stored, partitions.schema])
+    check_predicate(predicate)
+    schema = dataset_schema(resolved, row_groups, partitions)
     fields = predicate_fields(predicate, schema)
     if not fields:
         raise ValueError("the predicate names no fields: its get_fields() must return some")
@@ -231,3 +230,23 @@ def check_predicate_fields(
             f"does not have; its columns are: {', '.join(sorted(schema.names))}"
         )
     return fields
+
+
+def check_predicate(predicate: Any) -> None:
+    """A ``TypeError`` unless ``predicate`` is one of the two kinds understood."""
+    if not is_expression(predicate) and not (
+        hasattr(predicate, "get_fields") and hasattr(predicate, "do_include")
+    ):
+        raise TypeError(
+            "predicate must be a pyarrow expression (pyarrow.compute.field('label') == 1) or a "
+            "petastorm predicate (petastorm.predicates.in_lambda, in_set, ...), got "
+            f"{type(predicate).__name__}"
+        )
+
+
+def dataset_schema(
+    resolved: ResolvedDataset, row_groups: RowGroups, partitions: PartitionKeys
+) -> pa.Schema:
+    """The columns of the dataset's first file and its hive partition keys."""
+    stored = resolved.storage.read_footer(row_groups.files[0]).schema.to_arrow_schema()
+    return pa.unify_schemas([stored, partitions.schema])

@@ -37,7 +37,12 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ddp_even.checks import check_positive_int
-from ddp_even.errors import ConverterDeletedError, TooFewRowGroupsError, TooFewTaskSlotsError
+from ddp_even.errors import (
+    ConverterDeletedError,
+    DatasetError,
+    TooFewRowGroupsError,
+    TooFewTaskSlotsError,
+)
 from ddp_even.process_group import group_is_up
 from ddp_even.sources.base import ShardPass, ShardSource
 from ddp_even.sources.iterables import open_context_pass
@@ -102,7 +107,13 @@ def is_spark_converter(obj: object) -> bool:
         >>> is_spark_converter("file:///data/train")
         False
     """
-    return any(f"{cls.__module__}.{cls.__qualname__}" == _CONVERTER for cls in type(obj).__mro__)
+    return _CONVERTER in _class_names(obj)
+
+
+def _class_names(obj: object) -> set[str]:
+    """The full names of ``obj``'s class and its bases: petastorm's and pyspark's classes are
+    told by name, without importing either."""
+    return {f"{cls.__module__}.{cls.__qualname__}" for cls in type(obj).__mro__}
 
 
 def converter_files(converter: Any) -> list[str]:
@@ -159,8 +170,7 @@ def check_distributor(distributor: Any, *converters: Any, wait_for_slots_s: floa
         ...
         TypeError: expected a pyspark.ml.torch.distributor.TorchDistributor, got object
     """
-    names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(distributor).__mro__}
-    if _DISTRIBUTOR not in names:
+    if _DISTRIBUTOR not in _class_names(distributor):
         raise TypeError(f"expected a {_DISTRIBUTOR}, got {type(distributor).__name__}")
     for converter in converters:
         converter_files(converter)
@@ -241,17 +251,12 @@ class ConverterSource(ShardSource[Any]):
     """
 
     def __init__(self, converter: Any, batch_size: int = 32, **loader_kwargs: Any) -> None:
-        if not is_spark_converter(converter):
-            raise TypeError(
-                f"expected a petastorm SparkDatasetConverter (from make_spark_converter), got "
-                f"{type(converter).__name__}"
-            )
+        self._files = converter_files(converter)  # a TypeError for anything but a converter
         check_positive_int("batch_size", batch_size)
         _check_loader_kwargs(loader_kwargs)
         self._converter = converter
         self._batch_size = batch_size
         self._loader_kwargs = loader_kwargs
-        self._files = converter_files(converter)
         # Rows per row group in petastorm's order, or None when ddp_even cannot read the
         # footers (storage it cannot reach): then nothing is checked or counted up front.
         self._planned = _planned(self._files, batch_size)
@@ -353,7 +358,7 @@ def source_for(obj: Any, *, owned: bool) -> ShardSource[Any]:
         ...
         TypeError: unsupported petastorm Spark object list: ...
     """
-    names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(obj).__mro__}
+    names = _class_names(obj)
     if _CONVERTER in names:
         return ConverterSource(obj)
     if _TORCH_CONTEXT in names:
@@ -395,37 +400,28 @@ def _check_loader_kwargs(loader_kwargs: dict[str, Any]) -> None:
 
 
 def _raise_if_deleted(cache_dir_url: str, files: Sequence[str]) -> None:
-    storage = _storage_for(files)
-    if storage is None:
+    from ddp_even.storage import resolve_dataset
+
+    if not files:
         return
-    resolved, paths = storage
+    try:
+        resolved = resolve_dataset(list(files))
+    except (DatasetError, ValueError) as error:
+        # petastorm may still reach them (an HDFS driver, a filesystem of its own).
+        logger.debug("ddp_even: cannot check the converter's files (%s)", error)
+        return
     missing = [
-        url for url, path in zip(files, paths, strict=True) if resolved.kind(path) == "missing"
+        url
+        for url, path in zip(files, resolved.paths, strict=True)
+        if resolved.storage.kind(path) == "missing"
     ]
     if missing:
         raise ConverterDeletedError(cache_dir_url, missing, len(files))
 
 
-def _storage_for(files: Sequence[str]) -> tuple[Any, tuple[str, ...]] | None:
-    """The storage holding ``files`` and their paths there, or None if ddp_even cannot reach it."""
-    from ddp_even.errors import DatasetError
-    from ddp_even.storage import resolve_dataset
-
-    if not files:
-        return None
-    try:
-        resolved = resolve_dataset(list(files))
-    except (DatasetError, ValueError) as error:
-        # petastorm may still reach it (an HDFS driver, a filesystem of its own).
-        logger.debug("ddp_even: cannot check the converter's files (%s)", error)
-        return None
-    return resolved.storage, resolved.paths
-
-
 def _planned(files: Sequence[str], batch_size: int) -> DatasetPlan | None:
     """The converter's files planned for one rank (their row groups in petastorm's order), or
     None if the footers cannot be read here."""
-    from ddp_even.errors import DatasetError
     from ddp_even.parquet.dataset_plan import plan_dataset
 
     try:

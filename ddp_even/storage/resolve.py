@@ -79,7 +79,7 @@ class ResolvedDataset:
 
 
 def resolve_dataset(
-    dataset: DatasetLocation,
+    dataset: DatasetLocation | ResolvedDataset,
     *,
     storage_options: StorageOptions | None = None,
     filesystem: Any = None,
@@ -87,10 +87,11 @@ def resolve_dataset(
     """Find the filesystem for ``dataset`` and its paths there; no request is made.
 
     ``dataset`` is a URL (any scheme pyarrow or fsspec reads) or a local path, or a list of
-    files on one filesystem. ``storage_options`` configure the filesystem built for the URL
-    (for S3 s3fs's keys such as ``key``, ``endpoint_url``, ``client_kwargs``, ``config_kwargs``,
-    or pyarrow's); ``filesystem`` is a ready ``pyarrow.fs`` or fsspec filesystem instead.
-    Credentials not given come from the environment, as the cloud SDKs read it.
+    files on one filesystem (or one resolved already, returned as it is). ``storage_options``
+    configure the filesystem built for the URL (for S3 s3fs's keys such as ``key``,
+    ``endpoint_url``, ``client_kwargs``, ``config_kwargs``, or pyarrow's); ``filesystem`` is a
+    ready ``pyarrow.fs`` or fsspec filesystem instead. Credentials not given come from the
+    environment, as the cloud SDKs read it.
 
     Example:
         >>> resolve_dataset("s3://bucket/train/", storage_options={
@@ -102,6 +103,10 @@ def resolve_dataset(
         >>> memory.paths, memory.storage.url(memory.paths[0])
         (('/datasets/train',), 'memory:///datasets/train')
     """
+    if isinstance(dataset, ResolvedDataset):
+        if storage_options is not None or filesystem is not None:
+            raise ValueError("a resolved dataset already has its filesystem: pass no options")
+        return dataset
     given = [dataset] if isinstance(dataset, str | os.PathLike) else dataset
     items, is_list = [os.fspath(item) for item in given], given is dataset
     if not items:
