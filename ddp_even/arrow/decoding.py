@@ -10,7 +10,7 @@ predicate's rows before planning call the same object, so what was counted is wh
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from typing import Any, Self
 
 import numpy as np
@@ -56,6 +56,3 @@ class Decoding:
     def kept(self, predicate: Any, table: pa.Table) -> npt.NDArray[np.bool_]:
         """Which rows of ``table`` (a row group's predicate columns) ``predicate`` keeps."""
         return kept_mask(predicate, table)
-
-    def check_columns(self, names: Sequence[str]) -> None:
-        """Refuse, at construction, columns this reading cannot hand out (none here)."""

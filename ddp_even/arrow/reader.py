@@ -229,21 +229,26 @@ class _Footers:
         stored = self.footer(file_index).schema.to_arrow_schema().names
         return [*stored, *self.reading.partitions.names]
 
-    def predicate_columns(self, group: int) -> pa.Table:
-        """Row group ``group``'s columns its predicate reads, partition keys included."""
-        reading = self.reading
-        file_index = int(reading.row_groups.file_of[group])
-        keys = reading.partitions
-        stored = [name for name in reading.predicate_fields if name not in keys.names]
-        parquet_file, source = self.open(file_index)
+    def read(self, group: int, names: list[str]) -> pa.Table:
+        """Stored columns ``names`` of row group ``group``."""
+        row_groups = self.reading.row_groups
+        parquet_file, source = self.open(int(row_groups.file_of[group]))
         try:
-            # Decoded in this thread alone, as the columns (see _read_columns).
-            table = parquet_file.read_row_group(
-                int(reading.row_groups.index_in_file[group]), columns=stored, use_threads=False
+            # Decoded in this thread alone: the pass's threads read parts side by side, also
+            # where OMP_NUM_THREADS=1 (torchrun's default) leaves pyarrow's own pool one thread.
+            return parquet_file.read_row_group(
+                int(row_groups.index_in_file[group]), columns=names, use_threads=False
             )
         finally:
             source.close()
-        return keys.added_to(table, file_index, reading.predicate_fields)
+
+    def predicate_columns(self, group: int) -> pa.Table:
+        """Row group ``group``'s columns its predicate reads, partition keys included."""
+        reading = self.reading
+        keys = reading.partitions
+        stored = [name for name in reading.predicate_fields if name not in keys.names]
+        file_index = int(reading.row_groups.file_of[group])
+        return keys.added_to(self.read(group, stored), file_index, reading.predicate_fields)
 
 
 @dataclass(frozen=True)
@@ -399,20 +404,11 @@ def _read_columns(
 ) -> Columns:
     """Columns ``names`` of row group ``group`` (and the ``known`` ones beside them), the rows
     ``selection`` keeps, decoded."""
-    reading = footers.reading
-    parquet_file, source = footers.open(int(reading.row_groups.file_of[group]))
-    try:
-        # Decoded in this thread alone: the pass's threads read parts side by side, also
-        # where OMP_NUM_THREADS=1 (torchrun's default) leaves pyarrow's own pool one thread.
-        table = parquet_file.read_row_group(
-            int(reading.row_groups.index_in_file[group]), columns=names, use_threads=False
-        )
-    finally:
-        source.close()
+    table = footers.read(group, names)
     if known is not None:
         for name in known.column_names:
             table = table.append_column(known.schema.field(name), known.column(name))
-    return _kept_columns(table, selection, reading.decoding)
+    return _kept_columns(table, selection, footers.reading.decoding)
 
 
 def _kept_columns(table: pa.Table, selection: _Selection, decoding: Decoding) -> Columns:

@@ -188,31 +188,29 @@ class MetadataProgress:
     """A progress bar for metadata reads, shown only once they have taken over a second."""
 
     def __init__(self, console: Console) -> None:
-        self._console = console
+        self._display = Progress(
+            TextColumn("reading Parquet metadata"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        self._task = self._display.add_task("metadata", total=None)
         self._started = time.monotonic()
-        self._display: Progress | None = None
-        self._task: Any = None
 
     def __enter__(self) -> MetadataProgress:
         return self
 
     def __call__(self, done: int, total: int) -> None:
-        if self._display is None:
-            if not self._console.is_terminal:  # a log file gets no redrawn bar
-                return
-            if time.monotonic() - self._started < _PROGRESS_AFTER_S or done >= total:
-                return
-            self._display = Progress(
-                TextColumn("reading Parquet metadata"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=self._console,
-                transient=True,
-            )
-            self._display.start()
-            self._task = self._display.add_task("metadata", total=total)
         self._display.update(self._task, completed=done, total=total)
+        if (
+            not self._display.live.is_started
+            and self._display.console.is_terminal  # a log file gets no redrawn bar
+            and time.monotonic() - self._started >= _PROGRESS_AFTER_S
+            and done < total
+        ):
+            self._display.start()
 
     def __exit__(
         self,
@@ -220,7 +218,7 @@ class MetadataProgress:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._display is not None:
+        if self._display.live.is_started:  # stopped, a bar never shown would print a line
             self._display.stop()
 
 
