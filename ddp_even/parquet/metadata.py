@@ -239,29 +239,24 @@ class MetadataReader:
         The first failure cancels what has not started and is raised.
         """
         total = len(items)
-        reporting = report and self.progress is not None
-        if total <= 1 and not reporting:
+        progress = self.progress if report else None
+        if total <= 1 and progress is None:
             # A thread costs more than one file's metadata on a busy machine.
             return [function(item) for item in items]
         workers = max(1, min(self.storage.concurrency, total))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ddp-even-meta") as pool:
             futures = [pool.submit(function, item) for item in items]
-            if reporting:
-                self._report(futures)
-            else:
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            pending = set(futures)
+            while pending:
+                if progress is not None:
+                    progress(total - len(pending), total)
+                # Reporting, it looks every 0.1 s; else it waits until all are done or one fails.
+                timeout = None if progress is None else 0.1
+                done, pending = wait(pending, timeout=timeout, return_when=FIRST_EXCEPTION)
                 _raise_first_failure(futures, done)
+            if progress is not None:
+                progress(total, total)
             return [future.result() for future in futures]
-
-    def _report(self, futures: list[Future[Any]]) -> None:
-        assert self.progress is not None
-        pending = set(futures)
-        total = len(futures)
-        self.progress(0, total)
-        while pending:
-            done, pending = wait(pending, timeout=0.1, return_when=FIRST_EXCEPTION)
-            _raise_first_failure(futures, done)
-            self.progress(total - len(pending), total)
 
     def read_footer(self, path: str, listed: bool = False) -> pq.FileMetaData:
         try:

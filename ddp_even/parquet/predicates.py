@@ -16,7 +16,6 @@ what is read.
 
 from __future__ import annotations
 
-import ctypes
 import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -103,8 +102,8 @@ def _referenced_names(predicate: pc.Expression) -> list[str] | None:
     pyarrow has no public list of an expression's fields, but serializes it (to pickle it) as
     an Arrow IPC file whose schema metadata walks the expression: ``field_ref`` for a named
     reference, ``nested_field_ref: k`` before the ``k`` parts of a nested one (``pc.field("s",
-    "x")``), whose first part is the column. The keys repeat, so they are read in order through
-    the Arrow C data interface (``Schema.metadata`` keeps one value per key).
+    "x")``), whose first part is the column. The keys repeat, so they are read in order from
+    the printed schema (``Schema.metadata`` keeps one value per key).
     """
     import pyarrow.ipc
 
@@ -115,68 +114,33 @@ def _referenced_names(predicate: pc.Expression) -> list[str] | None:
     pairs = iter(_metadata_pairs(pyarrow.ipc.open_file(serialized).schema))
     names = []
     for key, value in pairs:
-        if key in (b"field_ref", b"nested_field_ref"):
+        if key in ("field_ref", "nested_field_ref"):
             names.append(_reference_path(pairs, key, value)[0])
     return names
 
 
-def _reference_path(pairs: Iterator[tuple[bytes, bytes]], key: bytes, value: bytes) -> list[str]:
+def _reference_path(pairs: Iterator[tuple[str, str]], key: str, value: str) -> list[str]:
     """The names of one field reference that starts with ``key: value``, its parts read on."""
-    if key == b"field_ref":
-        return [value.decode()]
+    if key == "field_ref":
+        return [value]
     path: list[str] = []
     for _ in range(int(value)):
         path.extend(_reference_path(pairs, *next(pairs)))
     return path
 
 
-class _ArrowSchema(ctypes.Structure):
-    """The Arrow C data interface's ``struct ArrowSchema`` (a stable ABI)."""
-
-    _fields_ = [  # ctypes reads this class attribute
-        ("format", ctypes.c_char_p),
-        ("name", ctypes.c_char_p),
-        ("metadata", ctypes.c_void_p),
-        ("flags", ctypes.c_int64),
-        ("n_children", ctypes.c_int64),
-        ("children", ctypes.c_void_p),
-        ("dictionary", ctypes.c_void_p),
-        ("release", ctypes.c_void_p),
-        ("private_data", ctypes.c_void_p),
-    ]
+# Where a pair of a serialized expression starts in its printed metadata: one of the keys
+# pyarrow writes (arrow/compute/expression.cc), so a name with a newline stays whole.
+_PAIR_START = re.compile(r"\n(?=(?:call|end|field_ref|literal|nested_field_ref|options): ')")
 
 
-_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", ctypes.pythonapi)
-)
-
-
-def _metadata_pairs(schema: pa.Schema) -> list[tuple[bytes, bytes]]:
-    """``schema``'s metadata as its key-value pairs, in order, repeated keys included.
-
-    The C data interface encodes them as an int32 count, then each key and value as an int32
-    length and its bytes; the capsule releases the exported schema when it is collected.
-    """
-    capsule = schema.__arrow_c_schema__()
-    exported = _ArrowSchema.from_address(_capsule_pointer(capsule, b"arrow_schema"))
-    address = exported.metadata
-    if not address:
-        return []
-
-    def read_int32() -> int:
-        nonlocal address
-        value = int(ctypes.c_int32.from_address(address).value)
-        address += 4
-        return value
-
-    def read_bytes() -> bytes:
-        nonlocal address
-        length = read_int32()
-        value = ctypes.string_at(address, length)
-        address += length
-        return value
-
-    return [(read_bytes(), read_bytes()) for _ in range(read_int32())]
+def _metadata_pairs(schema: pa.Schema) -> list[tuple[str, str]]:
+    """A serialized expression's schema metadata as its key-value pairs, in order, repeated
+    keys included: pyarrow prints each pair as ``key: 'value'``, unescaped and whole."""
+    printed = schema.to_string(truncate_metadata=False, show_field_metadata=False)
+    section = printed.partition("-- schema metadata --\n")[2]
+    pairs = [pair.partition(": '") for pair in _PAIR_START.split(section)] if section else []
+    return [(key, value.removesuffix("'")) for key, _, value in pairs]
 
 
 def kept_mask(predicate: Any, table: pa.Table) -> npt.NDArray[np.bool_]:
