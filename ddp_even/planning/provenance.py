@@ -63,8 +63,13 @@ def code_identity(obj: Any) -> bytes:
     return hashlib.sha256(_identity(obj, set(), 0)).digest()
 
 
+# Values that count by their repr, and code, which counts by what it does.
+_VALUES = (bool, int, float, complex, str, bytes)
+_CODE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+
+
 def _identity(obj: Any, seen: set[int], depth: int) -> bytes:
-    if obj is None or isinstance(obj, bool | int | float | complex | str | bytes):
+    if obj is None or isinstance(obj, _VALUES):
         return type(obj).__name__.encode() + b":" + repr(obj).encode()
     if id(obj) in seen or depth > _MAX_DEPTH:
         return b"ref:" + _name_of(obj)
@@ -89,7 +94,8 @@ def _identity(obj: Any, seen: set[int], depth: int) -> bytes:
     if isinstance(obj, _BUILTIN_CALLABLES):
         owner = getattr(obj, "__self__", None)
         # A builtin method bound to a value (``{1, 2}.__contains__``) computes with it.
-        bound_to = b"" if owner is None or _is_module(owner) else _identity(owner, seen, deeper)
+        unbound = owner is None or isinstance(owner, types.ModuleType)  # a module's function
+        bound_to = b"" if unbound else _identity(owner, seen, deeper)
         return b"builtin:" + _name_of(obj) + bound_to
     if isinstance(obj, type):
         return b"name:" + _name_of(obj)
@@ -119,10 +125,6 @@ _BUILTIN_CALLABLES = (
     types.WrapperDescriptorType,
     types.MethodDescriptorType,
 )
-
-
-def _is_module(value: Any) -> bool:
-    return isinstance(value, types.ModuleType)
 
 
 def _function_identity(function: types.FunctionType, seen: set[int], depth: int) -> bytes:
@@ -159,20 +161,7 @@ def _is_fixed(value: Any) -> bool:
     """
     if isinstance(value, tuple | frozenset):
         return all(_is_fixed(item) for item in value)
-    return value is None or isinstance(
-        value,
-        bool
-        | int
-        | float
-        | complex
-        | str
-        | bytes
-        | types.ModuleType
-        | types.FunctionType
-        | types.MethodType
-        | type
-        | types.BuiltinFunctionType,
-    )
+    return value is None or isinstance(value, _VALUES + _CODE)
 
 
 def _code_identity(code: types.CodeType, seen: set[int], depth: int) -> bytes:
