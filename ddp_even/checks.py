@@ -7,7 +7,9 @@ torch itself.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +17,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     from torch.distributed.algorithms.join import Joinable
+
+logger = logging.getLogger("ddp_even")
 
 
 def check_positive_int(name: str, value: object) -> None:
@@ -111,6 +115,28 @@ def checked_loader_arguments(
     check_group(group)
     check_plan(plan)
     return checked_joinables(joinables)
+
+
+def check_world_size(planned: int, world_size: int) -> None:
+    """``ValueError`` when a shard plan for ``planned`` ranks is used on ``world_size``."""
+    if planned != world_size:
+        raise ValueError(
+            f"the shard plan is for {planned} ranks but the process group has "
+            f"{world_size}; plan with world_size={world_size}"
+        )
+
+
+def warn_if_launched_without_a_group() -> None:
+    """A launcher said several processes, but no process group joins them: say how to fix it."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    # Said by the process the launcher numbered 0: every process would say the same.
+    if launched.isdigit() and int(launched) > 1 and os.environ.get("RANK", "0") == "0":
+        logger.warning(
+            "WORLD_SIZE=%s but no torch.distributed process group is initialized: every "
+            "process runs its own step count and nothing is kept even. Call "
+            "torch.distributed.init_process_group() before iterating the EvenLoader",
+            launched,
+        )
 
 
 def taken_once(name: str, argument: Any, reader_options: dict[str, Any]) -> Any:

@@ -17,15 +17,15 @@ from torch.distributed.algorithms.join import Joinable
 
 from ddp_even.agreement.control_group import start_heartbeat_for
 from ddp_even.agreement.transport import Agreer, agreer_for
-from ddp_even.checks import check_batching_loader, check_timeout, checked_loader_arguments
-from ddp_even.modes import Mode, mode_named
-from ddp_even.process_group import group_is_up
-from ddp_even.runtime.environment import (
+from ddp_even.checks import (
+    check_batching_loader,
+    check_timeout,
     check_world_size,
-    rank_and_world_size,
-    refuse_join_inside_lightning,
+    checked_loader_arguments,
     warn_if_launched_without_a_group,
 )
+from ddp_even.modes import Mode, mode_named
+from ddp_even.process_group import group_is_up, rank_and_world_size
 from ddp_even.runtime.epoch_shape import EpochStart, FooterPlan, run_epoch, settle_epoch
 from ddp_even.runtime.epochs import EpochRun
 from ddp_even.runtime.feed import ShardFeed
@@ -356,7 +356,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         plan = self._known_plan
         if plan is not None:
             rank, world_size = rank_and_world_size(self._group)
-            check_world_size(plan, world_size)
+            check_world_size(plan.world_size, world_size)
             return self._mode.steps_per_rank(plan.batches_per_rank, self._steps_per_epoch)[rank]
         steps = None if self._current_run is None else self._current_run.agreed_steps
         if steps is None:
@@ -423,8 +423,6 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
                 from ddp_even.resume.state import check_resumed_reading
 
                 check_resumed_reading(start, feed, self._passes, agreer.rank)
-            if not self._mode.shares_steps and agreer.world_size > 1:
-                refuse_join_inside_lightning()
             self._current_run = run
             self._handed_out.epoch_started()
             if start.step is not None:

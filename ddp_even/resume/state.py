@@ -24,7 +24,7 @@ from ddp_even.errors import StateMismatchError
 from ddp_even.modes import Mode
 from ddp_even.planning.provenance import Provenance
 from ddp_even.planning.sharding import SHARDINGS
-from ddp_even.runtime.environment import rank_and_world_size
+from ddp_even.process_group import rank_and_world_size
 from ddp_even.runtime.epoch_shape import EpochStart
 from ddp_even.runtime.settings import mismatched_settings
 from ddp_even.sources import PlannedSource, ShardSource, as_source

@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ddp_even.runtime.environment import check_world_size
+from ddp_even.checks import check_world_size
 from ddp_even.runtime.epochs import EpochRun, run_known_lengths, run_windows
-from ddp_even.runtime.stats import RankCounts
+from ddp_even.runtime.feed import RankCounts
 
 if TYPE_CHECKING:
     from torch.distributed.algorithms.join import Joinable
@@ -141,7 +141,7 @@ def settle_epoch(
         footer_plan.settle(feed, agreer, unwindowed, epoch, wants_plan)
     plan = start.plan or configured.plan or (footer_plan.plan if wants_plan else None)
     if plan is not None:
-        check_world_size(plan, agreer.world_size)
+        check_world_size(plan.world_size, agreer.world_size)
         known_batches = counts.planned_batches = plan.batches_per_rank[rank]
         counts.planned_rows = plan.rows_per_rank[rank]
     if agrees_as_it_goes or (mode.weighs_batches and plan is None):

@@ -30,14 +30,14 @@ from ddp_even.agreement.transport import Agreer
 from ddp_even.agreement.wire import SHORT_MOST, Agreement, Report, error_from_reports
 from ddp_even.errors import EmptyShardError, RankMismatchError
 from ddp_even.modes import WindowDecision
-from ddp_even.runtime.feed import FedBatch, ShardFeed
+from ddp_even.runtime.feed import FedBatch, RankCounts, ShardFeed
 from ddp_even.runtime.iteration import BatchMarks
 from ddp_even.runtime.settings import Settings
 from ddp_even.runtime.source_checks import LARGEST_PROPOSAL, CheckSchedule
-from ddp_even.runtime.stats import EpochStats, RankCounts, gather_epoch_stats
 
 if TYPE_CHECKING:
     from ddp_even.runtime.padding import PadWeights
+    from ddp_even.runtime.stats import EpochStats
 
 logger = logging.getLogger("ddp_even")
 
@@ -100,6 +100,8 @@ class EpochRun(Generic[BatchT]):
 
     def finish(self, had_more_own_data: bool) -> None:
         """Gather the statistics; called at a point every rank reaches."""
+        from ddp_even.runtime.stats import gather_epoch_stats
+
         self.agreed_check_spacing = self.settle_check() or 0
         self.counts.truncated = had_more_own_data
         # A rank that handed out nothing still started its source once.

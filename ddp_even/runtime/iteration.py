@@ -7,11 +7,13 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Generator, Iterator
-from typing import Generic, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
 from ddp_even.errors import EvenLoaderError
 from ddp_even.liveness.heartbeat import INSIDE, OUTSIDE, presence
-from ddp_even.runtime.stats import EpochStats
+
+if TYPE_CHECKING:
+    from ddp_even.runtime.stats import EpochStats
 
 BatchT = TypeVar("BatchT")
 

@@ -10,6 +10,7 @@ mismatch reaches the joined ranks too.
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -17,12 +18,36 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from ddp_even.errors import EvenLoaderError
+
 if TYPE_CHECKING:
     from ddp_even.runtime.epochs import EpochRun
 
 BatchT = TypeVar("BatchT")
 
 __all__ = ["run_join"]
+
+
+def refuse_join_inside_lightning() -> None:
+    """Join mode cannot work inside Lightning's fit loop: fail at once, on every rank.
+
+    Lightning makes a collective of its own at every step, which torch's ``Join`` cannot
+    shadow; every rank runs this check at the same point, so every rank raises. Relies on one
+    CPython private, ``sys._getframe``, to see whether Lightning's fit loop called (the frames
+    of every Python, tested by ``tests/test_lightning.py``).
+    """
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(("lightning.pytorch.", "pytorch_lightning.")):
+            raise EvenLoaderError(
+                "join mode cannot run inside a Lightning Trainer: Lightning makes a collective "
+                "of its own at every step (it broadcasts a stop signal), which torch's Join "
+                "cannot shadow for the ranks that ran out, so the job would hang. Use "
+                "mode='pad' (every row once, as join) or mode='truncate' or mode='cycle' under "
+                "Lightning"
+            )
+        frame = frame.f_back
 
 
 class _LoaderJoinable(Joinable):
@@ -75,6 +100,7 @@ class _KeepWarningFilters:
 
 
 def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[BatchT]:
+    refuse_join_inside_lightning()
     window = run.settings.sync_every
     assert window is not None
 

@@ -8,65 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ddp_even.runtime.feed import RankCounts
+
 logger = logging.getLogger("ddp_even")
-
-# How an unknown count (None) travels in the gathered int64 vectors.
-_UNKNOWN = -1
-
-
-@dataclass
-class RankCounts:
-    """One rank's running counts during an epoch; every field travels as one int64."""
-
-    steps: int = 0
-    own_batches: int = 0
-    repeated_batches: int = 0
-    passes: int = 0
-    # None once a batch's size could not be read.
-    samples: int | None = 0
-    # Rows of the first pass handed out.
-    own_samples: int | None = 0
-    truncated: bool = False
-    # This rank's batches and rows according to a shard plan, when there is one.
-    planned_batches: int | None = None
-    planned_rows: int | None = None
-    # Padding handed out past the rank's data (pad).
-    padded_batches: int = 0
-    padded_rows: int | None = 0
-
-    def count_batch(self, pass_number: int, rows: int | None, padding: bool = False) -> None:
-        self.steps += 1
-        if padding:
-            self.padded_batches += 1
-            self.padded_rows = _add(self.padded_rows, rows)
-        elif pass_number > 1:
-            self.repeated_batches += 1
-        else:
-            self.own_batches += 1
-            self.own_samples = _add(self.own_samples, rows)
-        self.passes = max(self.passes, pass_number)
-        self.samples = _add(self.samples, rows)
-
-    def as_vector(self) -> list[int]:
-        return [_UNKNOWN if value is None else int(value) for value in self._values()]
-
-    def _values(self) -> list[int | bool | None]:
-        return [getattr(self, name) for name in _COLUMNS]
-
-    @classmethod
-    def columns_of(cls, rows: Sequence[Sequence[int]]) -> dict[str, tuple[int | None, ...]]:
-        """Gathered vectors (one per rank) as named per-rank columns, unknowns as None."""
-        return {
-            name: tuple(None if value == _UNKNOWN else value for value in column)
-            for name, column in zip(_COLUMNS, zip(*rows, strict=True), strict=True)
-        }
-
-
-_COLUMNS = tuple(counted.name for counted in dataclasses.fields(RankCounts))
-
-
-def _add(total: int | None, rows: int | None) -> int | None:
-    return None if total is None or rows is None else total + rows
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ class ShardPass(Generic[BatchT]):
         endless: bool = False,
         reading: PassReading | None = None,
     ) -> None:
-        self._batches = batches
+        # What the pass reads: the feed takes each batch from it directly.
+        self.batches = batches
         self._on_close = on_close
         self._give_back = give_back
         # Rows in a batch, or None where the batch's size cannot be read.
@@ -91,7 +92,7 @@ class ShardPass(Generic[BatchT]):
         return self
 
     def __next__(self) -> BatchT:
-        return next(self._batches)
+        return next(self.batches)
 
     def give_back(self, unused: list[BatchT]) -> None:
         """Batches read ahead but never handed out: a source that continues keeps them."""
@@ -99,7 +100,7 @@ class ShardPass(Generic[BatchT]):
             self._give_back(unused)
 
     def close(self) -> None:
-        close_generator = getattr(self._batches, "close", None)
+        close_generator = getattr(self.batches, "close", None)
         if callable(close_generator):
             close_generator()
         if self._on_close is not None:
