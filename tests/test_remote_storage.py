@@ -89,12 +89,12 @@ def _petastorm_round_robin(url: str, storage_options: dict[str, Any], rank: int,
     from petastorm.reader import Reader
     from petastorm.workers_pool.dummy_pool import DummyPool
 
-    from ddp_even.petastorm.legacy_filesystem import legacy_filesystem
+    from ddp_even.petastorm.legacy_filesystem import ArrowLegacyFileSystem
 
     resolved = resolve_dataset(url, storage_options=storage_options)
     batched = kind != "unischema"
     with Reader(
-        legacy_filesystem(resolved.storage.filesystem),
+        ArrowLegacyFileSystem(resolved.storage.filesystem),
         list(resolved.paths) if resolved.is_list else resolved.paths[0],
         worker_class=ArrowReaderWorker if batched else PyDictReaderWorker,
         is_batched_reader=batched,

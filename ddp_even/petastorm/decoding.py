@@ -105,9 +105,7 @@ class PetastormDecoding(Decoding):
                 "them too. Fill them when writing, or drop the field (schema_fields)"
             )
         codec = field.codec
-        plain_number = np.issubdtype(np.dtype(field.numpy_dtype), np.number) or np.issubdtype(
-            np.dtype(field.numpy_dtype), np.bool_
-        )
+        plain_number = np.dtype(field.numpy_dtype).kind in "biufc"  # a number or a boolean
         if (codec is None or type(codec).__name__ == "ScalarCodec") and plain_number:
             # Whole columns at once: what decode_row does value by value (numpy_dtype(value)).
             values = column.to_numpy().astype(field.numpy_dtype)

@@ -2,7 +2,7 @@
 build petastorm readers themselves on remote data (docs/remote-storage.md), the wrapped loop.
 
 pyarrow 14 takes its legacy dataset path, the one petastorm's ``validate_schema=`` needs, only
-for a legacy filesystem; :func:`legacy_filesystem` gives it one over a ``pyarrow.fs``
+for a legacy filesystem; :class:`ArrowLegacyFileSystem` gives it one over a ``pyarrow.fs``
 filesystem (``resolve_dataset(url, storage_options=...).storage.filesystem``), so petastorm
 names its files exactly as a plan of the same URL does.
 (:mod:`ddp_even.storage.resolve` goes the other way for a legacy filesystem a user passes.)
@@ -10,82 +10,66 @@ names its files exactly as a plan of the same URL does.
 
 from __future__ import annotations
 
-import functools
 import posixpath
 from collections.abc import Iterator
 from typing import Any
 
 import pyarrow.fs as pafs
+from pyarrow.filesystem import FileSystem as LegacyFileSystem
 
-__all__ = ["legacy_filesystem"]
+__all__ = ["ArrowLegacyFileSystem"]
 
 
-def legacy_filesystem(filesystem: pafs.FileSystem) -> Any:
-    """``filesystem`` as the legacy ``pyarrow.filesystem`` object petastorm 0.12.1 reads through.
+class ArrowLegacyFileSystem(LegacyFileSystem):  # type: ignore[misc]  # pyarrow is untyped
+    """A ``pyarrow.fs`` ``filesystem`` as the legacy ``pyarrow.filesystem`` object petastorm
+    0.12.1 reads through.
 
-    pyarrow 14 takes its legacy dataset path (the one petastorm's ``validate_schema=`` needs)
-    only for a legacy filesystem; this adapter gives it one that lists and opens files with
-    the ``pyarrow.fs`` filesystem planning used. It pickles (for petastorm's process pool)
+    It answers what pyarrow 14's legacy ``ParquetDataset`` calls, listing and opening files
+    with the ``pyarrow.fs`` filesystem planning used. It pickles (for petastorm's process pool)
     when ``filesystem`` does.
 
     Example:
         >>> import pyarrow.fs
-        >>> legacy = legacy_filesystem(pyarrow.fs.LocalFileSystem())
+        >>> legacy = ArrowLegacyFileSystem(pyarrow.fs.LocalFileSystem())
         >>> legacy.isdir("/tmp"), legacy.pathsep
         (True, '/')
     """
-    adapter: Any = _legacy_adapter_class()(filesystem)
-    return adapter
 
+    pathsep = "/"
 
-@functools.cache
-def _legacy_adapter_class() -> type:
-    """Defined on first use: importing ``pyarrow.filesystem`` is needed only for reading."""
-    from pyarrow.filesystem import FileSystem as LegacyFileSystem
+    def __init__(self, filesystem: pafs.FileSystem) -> None:
+        self.filesystem = filesystem
 
-    class ArrowLegacyFileSystem(LegacyFileSystem):  # type: ignore[misc]  # pyarrow is untyped
-        """What pyarrow 14's legacy ``ParquetDataset`` calls, answered by a ``pyarrow.fs``."""
+    def _type(self, path: str) -> Any:
+        return self.filesystem.get_file_info(path).type
 
-        pathsep = "/"
+    def isdir(self, path: str) -> bool:
+        return bool(self._type(path) == pafs.FileType.Directory)
 
-        def __init__(self, filesystem: pafs.FileSystem) -> None:
-            self.filesystem = filesystem
+    def isfile(self, path: str) -> bool:
+        return bool(self._type(path) == pafs.FileType.File)
 
-        def __reduce__(self) -> tuple[Any, tuple[pafs.FileSystem]]:
-            return legacy_filesystem, (self.filesystem,)
+    def exists(self, path: str) -> bool:
+        return bool(self._type(path) != pafs.FileType.NotFound)
 
-        def _type(self, path: str) -> Any:
-            return self.filesystem.get_file_info(path).type
+    def _isfilestore(self) -> bool:
+        return bool(self.filesystem.type_name == "local")
 
-        def isdir(self, path: str) -> bool:
-            return bool(self._type(path) == pafs.FileType.Directory)
+    def ls(self, path: str) -> list[str]:
+        return [info.path for info in self.filesystem.get_file_info(pafs.FileSelector(path))]
 
-        def isfile(self, path: str) -> bool:
-            return bool(self._type(path) == pafs.FileType.File)
+    def walk(self, path: str) -> Iterator[tuple[str, list[str], list[str]]]:
+        # Lazily, level by level: pyarrow's manifest takes only the first level of each.
+        pending = [path]
+        while pending:
+            directory = pending.pop(0)
+            infos = self.filesystem.get_file_info(pafs.FileSelector(directory))
+            names = [info.base_name for info in infos if info.type == pafs.FileType.Directory]
+            files = [info.base_name for info in infos if info.type != pafs.FileType.Directory]
+            yield directory, names, files
+            pending.extend(posixpath.join(directory, name) for name in names)
 
-        def exists(self, path: str) -> bool:
-            return bool(self._type(path) != pafs.FileType.NotFound)
-
-        def _isfilestore(self) -> bool:
-            return bool(self.filesystem.type_name == "local")
-
-        def ls(self, path: str) -> list[str]:
-            return [info.path for info in self.filesystem.get_file_info(pafs.FileSelector(path))]
-
-        def walk(self, path: str) -> Iterator[tuple[str, list[str], list[str]]]:
-            # Lazily, level by level: pyarrow's manifest takes only the first level of each.
-            pending = [path]
-            while pending:
-                directory = pending.pop(0)
-                infos = self.filesystem.get_file_info(pafs.FileSelector(directory))
-                names = [info.base_name for info in infos if info.type == pafs.FileType.Directory]
-                files = [info.base_name for info in infos if info.type != pafs.FileType.Directory]
-                yield directory, names, files
-                pending.extend(posixpath.join(directory, name) for name in names)
-
-        def open(self, path: str, mode: str = "rb") -> Any:
-            if mode != "rb":
-                raise OSError(f"ddp_even reads datasets only; cannot open {path} with mode {mode}")
-            return self.filesystem.open_input_file(path)
-
-    return ArrowLegacyFileSystem
+    def open(self, path: str, mode: str = "rb") -> Any:
+        if mode != "rb":
+            raise OSError(f"ddp_even reads datasets only; cannot open {path} with mode {mode}")
+        return self.filesystem.open_input_file(path)

@@ -69,12 +69,9 @@ class ReaderReading(PassReading):
         self._reader = reader
         self._loader = loader
         self.row_groups = row_groups
-        # Worked out once, when first asked (a state saved, a resume checked).
-        self._known_pieces: list[Any] | None = None
-        self._known_provenance: Provenance | None = None
 
     def dataset_row_groups(self) -> int:
-        return len(self._pieces())
+        return len(self._pieces)
 
     def selects(self) -> bool:
         dataset = self._reader.dataset
@@ -83,10 +80,10 @@ class ReaderReading(PassReading):
         return bool(dataset._partitions) or indexed
 
     def provenance(self) -> Provenance:
-        if self._known_provenance is None:
-            self._known_provenance = self._provenance()
-        return self._known_provenance
+        return self._provenance
 
+    # Worked out once, when first asked (a state saved, a resume checked).
+    @functools.cached_property
     def _provenance(self) -> Provenance:
         reader, loader = self._reader, self._loader
         items = _ventilated_items(reader)
@@ -137,24 +134,22 @@ class ReaderReading(PassReading):
             return None
         return round_robin_plan(self._reader, self._loader.batch_size, rank, world_size)
 
+    @functools.cached_property
     def _pieces(self) -> list[Any]:
         """Petastorm's list of the dataset's row groups (one piece each), as the reader has it."""
-        if self._known_pieces is None:
-            worker = _a_worker(self._reader)
-            if worker is not None:
-                self._known_pieces = list(worker.args[_ROW_GROUPS])
-            else:
-                from petastorm.etl.dataset_metadata import load_row_groups
+        worker = _a_worker(self._reader)
+        if worker is not None:
+            return list(worker.args[_ROW_GROUPS])
+        from petastorm.etl.dataset_metadata import load_row_groups
 
-                self._known_pieces = list(load_row_groups(self._reader.dataset))
-        return self._known_pieces
+        return list(load_row_groups(self._reader.dataset))
 
     def _data_identity(self) -> bytes | Untold:
         """The files, their row groups and their footers, read through the reader's own
         filesystem: another dataset, or this one rewritten, has another."""
         from ddp_even.parquet.row_group_list import footer_digest
 
-        pieces = self._pieces()
+        pieces = self._pieces
         paths = list(dict.fromkeys(str(piece.path) for piece in pieces))
         filesystem = self._reader.dataset._fs
         digest = hashlib.sha256()

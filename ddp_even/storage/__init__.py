@@ -2,8 +2,8 @@
 
 Example:
     >>> from ddp_even.storage import resolve_dataset
-    >>> resolve_dataset("/data/train").storage.is_local
-    True
+    >>> resolve_dataset("file:///data/train/").paths
+    ('/data/train',)
 """
 
 from ddp_even.storage.backends import Storage

@@ -1,8 +1,7 @@
 """What a dataset is read through: :class:`Storage`, over one ``pyarrow.fs`` filesystem.
 
 Planning lists and reads metadata through it, the pyarrow reader opens row groups through it,
-so both name files alike. A failure about credentials, reachability or a bucket becomes a
-one-line :class:`~ddp_even.errors.DatasetError` saying what to check (:class:`FailureHints`).
+so both name files alike.
 """
 
 from __future__ import annotations
@@ -71,8 +70,8 @@ class Storage:
         >>> root = tempfile.mkdtemp()
         >>> pq.write_table(pa.table({"x": [1, 2, 3]}), f"{root}/a.parquet", row_group_size=2)
         >>> storage = resolve_dataset(root).storage
-        >>> storage.is_local, storage.kind(root), storage.read_footer(f"{root}/a.parquet").num_rows
-        (True, 'directory', 3)
+        >>> storage.kind(root), storage.read_footer(f"{root}/a.parquet").num_rows
+        ('directory', 3)
         >>> files, subdirectories = storage.list_directory(root)
         >>> files == dict(zip(["a.parquet"], storage.stamps([f"{root}/a.parquet"]))), subdirectories
         (True, [])
@@ -88,11 +87,6 @@ class Storage:
     hints: FailureHints | None = None
     #: Whether a path's first part is a bucket (``bucket/key``).
     has_buckets: bool = False
-
-    @property
-    def is_local(self) -> bool:
-        """True for the local disk read without ``filesystem=``."""
-        return self.filesystem is None
 
     @property
     def concurrency(self) -> int:

@@ -58,7 +58,7 @@ class ResolvedDataset:
 
     Example:
         >>> resolved = resolve_dataset("file:///data/train/")
-        >>> resolved.paths, resolved.is_list, resolved.storage.is_local
+        >>> resolved.paths, resolved.is_list, resolved.storage.filesystem is None
         (('/data/train',), False, True)
     """
 
