@@ -228,12 +228,12 @@ def parquet_url(tmp_path: Path) -> str:
 def test_a_petastorm_reader_is_found_by_the_registry(parquet_url: str) -> None:
     from petastorm import make_batch_reader
 
-    from ddp_even.petastorm.sources import PetastormReaderSource
+    from ddp_even.petastorm.sources import PetastormSource
 
     reader = make_batch_reader(parquet_url, reader_pool_type="dummy", num_epochs=1)
     try:
         source = as_source(reader)
-        assert type(source) is PetastormReaderSource
+        assert type(source) is PetastormSource and source._loader is None
         assert source.restartable  # the user's reader, read once per epoch: it can be reset
         assert not source.endless
         opened = source.open_pass()
@@ -255,12 +255,12 @@ def test_a_petastorm_loader_and_a_factory_of_readers(parquet_url: str) -> None:
     from petastorm import make_batch_reader
     from petastorm.pytorch import DataLoader as PetastormDataLoader
 
-    from ddp_even.petastorm.sources import PetastormLoaderSource
+    from ddp_even.petastorm.sources import PetastormSource
 
     reader = make_batch_reader(parquet_url, reader_pool_type="dummy", num_epochs=1)
     try:
         source = as_source(PetastormDataLoader(reader, batch_size=3))
-        assert type(source) is PetastormLoaderSource
+        assert type(source) is PetastormSource and source._loader is not None
         batches = list(source.open_pass())
         assert [count_rows(batch) for batch in batches] == [3, 3, 3, 1]
     finally:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,9 +56,9 @@ def _stop_running_readers() -> None:
 def source_for(obj: Any, *, owned: bool) -> ShardSource[Any]:
     """Wrap a petastorm ``DataLoader``/``BatchedDataLoader`` or ``Reader``."""
     if isinstance(obj, LoaderBase):
-        return PetastormLoaderSource(obj, owned=owned)
+        return PetastormSource(obj.reader, owned=owned, loader=obj)
     if isinstance(obj, Reader):
-        return PetastormReaderSource(obj, owned=owned)
+        return PetastormSource(obj, owned=owned)
     raise TypeError(
         f"unsupported petastorm object {type(obj).__name__}: pass a petastorm.pytorch "
         "DataLoader or BatchedDataLoader, or a reader from make_reader / make_batch_reader"
@@ -83,7 +82,10 @@ def _read_to_end(reader: Reader) -> None:
     )
 
 
-class _PetastormSource(ShardSource[Any]):
+class PetastormSource(ShardSource[Any]):
+    """A reader from ``make_reader`` (one row per item) or ``make_batch_reader``, or the
+    ``petastorm.pytorch.DataLoader`` or ``BatchedDataLoader`` (``loader``) around it."""
+
     def __init__(self, reader: Reader, *, owned: bool, loader: LoaderBase | None = None) -> None:
         close_end_of_results_race(getattr(reader, "_workers_pool", None))
         _READERS.add(reader)
@@ -142,39 +144,19 @@ class _PetastormSource(ShardSource[Any]):
             return None
         return ReaderReading(self._reader, row_groups, self._loader)
 
-    @abstractmethod
     def _fresh_pass(self) -> Iterator[Any]:
         """The batches of a new pass (``_begin_pass`` has run)."""
-
-    def _count_samples(self) -> Callable[[Any], int | None] | None:
-        return None  # the default: rows from the batch's shape
-
-
-class PetastormLoaderSource(_PetastormSource):
-    """A ``petastorm.pytorch.DataLoader`` or ``BatchedDataLoader``."""
-
-    def __init__(self, loader: LoaderBase, *, owned: bool) -> None:
-        super().__init__(loader.reader, owned=owned, loader=loader)
-        self._loader: LoaderBase = loader
-
-    def _count_samples(self) -> Callable[[Any], int | None] | None:
-        return _rows_of_columns
-
-    def _fresh_pass(self) -> Iterator[Any]:
-        # DataLoader would emit the previous pass's short last batch again (see module doc).
-        self._loader._batch_acc = []
-        return iter(self._loader)
-
-
-class PetastormReaderSource(_PetastormSource):
-    """A reader from ``make_reader`` (one row per item) or ``make_batch_reader``."""
-
-    def _fresh_pass(self) -> Iterator[Any]:
+        if self._loader is not None:
+            # DataLoader would emit the previous pass's short last batch again (see module doc).
+            self._loader._batch_acc = []
+            return iter(self._loader)
         if self._passes_opened > 1:
             self._reader.reset()
         return _items(self._reader)
 
-    def _count_samples(self) -> Callable[[Any], int | None] | None:
+    def _count_samples(self) -> Callable[[Any], int | None]:
+        if self._loader is not None:
+            return _rows_of_columns
         return count_rows if self._reader.batched_output else _one_row
 
 
