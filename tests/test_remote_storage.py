@@ -197,17 +197,17 @@ def test_progress_bar_appears_once_reading_is_slow(monkeypatch: pytest.MonkeyPat
     screen = io.StringIO()
     monkeypatch.setattr(tables, "_PROGRESS_AFTER_S", 0.0)
     console = Console(file=screen, force_terminal=True, width=100)
-    with tables.MetadataProgress(console) as progress:
+    with tables.metadata_progress(console) as progress:
         progress(3, 10)
         progress(10, 10)
     assert "reading Parquet metadata" in screen.getvalue()
     log_file = io.StringIO()
-    with tables.MetadataProgress(Console(file=log_file)) as progress:
+    with tables.metadata_progress(Console(file=log_file)) as progress:
         progress(3, 10)
     assert log_file.getvalue() == "", "no bar is drawn into a file or pipe"
     quiet = io.StringIO()
     monkeypatch.setattr(tables, "_PROGRESS_AFTER_S", 60.0)
-    with tables.MetadataProgress(Console(file=quiet, force_terminal=True)) as progress:
+    with tables.metadata_progress(Console(file=quiet, force_terminal=True)) as progress:
         progress(3, 10)
     assert quiet.getvalue() == ""
 

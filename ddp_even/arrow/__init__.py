@@ -1,6 +1,6 @@
-"""Planned rows read with pyarrow alone: every guarantee of ``EvenLoader.from_parquet`` on
-today's numpy and pyarrow, without petastorm (``from_parquet(..., engine="arrow")``, and the
-default where petastorm is not installed).
+"""Planned rows read with pyarrow: ``EvenLoader.from_parquet``'s one reader, on every stack
+(petastorm's codecs decode on top of it where a dataset needs them, :mod:`ddp_even.petastorm.
+decoding`).
 
 * ``passes.py``: the options it takes (and those only petastorm has, refused with the reason),
   the plan through :mod:`ddp_even.parquet.dataset_plan`, and the factory of a rank's passes;

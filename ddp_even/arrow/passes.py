@@ -33,7 +33,7 @@ import torch
 
 from ddp_even.arrow.decoding import Decoding
 from ddp_even.arrow.reader import ArrowPass, PassRows
-from ddp_even.checks import check_positive_int, taken_once
+from ddp_even.checks import check_batching_loader, check_positive_int, taken_once
 from ddp_even.errors import PlanMismatchError
 from ddp_even.modes import MODES
 from ddp_even.parquet.dataset_plan import DatasetPlan, PredicateCounting, plan_dataset
@@ -130,11 +130,7 @@ def make_shard_factory(
         >>> rows == plan.rows_per_rank[1]
         True
     """
-    if loader not in ("batched_dataloader", "dataloader"):
-        raise ValueError(
-            f"loader must be 'batched_dataloader' or 'dataloader' (both hand out the same "
-            f"batches of batch_size rows), got {loader!r}: EvenLoader counts batches"
-        )
+    check_batching_loader(loader)
     if reader not in ("batch", "row"):
         raise ValueError(
             f"reader must be 'batch' (Parquet's values) or 'row' (a petastorm Unischema "

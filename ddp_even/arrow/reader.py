@@ -196,30 +196,22 @@ class _Footers:
 
     def __init__(self, reading: PassRows) -> None:
         self.reading = reading
+        # Each dict operation is atomic: threads that open a file at once both store its footer.
         self._footers: dict[int, pq.FileMetaData] = {}
-        self._lock = threading.Lock()
 
     def open(self, file_index: int) -> tuple[pq.ParquetFile, Any]:
         """The file (to close after), parsed with the footer read before."""
         storage = self.reading.resolved.storage
         source = storage.open_input_file(self.reading.row_groups.files[file_index])
-        with self._lock:
-            footer = self._footers.get(file_index)
-        parquet_file = pq.ParquetFile(source, metadata=footer)
-        if footer is None:
-            with self._lock:
-                self._footers[file_index] = parquet_file.metadata
+        parquet_file = pq.ParquetFile(source, metadata=self._footers.get(file_index))
+        self._footers.setdefault(file_index, parquet_file.metadata)
         return parquet_file, source
 
     def footer(self, file_index: int) -> pq.FileMetaData:
         """The file's footer, opening the file only the first time (a request on a store)."""
-        with self._lock:
-            footer = self._footers.get(file_index)
-        if footer is None:
-            parquet_file, source = self.open(file_index)
-            source.close()
-            footer = parquet_file.metadata
-        return footer
+        if file_index not in self._footers:
+            self.open(file_index)[1].close()
+        return self._footers[file_index]
 
     def columns(self, file_index: int) -> list[str]:
         """The columns the pass hands out from this file: those asked for, or all of them

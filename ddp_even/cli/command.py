@@ -137,7 +137,7 @@ def plan_command(
     if balanced:
         click.echo("--balanced is deprecated: use --sharding row_groups", err=True)
     try:
-        with tables.MetadataProgress(Console(stderr=True)) as progress:
+        with tables.metadata_progress(Console(stderr=True)) as progress:
             planned = plan_dataset(
                 location,
                 world_size,

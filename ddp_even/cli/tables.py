@@ -10,29 +10,30 @@ waste measures.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
 from rich.table import Table
 from rich.text import Text
 
 from ddp_even.modes import MODES
 from ddp_even.planning.plans import ShardPlan
-from ddp_even.planning.row_groups import RowGroups
+from ddp_even.planning.row_groups import Progress, RowGroups
 from ddp_even.planning.sharding import SHARDINGS
 
 __all__ = [
     "Column",
-    "MetadataProgress",
     "Section",
     "header_lines",
     "json_document",
     "markdown",
+    "metadata_progress",
     "print_tables",
     "sections",
 ]
@@ -184,42 +185,36 @@ def json_document(
     return document
 
 
-class MetadataProgress:
-    """A progress bar for metadata reads, shown only once they have taken over a second."""
+@contextlib.contextmanager
+def metadata_progress(console: Console) -> Iterator[Progress]:
+    """A progress bar for metadata reads, shown only once they have taken over a second: the
+    ``progress(done, total)`` callback to read with."""
+    display = RichProgress(
+        TextColumn("reading Parquet metadata"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    task = display.add_task("metadata", total=None)
+    started = time.monotonic()
 
-    def __init__(self, console: Console) -> None:
-        self._display = Progress(
-            TextColumn("reading Parquet metadata"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-        )
-        self._task = self._display.add_task("metadata", total=None)
-        self._started = time.monotonic()
-
-    def __enter__(self) -> MetadataProgress:
-        return self
-
-    def __call__(self, done: int, total: int) -> None:
-        self._display.update(self._task, completed=done, total=total)
+    def report(done: int, total: int) -> None:
+        display.update(task, completed=done, total=total)
         if (
-            not self._display.live.is_started
-            and self._display.console.is_terminal  # a log file gets no redrawn bar
-            and time.monotonic() - self._started >= _PROGRESS_AFTER_S
+            not display.live.is_started
+            and console.is_terminal  # a log file gets no redrawn bar
+            and time.monotonic() - started >= _PROGRESS_AFTER_S
             and done < total
         ):
-            self._display.start()
+            display.start()
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        if self._display.live.is_started:  # stopped, a bar never shown would print a line
-            self._display.stop()
+    try:
+        yield report
+    finally:
+        if display.live.is_started:  # stopped, a bar never shown would print a line
+            display.stop()
 
 
 def _rank_section(plan: ShardPlan, most_listed: int | None) -> Section:

@@ -98,11 +98,11 @@ class PassOrder:
 
     def is_known(self, plan: ShardPlan) -> bool:
         """Whether the order follows from the plan: no shuffle, or a seeded one."""
-        return (
-            not self.shuffle_row_groups
-            or self.seed is not None
-            or SHARDINGS[plan.sharding].every_rank_reads_everything
-        )
+        return not self.shuffle_row_groups or self._seeded(plan)
+
+    def _seeded(self, plan: ShardPlan) -> bool:
+        """Whether each epoch has a seed (:func:`epoch_seed`): one given, or replicate's own."""
+        return self.seed is not None or SHARDINGS[plan.sharding].every_rank_reads_everything
 
     def why_not_known(self, plan: ShardPlan, shuffle_rows: bool) -> str | None:
         """Why a pass's rows may come in another order than :meth:`rows` and a seeded row
@@ -119,17 +119,12 @@ class PassOrder:
                 "row groups are shuffled without a seed (pass seed=... in reader_kwargs, or "
                 "shuffle_row_groups=False)"
             )
-        seeded = self.seed is not None or SHARDINGS[plan.sharding].every_rank_reads_everything
-        if shuffle_rows and not seeded:
+        if shuffle_rows and not self._seeded(plan):
             return (
                 "rows are shuffled without a seed (pass seed=... in reader_kwargs, or "
                 "shuffle_rows=False)"
             )
         return None
-
-    def row_group_seed(self, plan: ShardPlan, rank: int, epoch: int) -> int | None:
-        """The seed that permutes ``rank``'s row groups in ``epoch``, or None (plan order)."""
-        return epoch_seed(self.seed, epoch, rank, plan) if self.shuffle_row_groups else None
 
     def rows(self, plan: ShardPlan, sizes: Sequence[int], rank: int, epoch: int) -> list[RowRange]:
         """What :func:`pass_rows` gives for ``rank``'s pass of ``epoch`` over ``plan``.
@@ -138,4 +133,5 @@ class PassOrder:
         """
         if not self.is_known(plan):
             raise ValueError("row groups shuffled without a seed have no order to compute")
-        return pass_rows(plan, rank, sizes, self.row_group_seed(plan, rank, epoch))
+        seed = epoch_seed(self.seed, epoch, rank, plan) if self.shuffle_row_groups else None
+        return pass_rows(plan, rank, sizes, seed)

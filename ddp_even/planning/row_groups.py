@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -31,9 +31,6 @@ Progress = Callable[[int, int], None]
 # (petastorm.etl.dataset_metadata.ROW_GROUPS_PER_FILE_KEY); copied so that planning does not
 # import petastorm. tests/test_plan.py checks that the two agree.
 ROW_GROUPS_PER_FILE_KEY = b"dataset-toolkit.num_row_groups_per_file.v1"
-
-_Item = TypeVar("_Item")
-_Result = TypeVar("_Result")
 
 
 @dataclass(frozen=True)

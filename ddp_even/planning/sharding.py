@@ -38,7 +38,6 @@ __all__ = [
     "Sharding",
     "ShardingPolicy",
     "Shards",
-    "check_sharding",
     "shard_rows",
     "sharding_from",
 ]
@@ -149,28 +148,21 @@ SHARDINGS: dict[Sharding, ShardingPolicy] = {
 assert tuple(SHARDINGS) == get_args(Sharding), "Sharding names every policy, in order"
 
 
-def check_sharding(sharding: object) -> Sharding:
-    """``sharding`` if it names a sharding; a ``ValueError`` listing them otherwise.
-
-    Example:
-        >>> check_sharding("rows")
-        'rows'
-    """
-    for known in SHARDINGS:
-        if sharding == known:
-            return known
-    raise ValueError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}; got {sharding!r}")
-
-
 def sharding_from(sharding: object, balanced: bool | None) -> Sharding:
-    """The sharding asked for, taking the deprecated ``balanced`` flag into account: the one
-    place that knows it (``balanced=True`` is ``"row_groups"``, ``False`` ``"round_robin"``).
+    """The sharding asked for (a ``ValueError`` listing them for another name), taking the
+    deprecated ``balanced`` flag into account: the one place that knows it (``balanced=True``
+    is ``"row_groups"``, ``False`` ``"round_robin"``).
 
     Example:
         >>> sharding_from("rows", None)
         'rows'
     """
-    checked = check_sharding(sharding)
+    # Compared, not looked up: an unhashable value is refused as any other.
+    checked = next((known for known in SHARDINGS if known == sharding), None)
+    if checked is None:
+        raise ValueError(
+            f"sharding must be one of {', '.join(map(repr, SHARDINGS))}; got {sharding!r}"
+        )
     if balanced is None:
         return checked
     if not isinstance(balanced, bool):
