@@ -11,8 +11,8 @@ of ranks plans the same row groups again (:meth:`DatasetPlan.for_ranks`).
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,27 +151,25 @@ def _counted(
     """``footers`` with the rows the predicate keeps in each row group."""
     predicate = counting.predicate
     fields = check_predicate_fields(predicate, resolved, footers, partitions)
-
-    def count_share(indices: Sequence[int]) -> list[int]:
-        return count_in_columns(
-            resolved,
-            footers,
-            indices,
-            predicate,
-            fields,
-            partitions=partitions,
-            kept=counting.kept,
-        )
-
-    spread = share is not None and world_size > 1
+    count_share = functools.partial(
+        count_in_columns,
+        resolved,
+        footers,
+        predicate=predicate,
+        fields=fields,
+        partitions=partitions,
+        kept=counting.kept,
+    )
+    if share is None or world_size == 1:  # this rank counts every row group
+        rank, world_size, share = 0, 1, _alone
     return matching_rows(
         footers,
         predicate,
         key_parts=[counting.kind],
         count_share=count_share,
-        rank=rank if spread else 0,
-        world_size=world_size if spread else 1,
-        share=share if spread and share is not None else _alone,
+        rank=rank,
+        world_size=world_size,
+        share=share,
     )
 
 

@@ -262,12 +262,11 @@ class MetadataReader:
         try:
             return self.storage.read_footer(path)
         except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
-            raise self._unreadable(error, path, listed) from error
+            raise self.storage.explain(error, path) or self._unreadable(
+                error, path, listed
+            ) from error
 
     def _unreadable(self, error: BaseException, path: str, listed: bool) -> DatasetError:
-        explained = self.storage.explain(error, path)
-        if explained is not None:
-            return explained
         if listed and isinstance(error, OSError):
             # Only now ask what the path is: a listed file costs no extra request otherwise.
             kind = self.storage.kind(path)
@@ -288,10 +287,7 @@ class MetadataReader:
         try:
             summary = self.storage.read_summary(path)
         except (OSError, ValueError) as error:
-            explained = self.storage.explain(error, path)
-            if explained is not None:
-                raise explained from error
-            raise DatasetError(
+            raise self.storage.explain(error, path) or DatasetError(
                 f"{self.storage.url(path)} is not a readable Parquet summary file ({error})"
                 f"{petastorm_too('petastorm cannot open the dataset either')}: delete or "
                 "regenerate it"
