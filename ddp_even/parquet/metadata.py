@@ -4,10 +4,8 @@ Petastorm's list of row groups comes from Parquet metadata only, so it is rebuil
 petastorm and without reading any data:
 
 1. The files. A directory is walked like pyarrow 14's legacy ``ParquetManifest`` (which
-   petastorm 0.12.1 uses): names starting with ``_`` or ``.``, ``*.crc`` and ``_SUCCESS``
-   are skipped, names ending in ``_metadata`` / ``_common_metadata`` are summary files,
-   subdirectories must be hive partitions (``key=value``), and all data files are sorted by
-   full path. A list of files keeps the order given.
+   petastorm 0.12.1 uses; :mod:`ddp_even.parquet.layout` has its rules); a list of files keeps
+   the order given.
 2. The row groups (``petastorm.etl.dataset_metadata.load_row_groups``), from the first source
    that exists:
 
