@@ -37,7 +37,7 @@ Variants:
   steps (K=16); pad the same (over lists, without a plan, each agreement comes with a sum of
   the window's real rows: a second collective, started with it); ddp_even with known lengths
   (a list source, ``sync_every=None``: one agreement per epoch, and a check of the sources
-  every ``CHECK_EVERY`` steps, further apart where steps are short (``runtime/source_checks.py``),
+  every ``CHECK_EVERY`` steps, further apart where steps are short (``runtime/settings.py``),
   and after the last), the same with a check every ``CHECK_EVERY`` steps whatever the steps
   take (beside the hand-written known lengths) and with only the check after the last step:
   the differences are what the spacing saves and what the checks cost;
@@ -97,7 +97,7 @@ from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, in_turn, run_on_ranks
 from benchmarks.report import warn_if_loaded, write_results
 from ddp_even import EvenLoader, allreduce_hook
 from ddp_even.agreement.transport import CollectiveAgreer
-from ddp_even.runtime import source_checks
+from ddp_even.runtime import settings as check_settings
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Step = Callable[[Batch], None]
@@ -109,7 +109,7 @@ HOOKED = "floor, DDP through allreduce_hook"
 # The known-lengths variants whose only check of the sources is the one after the last step,
 # and whose checks are every CHECK_EVERY steps whatever the steps take.
 ONE_CHECK = "(one check, after the last step)"
-EVERY_16 = f"(a check every {source_checks.CHECK_EVERY} steps)"
+EVERY_16 = f"(a check every {check_settings.CHECK_EVERY} steps)"
 LONG_ONLY = "ddp_even truncate K=1 (two int64s)"
 OVERLAPPED = "hand-written overlapped count "
 HAND_KNOWN = f"hand-written known lengths {EVERY_16}"
@@ -466,7 +466,7 @@ def variants_for(workload: Workload, shard: list[Batch], equal: int, window: int
         Variant(
             HAND_KNOWN,
             FLOOR,
-            lambda: with_boundaries(known_lengths(shard, source_checks.CHECK_EVERY)),
+            lambda: with_boundaries(known_lengths(shard, check_settings.CHECK_EVERY)),
             step,
         ),
         Variant(JOIN, join_reference, lambda: shard, workload.join_step, join),
@@ -483,7 +483,7 @@ def variants_for(workload: Workload, shard: list[Batch], equal: int, window: int
             FLOOR,
             even("truncate", None),
             step,
-            functools.partial(_check_spacing, source_checks.CHECK_EVERY),
+            functools.partial(_check_spacing, check_settings.CHECK_EVERY),
         ),
         Variant(
             f"ddp_even truncate known lengths {ONE_CHECK}",
@@ -512,12 +512,12 @@ def _long_form_only() -> Iterator[None]:
 def _check_spacing(steps: int) -> Iterator[None]:
     """Known lengths with the checks of the sources ``steps`` apart whatever the steps take
     (the one after the last step stays): beside the default spacing, what it saves."""
-    saved = source_checks.CHECK_EVERY, source_checks.MOST_STEPS_BETWEEN_CHECKS
-    source_checks.CHECK_EVERY = source_checks.MOST_STEPS_BETWEEN_CHECKS = steps
+    saved = check_settings.CHECK_EVERY, check_settings.MOST_STEPS_BETWEEN_CHECKS
+    check_settings.CHECK_EVERY = check_settings.MOST_STEPS_BETWEEN_CHECKS = steps
     try:
         yield
     finally:
-        source_checks.CHECK_EVERY, source_checks.MOST_STEPS_BETWEEN_CHECKS = saved
+        check_settings.CHECK_EVERY, check_settings.MOST_STEPS_BETWEEN_CHECKS = saved
 
 
 def measure_on_rank(rank: int, world_size: int, config: BenchConfig) -> dict[str, Any]:
@@ -619,17 +619,17 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     f"{row['added_s'] * 1e6:+.1f} us wall a step; with no check in the loop "
                     "(truncate, only the one after the last step) "
                     f"{one_check['added_cpu_s'] * 1e6:+.1f} us CPU; by hand, a check every "
-                    f"{source_checks.CHECK_EVERY} steps, {hand['added_cpu_s'] * 1e6:+.1f} us CPU",
+                    f"{check_settings.CHECK_EVERY} steps, {hand['added_cpu_s'] * 1e6:+.1f} us CPU",
                 }
             )
         for variant in ("ddp_even truncate known lengths", "ddp_even cycle known lengths"):
             row = rows[(workload, variant)]
             in_loop = row["collectives_in_loop"]
-            checks = -(-row["steps"] // source_checks.CHECK_EVERY)
+            checks = -(-row["steps"] // check_settings.CHECK_EVERY)
             targets.append(
                 {
                     "target": "known lengths: no agreement between the first and last step, "
-                    f"a check of the sources at most every {source_checks.CHECK_EVERY} steps "
+                    f"a check of the sources at most every {check_settings.CHECK_EVERY} steps "
                     "and after the last",
                     "variant": f"{variant} ({workload})",
                     "passed": 1 <= in_loop <= checks,

@@ -23,7 +23,7 @@ side in the same process:
 * ``petastorm, ranks held together`` (two ranks only): petastorm's own loop with, written by
   hand, the collectives ddp_even adds to an epoch of known lengths: an agreement before the
   first batch, asynchronous checks of one int64 at the steps ddp_even's own schedule picks
-  (:class:`~ddp_even.runtime.source_checks.CheckSchedule`: 16 steps apart, or as many as take
+  (:class:`~ddp_even.runtime.settings.CheckSchedule`: 16 steps apart, or as many as take
   50 ms, up to 1,024; a later epoch starting at the spacing the last one agreed), each waited
   for at the next, a check after the last batch and the ranks' counts gathered. Between it and
   ``petastorm`` is what keeping ranks in step this way costs on the machine; between it and
@@ -90,7 +90,7 @@ from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, in_turn, run_on_ranks
 from benchmarks.report import warn_if_loaded, write_results
 from ddp_even import EvenLoader
 from ddp_even.planning.sharding import Sharding
-from ddp_even.runtime.source_checks import CheckSchedule
+from ddp_even.runtime.settings import CheckSchedule
 
 ReaderKind = Literal["batch", "row"]
 

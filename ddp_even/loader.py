@@ -1,6 +1,6 @@
 """``EvenLoader``: the loader the user already has, with the same number of steps on every rank.
 
-One ``for`` is one epoch: ``_run_epoch`` prepares the source (:mod:`ddp_even.resume.state`),
+One ``for`` is one epoch: ``_start_epoch`` prepares the source (:mod:`ddp_even.resume.state`),
 settles the plan (given, from the footers, or none) and runs the epoch in its shape
 (:mod:`ddp_even.runtime.epochs`)."""
 
@@ -374,7 +374,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             # before the next, at this call: the same point on every rank. Advancing it again
             # (nested or concurrent iteration) raises instead of silently ending.
             running.supersede()
-        epoch = Epoch(self._run_epoch())
+        epoch = Epoch(self._start_epoch)
         # Only a weak reference: the epoch's frame refers to the loader, so a strong one would
         # make a cycle that only the garbage collector breaks, closing an epoch left early
         # (its collectives included) at a different moment on every rank. Held weakly, the
@@ -383,9 +383,9 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         self._running = weakref.ref(epoch)
         return epoch
 
-    def _run_epoch(self) -> Generator[BatchT, None, None]:
-        # The epoch number is taken when the first batch is asked for, so that probing
-        # iterability (``iter(loader)`` and letting it go, as trainers do) starts no epoch.
+    def _start_epoch(self) -> Generator[BatchT, None, None]:
+        """The next epoch, started: its shape's generator, which hands out its batches."""
+        # Called when the first batch is asked for: the epoch number is taken then.
         epoch = self._next_epoch
         self._next_epoch += 1
         agreer = self._agreer_for_this_process()
@@ -405,8 +405,9 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             steps_capped=self._steps_per_epoch is not None,
             starts_after=len(start.skipped),
         )
-        # Whatever ends the epoch, before its first step too (a refused resume, a mismatch),
-        # closes what it opened: a reader left running at exit aborts the process.
+        # Whatever ends the epoch before its first step (a refused resume, a mismatch) closes
+        # what it opened, as the shape's generator does after: a reader left running at exit
+        # aborts the process.
         try:
             run = settle_epoch(
                 self._settings(),
@@ -416,7 +417,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
                 feed=feed,
                 footer_plan=self._footer_plan,
                 previous=self._current_run,
-                mark=self._handed_out.add,
+                handed_out=self._handed_out,
                 record=self.history.append,
             )
             if start.unchecked is not None:
@@ -427,10 +428,11 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             self._handed_out.epoch_started()
             if start.step is not None:
                 run.resume_after(start.step, start.skipped, start.out_of_order)
-            yield from run_epoch(run, self._joinables)
-        finally:
+        except BaseException:
             self._handed_out.epoch_ended()
             feed.close()
+            raise
+        return run_epoch(run, self._joinables)
 
     def _settings(self, plan: ShardPlan | None = None) -> Settings:
         """The loader's settings, with ``plan`` (the loader's by default)."""

@@ -264,7 +264,7 @@ def test_with_known_lengths_a_source_failing_mid_epoch_stops_every_rank_at_the_n
     """A list's length is known: no agreement between steps, only the checks of the sources
     (every ``CHECK_EVERY`` steps and after the last). Until the next one, the failing rank hands
     out its last batch again, so that DDP's all-reduce (in this loop) never waits for it."""
-    from ddp_even.runtime.source_checks import CHECK_EVERY
+    from ddp_even.runtime.settings import CHECK_EVERY
 
     assert CHECK_EVERY > 8, "the check that reports the failure is the one after the last step"
     results = _dicts(

@@ -597,7 +597,7 @@ def _fixed_cycle_worker(rank: int, world_size: int, sync_every: int | None) -> d
 
 @pytest.mark.timeout(90)
 def test_cycle_with_steps_per_epoch_agrees_once_per_epoch_unless_a_window_is_set() -> None:
-    from ddp_even.runtime.source_checks import CHECK_EVERY
+    from ddp_even.runtime.settings import CHECK_EVERY
 
     assert CHECK_EVERY > 10
     once = run_ranks(_fixed_cycle_worker, 2, None, timeout=60)

@@ -1,4 +1,4 @@
-"""How often an epoch with known lengths checks its sources (``runtime/source_checks.py``).
+"""How often an epoch with known lengths checks its sources (``runtime/settings.py``).
 
 Every ``CHECK_EVERY`` steps while steps are long; further apart, the same on every rank, when
 ``CHECK_EVERY`` steps take less than ``CHECK_PERIOD_S``; and a source that fails deep in such an
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from ddp_even.agreement.wire import SHORT_MOST
-from ddp_even.runtime.source_checks import (
+from ddp_even.runtime.settings import (
     CHECK_EVERY,
     CHECK_PERIOD_S,
     LARGEST_PROPOSAL,
@@ -187,14 +187,14 @@ def _epochs_worker(rank: int, world_size: int, new_loader_on: int | None) -> dic
     """Two fast epochs over a list (known lengths): the batches and the all-reduces between the
     first and the last step of each; the second on a new loader on rank ``new_loader_on``."""
     from ddp_even import EvenLoader, RankMismatchError
-    from ddp_even.runtime import source_checks
+    from ddp_even.runtime import settings as check_settings
     from tests.helpers.collectives import AllReduceCounter
 
     # Whatever the machine's load: at any pace steps take less than an hour, so every rank
     # proposes the widest spacing. (At the real period a rank descheduled for 25 ms in 16 steps
     # proposes the narrowest, and a loaded run of these tests then saw the same spacing on both
     # loaders: no mismatch to refuse, no fewer checks to count.)
-    source_checks.CHECK_PERIOD_S = 3600.0
+    check_settings.CHECK_PERIOD_S = 3600.0
     batches = shard(rank, EPOCH_STEPS + rank)
     loader: EvenLoader[list[int]] = EvenLoader(batches, "truncate", timeout=30)
     result: dict[str, Any] = {"seen": [], "checks": []}

@@ -21,8 +21,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from ddp_even.sources import ShardSource, as_source, count_rows
-from ddp_even.sources.iterables import FactorySource, IterableSource
+from ddp_even.sources import FactorySource, IterableSource, ShardSource, as_source, count_rows
 
 
 class _Stream(IterableDataset[int]):

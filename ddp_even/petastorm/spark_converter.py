@@ -44,8 +44,8 @@ from ddp_even.errors import (
     TooFewTaskSlotsError,
 )
 from ddp_even.process_group import group_is_up
+from ddp_even.sources import open_context_pass
 from ddp_even.sources.base import ShardPass, ShardSource
-from ddp_even.sources.iterables import open_context_pass
 
 if TYPE_CHECKING:
     from ddp_even.parquet.dataset_plan import DatasetPlan

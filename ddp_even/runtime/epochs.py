@@ -1,19 +1,22 @@
 """How one epoch runs on one rank, in each of its three shapes.
 
-* ``run_windows``: truncate/cycle/pad; ranks agree once per window of ``sync_every`` batches.
-  The agreement for the next window is started before the last batch of the current one is
-  handed out, so its latency hides behind the training step (in pad without a plan, with the
-  sum of the window's real rows: :mod:`ddp_even.runtime.padding`).
-* ``run_known_lengths``: truncate/cycle/pad when every rank knows its batch count (pad: from a
-  plan), or cycle with a fixed ``steps_per_epoch``; one agreement at the start of the epoch,
-  then only a check now and then (``source_checks.py``: every 16 steps, or about 50 ms of
-  steps) that no rank's source failed or ran short, started after a step's batch is taken and
-  waited when the next one starts, so the steps between hide it.
-* ``run_join`` (``join.py``): join; each rank hands out all its batches inside ``torch``'s
-  ``Join``, and the loader itself is the first joinable so that ranks that have joined still
-  take part in every window's agreement (errors and mismatches reach them too).
+* :meth:`EpochRun.windows`: truncate/cycle/pad; ranks agree once per window of ``sync_every``
+  batches. The agreement for the next window is started before the last batch of the current
+  one is handed out, so its latency hides behind the training step (in pad without a plan, with
+  the sum of the window's real rows: :mod:`ddp_even.runtime.padding`).
+* :meth:`EpochRun.known_lengths`: truncate/cycle/pad when every rank knows its batch count
+  (pad: from a plan), or cycle with a fixed ``steps_per_epoch``; one agreement at the start of
+  the epoch, then only a check now and then (:class:`~ddp_even.runtime.settings.CheckSchedule`:
+  every 16 steps, or about 50 ms of steps) that no rank's source failed or ran short, started
+  after a step's batch is taken and waited when the next one starts, so the steps between hide
+  it.
+* :func:`~ddp_even.runtime.join.run_join`: join; each rank hands out all its batches inside
+  ``torch``'s ``Join``, and the loader itself is the first joinable so that ranks that have
+  joined still take part in every window's agreement (errors and mismatches reach them too).
 
-Which shape an epoch takes is :mod:`ddp_even.runtime.epoch_shape`'s decision.
+Which shape an epoch takes is :mod:`ddp_even.runtime.epoch_shape`'s decision. Each shape is a
+generator that hands out the feed's batches straight to the loader's epoch, and whatever ends
+it closes the epoch (:meth:`EpochRun.close`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -31,9 +34,8 @@ from ddp_even.agreement.wire import SHORT_MOST, Agreement, Report, error_from_re
 from ddp_even.errors import EmptyShardError, RankMismatchError
 from ddp_even.modes import WindowDecision
 from ddp_even.runtime.feed import FedBatch, RankCounts, ShardFeed
-from ddp_even.runtime.iteration import BatchMarks
-from ddp_even.runtime.settings import Settings
-from ddp_even.runtime.source_checks import LARGEST_PROPOSAL, CheckSchedule
+from ddp_even.runtime.iteration import BatchMarks, HandedOut
+from ddp_even.runtime.settings import LARGEST_PROPOSAL, CheckSchedule, Settings
 
 if TYPE_CHECKING:
     from ddp_even.runtime.padding import PadWeights
@@ -53,8 +55,8 @@ class EpochRun(Generic[BatchT]):
     feed: ShardFeed[BatchT]
     epoch: int
     counts: RankCounts
-    # Tells the loader what the batch being handed out is (a repeat, padding, its weight).
-    mark: Callable[[BatchMarks], None]
+    # The loader's account of what each batch handed out is (a repeat, padding, its weight).
+    handed_out: HandedOut
     # Keeps the gathered statistics of a finished epoch.
     record: Callable[[EpochStats], None]
     # This rank's batch count known up front (a length or a plan) when the epoch trusts it.
@@ -87,8 +89,15 @@ class EpochRun(Generic[BatchT]):
         step = self.counts.steps
         rows = fed.count_samples(fed.batch)
         self.counts.count_batch(fed.pass_number, rows, fed.padding)
-        self.mark(BatchMarks(step, fed.repeated, fed.padding, self._weight(fed, step, rows)))
+        marks = BatchMarks(step, fed.repeated, fed.padding, self._weight(fed, step, rows))
+        self.handed_out.add(marks)
         return fed.batch
+
+    def close(self) -> None:
+        """Whatever ends the epoch (its end, a ``break``, an error), in the shape's ``finally``:
+        close what the feed opened (a reader left running at exit aborts the process)."""
+        self.handed_out.epoch_ended()
+        self.feed.close()
 
     def _weight(self, fed: FedBatch[BatchT], step: int, rows: int | None) -> float | None:
         """The loss weight of ``fed`` (of ``rows`` rows), handed out at ``step``."""
@@ -246,7 +255,8 @@ class EpochRun(Generic[BatchT]):
 
     def start_check(self, proposal: int) -> None:
         """Tell every rank, without waiting, whether this rank's source failed or ran short, and
-        its ``proposal`` for a later check's spacing (:mod:`ddp_even.runtime.source_checks`)."""
+        its ``proposal`` for a later check's spacing (:class:`~ddp_even.runtime.settings.
+        CheckSchedule`)."""
         report = dataclasses.replace(
             self.report(proposal, 0, shard_is_empty=False, most=LARGEST_PROPOSAL),
             fingerprint=self.settings.fingerprint ^ _CHECKING,
@@ -268,101 +278,111 @@ class EpochRun(Generic[BatchT]):
             agreement, window, self.steps_done, self.settings.steps_per_epoch
         )
 
-
-def run_windows(run: EpochRun[BatchT]) -> Iterator[BatchT]:
-    window = run.settings.window(run.steps_done)
-    assert window is not None
-    report, first = run.offer_buffered(window)
-    pending: PendingAgreement | None = first
-    try:
-        while pending is not None:
-            agreement = pending.wait()
-            pending = None
-            agreement = run.check(report, agreement)
-            # A rank given a batch to pad with at this agreement fills its window with it.
-            run.feed.fill(window)
-            decision = run.decide(agreement, window)
-            if run.pad_weights is not None:
-                run.pad_weights.settle(run.feed, window, run.counts.steps)
-            run.steps_done += decision.steps
-            for remaining in reversed(range(decision.steps)):
-                # Out of the buffer as handed out: a batch the consumer is done with is not
-                # held here, and the buffer is empty when the next window fills it.
-                fed = run.feed.take()
-                if remaining == 0 and not decision.last:
-                    window = run.settings.window(run.steps_done)
-                    assert window is not None
-                    report, pending = run.offer_buffered(window)
-                if remaining == 0 and decision.last:
-                    yield from _last_batch(run, run.hand_out(fed), run.feed.had_more_own_data)
+    def windows(self) -> Generator[BatchT, None, None]:
+        """Agree once per window of ``sync_every`` batches, the next window's agreement started
+        before the current window's last batch is handed out."""
+        pending: PendingAgreement | None = None
+        try:
+            window = self.settings.window(self.steps_done)
+            assert window is not None
+            report, pending = self.offer_buffered(window)
+            while pending is not None:
+                agreement = pending.wait()
+                pending = None
+                agreement = self.check(report, agreement)
+                # A rank given a batch to pad with at this agreement fills its window with it.
+                self.feed.fill(window)
+                decision = self.decide(agreement, window)
+                if self.pad_weights is not None:
+                    self.pad_weights.settle(self.feed, window, self.counts.steps)
+                self.steps_done += decision.steps
+                for remaining in reversed(range(decision.steps)):
+                    # Out of the buffer as handed out: a batch the consumer is done with is not
+                    # held here, and the buffer is empty when the next window fills it.
+                    fed = self.feed.take()
+                    if remaining == 0 and not decision.last:
+                        window = self.settings.window(self.steps_done)
+                        assert window is not None
+                        report, pending = self.offer_buffered(window)
+                    if remaining == 0 and decision.last:
+                        yield from _last_batch(
+                            self, self.hand_out(fed), self.feed.had_more_own_data
+                        )
+                        return
+                    yield self.hand_out(fed)
+                if decision.last:
+                    self.finish(self.feed.had_more_own_data())
                     return
-                yield run.hand_out(fed)
-            if decision.last:
-                run.finish(run.feed.had_more_own_data())
-                return
-    finally:
-        # Every rank started these, so they complete; waiting leaves nothing in flight when
-        # the consumer stops early on every rank.
-        if pending is not None:
-            pending.finish_started()
-        if run.pad_weights is not None:
-            run.pad_weights.finish_started()
+        finally:
+            # Every rank started these, so they complete; waiting leaves nothing in flight when
+            # the consumer stops early on every rank.
+            if pending is not None:
+                pending.finish_started()
+            if self.pad_weights is not None:
+                self.pad_weights.finish_started()
+            self.close()
 
+    def known_lengths(self) -> Generator[BatchT, None, None]:
+        """One agreement, then the whole epoch, checking the sources on a :class:`CheckSchedule`.
 
-def run_known_lengths(run: EpochRun[BatchT], own_batches: int | None) -> Iterator[BatchT]:
-    """One agreement, then the whole epoch, checking the sources on a :class:`CheckSchedule`.
+        :attr:`known_batches` is None when only the step count is fixed (cycle with
+        ``steps_per_epoch``).
+        The first batch is read before the agreement, so that a source that fails or has nothing
+        is reported to every rank before the first step. Later, a rank whose source fails or runs
+        short hands out its last batch again until the check that reports it is settled, where
+        every rank raises.
+        """
+        try:
+            own_batches = self.known_batches
+            window = self.settings.window(0)
+            if own_batches is None or own_batches > 0:
+                self.feed.fill(1)
+            if own_batches is None:
+                report = self.report(
+                    self.feed.buffered, self.feed.own_buffered, self.feed.empty_shard
+                )
+            else:
+                report = self.report(own_batches, own_batches, shard_is_empty=own_batches == 0)
+            agreement = self.check(report, self.agreer.start(report).wait())
+            # The whole epoch's steps, also when it resumes part-way.
+            decision = self.settings.mode.decide(
+                agreement, window, 0, self.settings.steps_per_epoch
+            )
+            self.agreed_steps = decision.steps
+            logger.debug(
+                "epoch %d: %d steps agreed for the whole epoch (this rank: %s own batches)",
+                self.epoch,
+                decision.steps,
+                "unknown" if own_batches is None else own_batches,
+            )
 
-    ``own_batches`` is None when only the step count is fixed (cycle with ``steps_per_epoch``).
-    The first batch is read before the agreement, so that a source that fails or has nothing
-    is reported to every rank before the first step. Later, a rank whose source fails or runs
-    short hands out its last batch again until the check that reports it is settled, where
-    every rank raises.
-    """
-    window = run.settings.window(0)
-    if own_batches is None or own_batches > 0:
-        run.feed.fill(1)
-    if own_batches is None:
-        report = run.report(run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard)
-    else:
-        report = run.report(own_batches, own_batches, shard_is_empty=own_batches == 0)
-    agreement = run.check(report, run.agreer.start(report).wait())
-    # The whole epoch's steps, also when it resumes part-way.
-    decision = run.settings.mode.decide(agreement, window, 0, run.settings.steps_per_epoch)
-    run.agreed_steps = decision.steps
-    logger.debug(
-        "epoch %d: %d steps agreed for the whole epoch (this rank: %s own batches)",
-        run.epoch,
-        decision.steps,
-        "unknown" if own_batches is None else own_batches,
-    )
+            def had_more_own_data() -> bool:
+                if own_batches is None:
+                    return self.feed.had_more_own_data()
+                # A pass that ended early (a reader losing rows) was not cut by the epoch.
+                return not self.feed.own_ended and own_batches > self.counts.own_batches
 
-    def had_more_own_data() -> bool:
-        if own_batches is None:
-            return run.feed.had_more_own_data()
-        # A pass that ended early (a reader losing rows) was not cut by the epoch.
-        return not run.feed.own_ended and own_batches > run.counts.own_batches
-
-    schedule = CheckSchedule.after(run.steps_done, run.settings.check_spacing)
-    try:
-        for step in range(run.steps_done + 1, decision.steps + 1):
-            run.steps_done += 1
-            batch = run.hand_out(run.feed.take_or_repeat())
-            if step == schedule.next_step or step == decision.steps:
-                # The previous check has had the steps since to complete: its wait is free,
-                # and every rank settles it at this same step.
-                agreed = run.settle_check()
-                run.start_check(schedule.proposal(step))
-                schedule.checked(step, agreed)
-            if step == decision.steps:
-                yield from _last_batch(run, batch, had_more_own_data)
-                return
-            yield batch
-        run.finish(had_more_own_data())
-    finally:
-        if run.pending_check is not None:
-            # The consumer stopped early on every rank, which every rank's check completes.
-            run.pending_check[1].finish_started()
-            run.pending_check = None
+            schedule = CheckSchedule.after(self.steps_done, self.settings.check_spacing)
+            for step in range(self.steps_done + 1, decision.steps + 1):
+                self.steps_done += 1
+                batch = self.hand_out(self.feed.take_or_repeat())
+                if step == schedule.next_step or step == decision.steps:
+                    # The previous check has had the steps since to complete: its wait is free,
+                    # and every rank settles it at this same step.
+                    agreed = self.settle_check()
+                    self.start_check(schedule.proposal(step))
+                    schedule.checked(step, agreed)
+                if step == decision.steps:
+                    yield from _last_batch(self, batch, had_more_own_data)
+                    return
+                yield batch
+            self.finish(had_more_own_data())
+        finally:
+            if self.pending_check is not None:
+                # The consumer stopped early on every rank, which every rank's check completes.
+                self.pending_check[1].finish_started()
+                self.pending_check = None
+            self.close()
 
 
 # Marks the checks of the sources, so that they never pair with an ordinary agreement.

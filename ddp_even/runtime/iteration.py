@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar
 
 from ddp_even.errors import EvenLoaderError
@@ -88,10 +88,16 @@ class EpochNumbering:
 
 
 class Epoch(Generic[BatchT]):
-    """One ``for`` over the loader: its batches, and a clear error if it was superseded."""
+    """One ``for`` over the loader: its batches, and a clear error if it was superseded.
 
-    def __init__(self, batches: Generator[BatchT, None, None]) -> None:
-        self._batches = batches
+    ``start`` is called when the first batch is asked for (so that probing iterability,
+    ``iter(loader)`` and letting it go as trainers do, starts no epoch) and returns the epoch's
+    shape (:mod:`ddp_even.runtime.epochs`), whose batches come straight from there.
+    """
+
+    def __init__(self, start: Callable[[], Generator[BatchT, None, None]]) -> None:
+        self._start: Callable[[], Generator[BatchT, None, None]] | None = start
+        self._batches: Generator[BatchT, None, None] | None = None
         self._superseded = False
 
     def __iter__(self) -> Iterator[BatchT]:
@@ -108,6 +114,12 @@ class Epoch(Generic[BatchT]):
         # (a training step, a checkpoint), and one more batch since.
         presence.doing = INSIDE
         try:
+            if self._start is not None:
+                # Started once: an epoch whose start raised has ended.
+                start, self._start = self._start, None
+                self._batches = start()
+            if self._batches is None:
+                raise StopIteration
             return next(self._batches)
         finally:
             presence.doing = OUTSIDE
@@ -115,10 +127,12 @@ class Epoch(Generic[BatchT]):
 
     def supersede(self) -> None:
         self._superseded = True
-        self._batches.close()
+        self.close()
 
     def close(self) -> None:
-        self._batches.close()
+        self._start = None
+        if self._batches is not None:
+            self._batches.close()
 
 
 class LoaderAccount:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -99,48 +99,51 @@ class _KeepWarningFilters:
             return self._join.__exit__(*exc_info)
 
 
-def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Iterator[BatchT]:
-    refuse_join_inside_lightning()
-    window = run.settings.sync_every
-    assert window is not None
+def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Generator[BatchT, None, None]:
+    try:
+        refuse_join_inside_lightning()
+        window = run.settings.sync_every
+        assert window is not None
 
-    def shadow_step() -> None:
-        # This rank has joined; it still takes part in the agreements of the ranks that
-        # have not, at the same steps they hold them.
-        if run.steps_done % window == 0:
-            report = run.report(0, 0, run.feed.empty_shard, most=window)
-            run.check(report, run.agreer.start(report).wait())
-        run.steps_done += 1
-
-    loader_joinable = _LoaderJoinable(
-        joinables[0].join_device, joinables[0].join_process_group, shadow_step
-    )
-    with _KeepWarningFilters(Join([loader_joinable, *joinables])):
-        try:
-            while True:
-                # Windows start at multiples of `window` (where joined ranks shadow them), also
-                # in an epoch resumed part-way.
-                size = window - run.steps_done % window
-                run.feed.fill(size)
-                if run.feed.buffered == 0 and run.feed.failure is None:
-                    break
-                Join.notify_join_context(loader_joinable)
-                report = run.report(
-                    run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard, most=window
-                )
+        def shadow_step() -> None:
+            # This rank has joined; it still takes part in the agreements of the ranks that
+            # have not, at the same steps they hold them.
+            if run.steps_done % window == 0:
+                report = run.report(0, 0, run.feed.empty_shard, most=window)
                 run.check(report, run.agreer.start(report).wait())
-                agreed = run.feed.buffered
-                for index in range(agreed):
-                    if index > 0:
-                        Join.notify_join_context(loader_joinable)
-                    run.steps_done += 1
-                    yield run.hand_out(run.feed.take())
-                if agreed < size:
-                    break
-        except GeneratorExit:
-            # The consumer stopped (a `break` on every rank at the same step): leave through
-            # Join's normal exit below, which releases the ranks that joined earlier; they
-            # then gather the statistics, so this rank does too.
-            if sys.is_finalizing():
-                raise
-    run.finish(run.feed.had_more_own_data())
+            run.steps_done += 1
+
+        loader_joinable = _LoaderJoinable(
+            joinables[0].join_device, joinables[0].join_process_group, shadow_step
+        )
+        with _KeepWarningFilters(Join([loader_joinable, *joinables])):
+            try:
+                while True:
+                    # Windows start at multiples of `window` (where joined ranks shadow them), also
+                    # in an epoch resumed part-way.
+                    size = window - run.steps_done % window
+                    run.feed.fill(size)
+                    if run.feed.buffered == 0 and run.feed.failure is None:
+                        break
+                    Join.notify_join_context(loader_joinable)
+                    report = run.report(
+                        run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard, most=window
+                    )
+                    run.check(report, run.agreer.start(report).wait())
+                    agreed = run.feed.buffered
+                    for index in range(agreed):
+                        if index > 0:
+                            Join.notify_join_context(loader_joinable)
+                        run.steps_done += 1
+                        yield run.hand_out(run.feed.take())
+                    if agreed < size:
+                        break
+            except GeneratorExit:
+                # The consumer stopped (a `break` on every rank at the same step): leave through
+                # Join's normal exit below, which releases the ranks that joined earlier; they
+                # then gather the statistics, so this rank does too.
+                if sys.is_finalizing():
+                    raise
+        run.finish(run.feed.had_more_own_data())
+    finally:
+        run.close()

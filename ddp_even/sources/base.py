@@ -32,7 +32,7 @@ class PassReading(ABC):
     can; a list cannot).
 
     With it, every epoch's start checks that the ranks' first passes read the dataset's row
-    groups once between them (:mod:`ddp_even.runtime.first_pass`), a saved state records what
+    groups once between them (:mod:`ddp_even.runtime.epoch_shape`), a saved state records what
     the pass read and in which order (:meth:`provenance`), and a resume into a loop that reads
     otherwise is refused.
     """
@@ -142,7 +142,7 @@ class ShardSource(ABC, Generic[BatchT]):
         """Told, at construction, the training group's rank and world size: a source that
         builds its own sharded readers (a petastorm Spark converter) reads that shard, and
         raises ``ValueError`` here where it cannot. What a reader the user built reads is
-        checked at every epoch's start, with every rank (:mod:`ddp_even.runtime.first_pass`).
+        checked at every epoch's start, with every rank (:mod:`ddp_even.runtime.epoch_shape`).
         """
 
     def check_fits(self, after_own_data: AfterOwnData, steps_per_epoch: int | None) -> None:

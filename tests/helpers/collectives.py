@@ -36,9 +36,9 @@ def source_checks(steps: int, counted_from: int = 2) -> int:
 
     Exact up to ``3 * CHECK_EVERY`` steps of a loader's first epoch: its first two checks are
     ``CHECK_EVERY`` apart, and the spacing after them follows the pace of the steps, as does a
-    later epoch's from its start (``runtime/source_checks.py``).
+    later epoch's from its start (``runtime/settings.py``).
     """
-    from ddp_even.runtime.source_checks import CHECK_EVERY
+    from ddp_even.runtime.settings import CHECK_EVERY
 
     assert steps <= 3 * CHECK_EVERY, f"{steps} steps: the checks after step 48 follow the pace"
     checked = {step for step in range(1, steps + 1) if step % CHECK_EVERY == 0 or step == steps}
