@@ -2,8 +2,8 @@
 
 Example:
     >>> from ddp_even.storage import resolve_dataset
-    >>> resolve_dataset("file:///data/train/").paths
-    ('/data/train',)
+    >>> resolve_dataset(["/data/a.parquet", "/data/b.parquet"]).describe()
+    '2 files from /data/a.parquet'
 """
 
 from ddp_even.storage.backends import Storage

@@ -80,13 +80,13 @@ class Storage:
     """
 
     #: The pyarrow filesystem, or None for the local disk read without ``filesystem=``.
-    filesystem: pafs.FileSystem | None = None
+    filesystem: pafs.FileSystem | None
     #: A path as people write it: a URL for remote storage, the path for local files.
-    url: Callable[[str], str] = str
+    url: Callable[[str], str]
     #: What to check when a request fails; None for the local disk.
-    hints: FailureHints | None = None
+    hints: FailureHints | None
     #: Whether a path's first part is a bucket (``bucket/key``).
-    has_buckets: bool = False
+    has_buckets: bool
 
     @property
     def concurrency(self) -> int:
