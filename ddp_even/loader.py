@@ -353,7 +353,8 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         self._next_epoch = epoch
 
     def __len__(self) -> int:
-        plan = self._known_plan
+        # The plan given, or the one the footers gave.
+        plan = self._plan or self._footer_plan.plan
         if plan is not None:
             rank, world_size = rank_and_world_size(self._group)
             check_world_size(plan.world_size, world_size)
@@ -437,10 +438,6 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
     def _settings(self, plan: ShardPlan | None = None) -> Settings:
         """The loader's settings, with ``plan`` (the loader's by default)."""
         return Settings(self._mode, self._steps_per_epoch, self._sync_every, plan or self._plan)
-
-    @property
-    def _known_plan(self) -> ShardPlan | None:
-        return self._plan if self._plan is not None else self._footer_plan.plan
 
     def _agreer_for_this_process(self) -> Agreer:
         if self._agreer is None:

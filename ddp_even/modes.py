@@ -190,11 +190,20 @@ class Mode(ABC):
         if has_joinables:
             raise ValueError(f"joinables are only used in join mode, not in {self.name!r}")
 
-    @abstractmethod
     def agreed_steps(
         self, agreement: Agreement, window: int | None, steps_per_epoch: int | None
     ) -> int:
-        """Steps every rank may take from what every rank offered, before the caps."""
+        """Steps every rank may take from what every rank offered, before the caps: where the
+        shortest shard ends for a mode that stops with its data (join decides here only with a
+        single rank, where it is truncate); otherwise every rank fills its window (repeats,
+        padding), so the most own batches any rank has decide, unless ``steps_per_epoch`` fixes
+        the count."""
+        if self.after_own_data == "stop":
+            return agreement.min_available
+        if steps_per_epoch is not None:
+            # The step count is fixed; a window of None here means the whole epoch.
+            return window if window is not None else steps_per_epoch
+        return agreement.max_own_available
 
     def decide(
         self,
@@ -255,26 +264,12 @@ class Mode(ABC):
         """``(runnable, note)`` when the ranks named in ``empty_ranks`` have no batch."""
 
 
-def _longest_or_fixed(agreement: Agreement, window: int | None, steps_per_epoch: int | None) -> int:
-    """Cycle's and pad's steps: every rank fills its window, so the most own batches any rank
-    has decide, unless ``steps_per_epoch`` fixes the count."""
-    if steps_per_epoch is not None:
-        # The step count is fixed; a window of None here means the whole epoch.
-        return window if window is not None else steps_per_epoch
-    return agreement.max_own_available
-
-
 class Truncate(Mode):
     """Every rank stops at the step where the shortest shard ends."""
 
     name = "truncate"
     summary = "ranks stop together when the shortest shard ends"
     waste_means = "rows dropped as % of all rows"
-
-    def agreed_steps(
-        self, agreement: Agreement, window: int | None, steps_per_epoch: int | None
-    ) -> int:
-        return agreement.min_available
 
     def epoch_outcome(
         self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
@@ -304,11 +299,6 @@ class Cycle(Mode):
     # In batches, as EpochStats.oversampling counts what a loop hands out (its rows may be
     # unknown): one over-sampling figure in the plan, the statistics and the logs.
     waste_means = "batches repeated as % of the ranks' own batches (over-sampling)"
-
-    def agreed_steps(
-        self, agreement: Agreement, window: int | None, steps_per_epoch: int | None
-    ) -> int:
-        return _longest_or_fixed(agreement, window, steps_per_epoch)
 
     def epoch_outcome(
         self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
@@ -342,12 +332,6 @@ class Pad(Mode):
     summary = "ranks whose data ran out hand out padding (weight 0) until the longest ends"
     after_own_data = "pad"
     waste_means = "padded rank-steps as % of rank-steps"
-
-    def agreed_steps(
-        self, agreement: Agreement, window: int | None, steps_per_epoch: int | None
-    ) -> int:
-        # As cycle: every rank fills its window, with padding past its data.
-        return _longest_or_fixed(agreement, window, steps_per_epoch)
 
     def epoch_outcome(
         self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
@@ -394,13 +378,6 @@ class JoinMode(Mode):
                 "join mode needs joinables=[ddp_model, ...]: the DDP model (and e.g. a "
                 "ZeroRedundancyOptimizer) whose all-reduces ranks that finish early shadow"
             )
-
-    def agreed_steps(
-        self, agreement: Agreement, window: int | None, steps_per_epoch: int | None
-    ) -> int:
-        # Join shares no step count across ranks (Join shadows instead); with a single rank
-        # it coincides with truncate, which is the only time it decides here.
-        return agreement.min_available
 
     def steps_per_rank(
         self, batches_per_rank: Sequence[int], steps_per_epoch: int | None = None

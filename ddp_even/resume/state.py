@@ -1,7 +1,7 @@
 """Resuming mid-epoch, in one place: the loader's saved state, the checks before resuming from
 it, and where the resumed epoch's first pass starts.
 
-* :func:`saved_state` is what ``EvenLoader.state_dict()`` returns: plain ints and strings.
+* :func:`loader_state` is what ``EvenLoader.state_dict()`` returns: plain ints and strings.
 * :func:`pending_resume` checks a state against the loader and says where to resume: the same
   step on as many ranks, or, for a planned loader (``EvenLoader.from_parquet``), the rows not
   yet read re-planned over another number of ranks (elastic).
@@ -46,37 +46,6 @@ STATE_FORMAT = "ddp_even.EvenLoader"
 _VERSION = 4
 
 
-def saved_state(
-    *,
-    settings: str,
-    world_size: int,
-    rank: int,
-    epoch: int,
-    step: int,
-    resumed_from_world_size: int | None = None,
-    provenance: Provenance | None = None,
-) -> dict[str, Any]:
-    """The state :meth:`ddp_even.EvenLoader.state_dict` returns: plain ints and strings.
-
-    ``resumed_from_world_size`` is set while an epoch that resumed on another number of ranks
-    runs: its steps count the re-planned rest of the epoch, not the epoch. ``provenance`` is
-    what the loader's reading follows from, where it knows (a planned loader, or a source whose
-    passes tell what they read): a state loaded elsewhere is checked against it.
-    """
-    return {
-        "format": STATE_FORMAT,
-        "version": _VERSION,
-        "library_version": _library_version(),
-        "settings": settings,
-        "world_size": world_size,
-        "rank": rank,
-        "epoch": epoch,
-        "step": step,
-        "resumed_from_world_size": resumed_from_world_size,
-        "provenance": None if provenance is None else provenance.as_dict(),
-    }
-
-
 def loader_state(
     running: EpochRun[Any] | None,
     next_epoch: int,
@@ -86,23 +55,33 @@ def loader_state(
     world_size: int,
     provenance: Provenance | None,
 ) -> dict[str, Any]:
-    """Where a loader is: inside its ``running`` epoch, at a resume not yet started, or before
-    ``next_epoch`` (:func:`saved_state`, with this process's global rank)."""
+    """The state :meth:`ddp_even.EvenLoader.state_dict` returns, plain ints and strings: where a
+    loader is, inside its ``running`` epoch, at a resume not yet started, or before
+    ``next_epoch``, with this process's global rank.
+
+    Its ``resumed_from_world_size`` is set while an epoch that resumed on another number of
+    ranks runs: its steps count the re-planned rest of the epoch, not the epoch. ``provenance``
+    is what the loader's reading follows from, where it knows (a planned loader, or a source
+    whose passes tell what they read): a state loaded elsewhere is checked against it.
+    """
     epoch, step, resumed_from = next_epoch, 0, None
     if running is not None and not running.finished:
         epoch, step = running.epoch, running.counts.steps
         resumed_from = running.resumed_from_world_size
     elif pending is not None and pending.saved_plan is None:
         epoch, step = pending.epoch, pending.step
-    return saved_state(
-        settings=settings,
-        world_size=world_size,
-        rank=rank_and_world_size(None)[0],
-        epoch=epoch,
-        step=step,
-        resumed_from_world_size=resumed_from,
-        provenance=provenance,
-    )
+    return {
+        "format": STATE_FORMAT,
+        "version": _VERSION,
+        "library_version": _library_version(),
+        "settings": settings,
+        "world_size": world_size,
+        "rank": rank_and_world_size(None)[0],
+        "epoch": epoch,
+        "step": step,
+        "resumed_from_world_size": resumed_from,
+        "provenance": None if provenance is None else provenance.as_dict(),
+    }
 
 
 def resume_point(
@@ -351,17 +330,14 @@ def resumed_start(
     source.start_epoch(epoch)
     # A repeated pass (cycle) cannot be reached by starting the first one later, nor can
     # padding (pad) that copies a batch before the step.
-    if not mode.goes_past_own_data and source.starts_at(step):
-        return EpochStart(
-            source,
-            step=step,
-            skipped=[None] * step,
-            unchecked=unchecked,
-            strict=strict,
-            out_of_order=out_of_order,
-        )
+    starts_at_step = not mode.goes_past_own_data and source.starts_at(step)
     return EpochStart(
-        source, step=step, unchecked=unchecked, strict=strict, out_of_order=out_of_order
+        source,
+        step=step,
+        skipped=[None] * step if starts_at_step else (),
+        unchecked=unchecked,
+        strict=strict,
+        out_of_order=out_of_order,
     )
 
 
@@ -407,13 +383,12 @@ def _rest_of_epoch(
     from ddp_even.resume.remainder import plan_unread_rows, unread_rows
 
     sizes = planned.row_group_sizes
-    rest = plan_unread_rows(
+    return plan_unread_rows(
         unread_rows(saved_plan, sizes, step, planned.order, epoch),
         sizes,
         world_size,
         saved_plan.batch_size,
     )
-    return rest
 
 
 def _log_rest(rest: ShardPlan, saved_plan: ShardPlan, epoch: int, step: int) -> None:

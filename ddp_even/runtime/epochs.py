@@ -32,7 +32,6 @@ from ddp_even.agreement.pending import PendingAgreement
 from ddp_even.agreement.transport import Agreer
 from ddp_even.agreement.wire import SHORT_MOST, Agreement, Report, error_from_reports
 from ddp_even.errors import EmptyShardError, RankMismatchError
-from ddp_even.modes import WindowDecision
 from ddp_even.runtime.feed import FedBatch, RankCounts, ShardFeed
 from ddp_even.runtime.iteration import BatchMarks, HandedOut
 from ddp_even.runtime.settings import LARGEST_PROPOSAL, CheckSchedule, Settings
@@ -273,11 +272,6 @@ class EpochRun(Generic[BatchT]):
         self.pending_check = None
         return self.check(report, pending.wait()).min_available
 
-    def decide(self, agreement: Agreement, window: int | None) -> WindowDecision:
-        return self.settings.mode.decide(
-            agreement, window, self.steps_done, self.settings.steps_per_epoch
-        )
-
     def windows(self) -> Generator[BatchT, None, None]:
         """Agree once per window of ``sync_every`` batches, the next window's agreement started
         before the current window's last batch is handed out."""
@@ -292,7 +286,9 @@ class EpochRun(Generic[BatchT]):
                 agreement = self.check(report, agreement)
                 # A rank given a batch to pad with at this agreement fills its window with it.
                 self.feed.fill(window)
-                decision = self.decide(agreement, window)
+                decision = self.settings.mode.decide(
+                    agreement, window, self.steps_done, self.settings.steps_per_epoch
+                )
                 if self.pad_weights is not None:
                     self.pad_weights.settle(self.feed, window, self.counts.steps)
                 self.steps_done += decision.steps
