@@ -84,8 +84,10 @@ def test_a_rank_frozen_in_ddps_all_reduce_is_named_stalled_at_the_training_timeo
     assert survivor["missing"] == (1,) and survivor["states"] == {1: "stalled"}, survivor
     assert "rank 1" in survivor["message"] and "stalled" in survivor["message"], survivor
     assert not survivor["late"], survivor
-    # Gloo gives up at the training group's timeout; the heartbeat has been silent since.
-    assert training_timeout <= survivor["at"] - frozen_at <= training_timeout + 3, survivor
+    # Gloo gives up at the training group's timeout, counted from the survivor's all-reduce,
+    # which it issued before the victim froze (up to a second or two on a busy machine); the
+    # survivor has read the silent heartbeat meanwhile, so it names the rank at once.
+    assert training_timeout - 2 <= survivor["at"] - frozen_at <= training_timeout + 3, survivor
     # Continued, the frozen rank raises too, naming itself.
     assert isinstance(woken, dict) and woken["error"] == "PeerTimeoutError", woken
     assert woken["late"] and woken["missing"] == (1,), woken

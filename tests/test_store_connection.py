@@ -4,7 +4,9 @@ Real TCP stores, no process group: a connection of one's own reads what the job'
 holds under its prefixes, with its own short timeout, and leaves the job's store's timeout as
 it was; once the store's server process is gone, making one fails at once instead of
 retrying for the store's timeout (30 minutes by default), and a connection the server's death
-broke is dropped (the next use connects again, and is refused).
+broke is dropped (the next use connects again, and is refused). The process serving a store
+is found and read from the kernel (running, stopped, gone), and an answer that comes after the
+watch gave up on its question counts as the store's sign of life.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.distributed as dist
 
 from ddp_even.liveness.heartbeat import _Beater, own_connection
 from ddp_even.liveness.peers import Watch, connection_lost
+from ddp_even.liveness.store_server import store_server_state
 
 LONG = datetime.timedelta(minutes=30)
 
@@ -146,3 +149,42 @@ def test_a_store_that_stops_answering_is_silent_from_the_unanswered_question() -
     finally:
         hosted.signal(signal.SIGCONT)
         hosted.kill()
+
+
+@pytest.mark.timeout(60)
+def test_the_process_serving_a_store_is_read_from_the_kernel_running_stopped_or_gone() -> None:
+    # No heartbeat of its host seen: the process is found by the store's listening socket.
+    hosted = HostedStore()
+    watch = Watch(hosted.job_store)
+    assert store_server_state(watch, None, me=1) == "running"
+    hosted.freeze()
+    try:
+        assert store_server_state(watch, None, me=1) == "stopped"
+    finally:
+        hosted.signal(signal.SIGCONT)
+    hosted.kill()
+    assert store_server_state(watch, None, me=1) == "gone"
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_answers_late_is_not_silent_since_before_its_answer() -> None:
+    # A store that waits for a core answers after the watch gave up on the question: the
+    # answer is a sign of life, and its silence counts from there.
+    hosted = HostedStore()
+    watch = Watch(hosted.job_store)
+    assert watch.look([1]) is not None
+    hosted.freeze()
+    try:
+        assert watch.look([1]) is None
+        failing_since = watch.silent_since()
+        assert failing_since is not None
+    finally:
+        hosted.signal(signal.SIGCONT)
+    continued = time.monotonic()
+    deadline = continued + 10
+    while (watch.silent_since() or 0.0) < continued:
+        assert time.monotonic() < deadline, "the late answer was not counted"
+        time.sleep(0.01)
+    assert watch.look([1]) is not None
+    assert watch.silent_since() is None
+    hosted.kill()

@@ -16,19 +16,20 @@ exception") after its work is done. See ``_release``.
 Torch internals relied on (torch 2.13; each guarded, with a fallback where one exists):
 
 * ``ProcessGroup._get_backend(device).options._timeout``: the training group's timeout
-  (:func:`training_timeout`; torch's default of 30 minutes when unreadable);
+  (``process_group.training_timeout``; torch's default of 30 minutes when unreadable);
 * ``distributed_c10d._world.pg_map``: whether torch still knows a group, i.e. it was not
   destroyed (:func:`_registered`; assumed alive when unreadable);
 * ``distributed_c10d._get_default_store()``: the job's store, where ranks meet before the
-  group is created (:func:`_meet_before_creating`), write their heartbeats
+  group is created (``creation.meet_before_creating``), write their heartbeats
   (``heartbeat.default_store``) and hold their roll calls (``rollcall.py``);
-* ``ProcessGroup._get_backend(device)._set_default_timeout``: the group is created with a
-  short timeout of ddp_even's own, then given the training group's (:func:`_create`; created
-  with the training group's timeout when ``_set_default_timeout`` is missing);
-* ``torch._C._distributed_c10d``'s ``ProcessGroupGloo`` (here), ``PrefixStore`` and
-  ``TCPStore`` (``liveness/heartbeat.py``: a prefix store's ``underlying_store``, a TCP
-  store's ``host`` and ``port``): the classes ``torch.distributed`` re-exports, imported from
-  where their type information is.
+* ``torch._C._distributed_c10d``'s ``PrefixStore`` and ``TCPStore``
+  (``liveness/heartbeat.py``: a prefix store's ``underlying_store``, a TCP store's ``host``
+  and ``port``): the classes ``torch.distributed`` re-exports, imported from where their type
+  information is.
+
+The group is created (gloo's rendezvous, ``dist.new_group``) in a thread of its own, under the
+training group's timeout, while the calling thread watches the peers' heartbeats
+(``creation.create``): nothing but a lost peer ends it sooner.
 
 ``tests/test_clean_exit.py`` fails first if any of them changes.
 """
@@ -36,40 +37,24 @@ Torch internals relied on (torch 2.13; each guarded, with a fallback where one e
 from __future__ import annotations
 
 import atexit
-import datetime
-import functools
 import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroupGloo
 
-from ddp_even.errors import EvenLoaderError
-from ddp_even.liveness.heartbeat import start_heartbeat, waiting
+from ddp_even.agreement.creation import create, meet_before_creating
+from ddp_even.liveness.heartbeat import start_heartbeat
 from ddp_even.liveness.peers import (
-    BUSY,
-    UNSEEN,
-    Watch,
-    current_watch,
-    lost_peers,
-    poll_interval,
     watch_from_now,
 )
 from ddp_even.liveness.rollcall import finish_roll_calls
-from ddp_even.liveness.verdict import Board, Verdict, store_silence, verdict_on
-from ddp_even.process_group import group_is_up
+from ddp_even.process_group import group_is_up, training_timeout
 
 __all__ = ["Channel", "channel_for", "control_group_for", "release_orphaned", "training_timeout"]
 
 logger = logging.getLogger("ddp_even")
-
-# The gloo timeout of a control group when the training group's cannot be read: torch's
-# default for process groups.
-_DEFAULT_TRAINING_TIMEOUT_S = 30 * 60.0
 
 
 class Channel:
@@ -120,18 +105,6 @@ def channel_for(control_group: dist.ProcessGroup) -> Channel:
     return channel
 
 
-def training_timeout(training_group: dist.ProcessGroup | None) -> float:
-    """The training group's collective timeout in seconds (torch's default when unreadable)."""
-    group: Any = training_group if training_group is not None else dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            backend = group._get_backend(torch.device(device))
-            return float(backend.options._timeout.total_seconds())
-        except Exception:  # private API, or no backend for this device: try the next
-            continue
-    return _DEFAULT_TRAINING_TIMEOUT_S
-
-
 _control_groups: dict[tuple[Any, float], Channel] = {}
 # Control groups created so far per training group: names each creation's rendezvous.
 _creations: dict[Any, int] = {}
@@ -156,9 +129,9 @@ def control_group_for(
 
     Creating it is a collective over the training group's ranks, so every rank must reach this
     call; ``EvenLoader`` does so at the start of its first epoch. The ranks first meet in the
-    store (:func:`_meet_before_creating`), where a rank that comes late is waited for while it
-    lives, so that gloo's rendezvous runs only once every rank is there, under a deadline of
-    ddp_even's own (:func:`_create`).
+    store (``creation.meet_before_creating``), where a rank that comes late is waited for while it
+    lives, so that gloo's rendezvous runs only once every rank is there, waited for while
+    every rank lives (``creation.create``).
     """
     release_orphaned()
     group: Any = training_group if training_group is not None else dist.group.WORLD
@@ -170,8 +143,8 @@ def control_group_for(
         creation = _creations.get(group, 0)
         _creations[group] = creation + 1
         meeting = f"ddp_even/meet/{group.group_name}/{creation}/"
-        _meet_before_creating(meeting, ranks, timeout, gloo_timeout)
-        control_group = _create(meeting, ranks, timeout, gloo_timeout)
+        meet_before_creating(meeting, ranks, timeout, gloo_timeout)
+        control_group = create(meeting, ranks, timeout, gloo_timeout)
         channel = Channel(control_group, group)
         _control_groups[key] = _channels[control_group.group_name] = channel
         _register_release_at_exit()
@@ -260,156 +233,3 @@ def _registered(group: Any) -> bool:
     # Private, and the only place that says so for a group other than the world.
     pg_map = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
     return True if pg_map is None else group in pg_map
-
-
-# What the ranks meet for, in the words of an error.
-_MEETING = "ddp_even's first meeting (each rank's first epoch, before ddp_even's group exists)"
-_ONE_LOOP = (
-    "every rank of the training group must iterate the loader at the same point; to loop on "
-    "some ranks only (evaluation on rank 0), iterate the underlying loader there"
-)
-# The shortest deadline of gloo's rendezvous once every rank has met (connecting a few sockets).
-_CREATION_MIN_S = 5.0
-
-
-def _meet_before_creating(
-    meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float
-) -> None:
-    """Wait in the store until every rank is here, for as long as the absent ones live.
-
-    A peer that shows no sign of life for ``timeout`` (or exited) is named at once; a live one,
-    or one with no heartbeat yet (it has not made its ``EvenLoader``: a long set-up), is waited
-    for up to the training group's timeout, as DDP's first all-reduce would wait for it.
-    """
-    me = dist.get_rank()
-    watch = current_watch()
-    board = Board(watch, meeting, me, hosts_store=me == 0)
-    keys = [f"{meeting}{rank}" for rank in ranks]
-    others = [rank for rank in ranks if rank != me]
-    poll = poll_interval(timeout, len(ranks))
-    began = time.monotonic()
-
-    def say_here(store: Any) -> bool:
-        store.set(f"{meeting}{me}", "here")
-        return True
-
-    here = False
-    with waiting():
-        while True:
-            # Said again until the store answers: its host may be frozen at this moment.
-            here = here or _answered(watch, say_here)
-            if here and _answered(watch, lambda store: bool(store.check(keys))):
-                return
-            verdict = board.read()
-            if verdict is None:
-                verdict = _why_not_all_here(
-                    watch, keys, ranks, others, began, timeout, gloo_timeout
-                )
-                if verdict is not None:
-                    verdict = board.publish(verdict)
-            if verdict is not None:
-                raise board.adopt(verdict, len(ranks))
-            time.sleep(poll)
-
-
-def _holds(store: Any, key: str) -> bool:
-    return bool(store.check([key]))
-
-
-def _answered(watch: Watch, question: Callable[[Any], bool]) -> bool:
-    """Whether the store answered ``question``, and with True."""
-    try:
-        return watch.ask(question)
-    except Exception:  # the store did not answer: the next look says why
-        return False
-
-
-def _why_not_all_here(
-    watch: Watch,
-    keys: list[str],
-    ranks: Sequence[int],
-    others: list[int],
-    began: float,
-    timeout: float,
-    gloo_timeout: float,
-) -> Verdict | None:
-    me = dist.get_rank()
-    views = watch.look(others)
-    if views is None:
-        return store_silence(watch, by=me, timeout=timeout, what=_MEETING)
-    lost = lost_peers(views, timeout)
-    if lost:
-        return verdict_on(views, lost, by=me, timeout=timeout, what=_MEETING)
-    if time.monotonic() - began < gloo_timeout:
-        return None
-    absent = [
-        rank
-        for rank, key in zip(ranks, keys, strict=True)
-        if not _answered(watch, functools.partial(_holds, key=key))
-    ]
-    states = {rank: BUSY if views[rank].beat is not None else UNSEEN for rank in absent}
-    verdict = verdict_on(views, states, by=me, timeout=gloo_timeout, what=_MEETING)
-    return Verdict(
-        me,
-        verdict.missing,
-        verdict.states,
-        gloo_timeout,
-        _MEETING,
-        f"not within the training group's timeout ({gloo_timeout:g} s): {verdict.detail}. "
-        f"Did they never start iterating an EvenLoader? {_ONE_LOOP}",
-    )
-
-
-def _create(meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float) -> Any:
-    """``dist.new_group`` once every rank has met, under ddp_even's deadline, not gloo's.
-
-    Gloo's rendezvous waits for every rank for the group's timeout. Every rank is known to be
-    here, so the group is created with a short one (``timeout``, at least
-    :data:`_CREATION_MIN_S`), which only a rank lost in between can outlast, and is then given
-    the training group's, which its collectives need to wait for a live peer.
-    """
-    settable = hasattr(ProcessGroupGloo, "_set_default_timeout")
-    creating = max(timeout, _CREATION_MIN_S) if settable else gloo_timeout
-    try:
-        group = dist.new_group(
-            ranks=ranks,
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=creating),
-            use_local_synchronization=True,
-        )
-    except Exception as error:  # gloo's raw error: which rank was lost?
-        raise _creation_failure(meeting, ranks, timeout, creating, error) from error
-    if settable:
-        backend = group._get_backend(torch.device("cpu"))
-        backend._set_default_timeout(datetime.timedelta(seconds=gloo_timeout))
-    return group
-
-
-def _creation_failure(
-    meeting: str, ranks: Sequence[int], timeout: float, creating: float, error: Exception
-) -> EvenLoaderError:
-    """ddp_even's error for a failed gloo rendezvous: the ranks lost since the meeting."""
-    me = dist.get_rank()
-    watch = current_watch()
-    board = Board(watch, meeting, me, hosts_store=me == 0)
-    others = [rank for rank in ranks if rank != me]
-    words = f"gloo: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
-    what = "the creation of ddp_even's group, after every rank had met"
-    # Their silence counts from when this rank first saw it: watch for up to ``timeout``.
-    deadline = time.monotonic() + timeout + 1.0
-    while time.monotonic() < deadline:
-        verdict = board.read()
-        if verdict is None:
-            views = watch.look(others)
-            lost = {} if views is None else lost_peers(views, timeout)
-            if views is not None and lost:
-                verdict = board.publish(verdict_on(views, lost, by=me, timeout=timeout, what=what))
-            elif views is None:
-                verdict = store_silence(watch, by=me, timeout=timeout, what=what)
-        if verdict is not None:
-            return board.adopt(verdict, len(ranks))
-        time.sleep(poll_interval(timeout, len(ranks)))
-    return EvenLoaderError(
-        f"ddp_even could not create its gloo group within {creating:g} s although every rank "
-        f"had met and none is known to be lost since ({words})"
-    )

@@ -35,6 +35,7 @@ hook itself, unless the model has a hook of its own.
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -47,6 +48,8 @@ from torch._C._distributed_c10d import GradBucket
 from ddp_even.errors import EvenLoaderError
 from ddp_even.liveness.heartbeat import loader_timeout
 from ddp_even.liveness.peers import (
+    DEAD,
+    GONE_EXITED,
     Watch,
     connection_lost,
     current_watch,
@@ -54,6 +57,7 @@ from ddp_even.liveness.peers import (
     poll_interval,
     store_host,
 )
+from ddp_even.liveness.rollcall import QUIET_S
 from ddp_even.liveness.verdict import (
     Board,
     Verdict,
@@ -62,6 +66,7 @@ from ddp_even.liveness.verdict import (
     store_silence,
     verdict_on,
 )
+from ddp_even.process_group import training_timeout
 
 __all__ = ["allreduce_hook", "register_on"]
 
@@ -70,7 +75,7 @@ logger = logging.getLogger("ddp_even")
 WHAT = "DDP's gradient all-reduce"
 # This backward pass's bucket all-reduces not yet waited for, and their failures (written by
 # gloo's thread).
-_pending: list[torch.futures.Future[torch.Tensor]] = []
+_pending: list[tuple[torch.futures.Future[torch.Tensor], dist.ProcessGroup | None]] = []
 _failures: list[tuple[RuntimeError, dist.ProcessGroup | None]] = []
 # After a dead peer's heartbeat has had ``timeout`` to stop: the last look at the peers.
 _LAST_LOOK_S = 1.0
@@ -125,7 +130,7 @@ def allreduce_hook(
         averaged = reduced.get_future().then(
             lambda done: _value_or_failure_kept(done, group, buffer)
         )
-        _pending.append(averaged)
+        _pending.append((averaged, group))
     return cast(torch.futures.Future[torch.Tensor], averaged)
 
 
@@ -193,11 +198,55 @@ def _value_or_named_failure(
 
 def _raise_failure() -> None:
     while _pending:
-        _pending.pop().wait()  # never raises: a failure is kept in _failures
+        _wait_watching(*_pending.pop())  # never raises gloo's failure: kept in _failures
     if _failures:
         error, group = _failures[0]
         _failures.clear()
         raise named_failure(error, group) from error
+
+
+def _wait_watching(
+    averaged: torch.futures.Future[torch.Tensor], group: dist.ProcessGroup | None
+) -> None:
+    """Wait for one bucket's all-reduce; past a quiet spell, also for a verdict.
+
+    Gloo fails a survivor's all-reduce only when one of *its* connections closes: with the dead
+    peer's neighbours waiting, the others learn it as the survivors before them leave, one
+    after another (tens of seconds for 63 survivors on 2 cores). A wait that lasts
+    :data:`QUIET_S` therefore reads the gradients' board (another survivor's verdict) and the
+    peers' heartbeats (a peer whose process is gone, or that exited), and raises that verdict
+    at once; a live or frozen peer is left to gloo's timeout, as before.
+    """
+    finished = threading.Event()
+    averaged.add_done_callback(lambda _: finished.set())
+    timeout = loader_timeout()
+    if finished.wait(QUIET_S) or timeout is None:
+        averaged.wait()
+        return
+    me = dist.get_rank()
+    ranks = _global_ranks(group)
+    peers = [rank for rank in ranks if rank != me]
+    watch = current_watch()
+    training_group = group or dist.group.WORLD
+    assert training_group is not None  # a hook runs only in a process group
+    board = Board(watch, f"ddp_even/{training_group.group_name}/gradients/", me, store_host() == me)
+    while not finished.wait(poll_interval(timeout, len(ranks))):
+        verdict = board.read()
+        if verdict is None:
+            views = watch.look(peers) or {}
+            gone = {
+                rank: state
+                for rank, state in lost_peers(views, timeout).items()
+                if state in (DEAD, GONE_EXITED)
+            }
+            if gone:
+                verdict = board.publish(verdict_on(views, gone, by=me, timeout=timeout, what=WHAT))
+        if verdict is not None:
+            logger.debug("%s given up: %s", WHAT, verdict)
+            _pending.clear()
+            _failures.clear()
+            raise board.adopt(verdict, len(ranks))
+    averaged.wait()
 
 
 def named_failure(error: RuntimeError, group: dist.ProcessGroup | None) -> EvenLoaderError:
@@ -221,9 +270,13 @@ def named_failure(error: RuntimeError, group: dist.ProcessGroup | None) -> EvenL
     board = Board(watch, f"ddp_even/{training_group.group_name}/gradients/", me, store_host() == me)
     lost_connection = connection_lost(gloo)
     give_up = time.monotonic() + timeout + _LAST_LOOK_S
+    # A store that does not answer while its serving process runs is busy, not a reason to
+    # give up on naming the peer: waited for up to the training group's timeout.
+    patience = time.monotonic() + max(training_timeout(training_group), timeout)
     while (verdict := board.read()) is None:
         verdict = _look(watch, peers, str(error), me, timeout, lost_connection)
-        if verdict is None and time.monotonic() >= give_up:
+        store_busy = watch.silent_since() is not None and time.monotonic() < patience
+        if verdict is None and time.monotonic() >= give_up and not store_busy:
             detail = f"every peer's heartbeat went on for {timeout:g} s after the failure"
             verdict = Verdict(me, (), {}, timeout, WHAT, detail)
         if verdict is not None:

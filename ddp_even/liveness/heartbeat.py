@@ -83,7 +83,6 @@ _MAX_INTERVAL_S = 1.0
 _MIN_INTERVAL_S = 0.05
 # The thread's store calls give up after this; joined at exit for a little longer.
 _STORE_TIMEOUT_S = 2.0
-_JOIN_AT_EXIT_S = _STORE_TIMEOUT_S + 1.0
 # A wait between beats that overran by this much: the whole process stood still.
 _STOOD_STILL_S = 1.0
 THREAD_NAME = "ddp-even-heartbeat"
@@ -178,11 +177,15 @@ def default_store() -> Any:
         return None
 
 
-# One clone at a time: each lends the job's store a short timeout for its connect.
+# One clone at a time: each lends the job's store a timeout of its own for its connect.
 _clone_lock = threading.Lock()
-# The most a new connection to the store may take: milliseconds while its server answers;
-# one that fails returns after about twice this (torch tries once more).
-_CONNECT_S = 0.5
+# How long one try to connect to the store waits: milliseconds while its server answers at
+# once, seconds while it waits for a core (32 ranks and a busy loop on 2 cores). A try that
+# times out is no failure: the caller tries again (the next beat, the next question) for as
+# long as the server lives; one whose process is gone is refused at once.
+_CONNECT_S = 2.0
+# The thread is joined at exit for as long as a store call or a connect (torch tries twice).
+_JOIN_AT_EXIT_S = max(_STORE_TIMEOUT_S, 2 * _CONNECT_S) + 1.0
 
 
 def own_connection(store: Any, timeout_s: float) -> Any:
@@ -190,14 +193,16 @@ def own_connection(store: Any, timeout_s: float) -> Any:
     job's own connection where the store type cannot be cloned.
 
     Raises the connect's error when the store's server does not answer within
-    :data:`_CONNECT_S`: ``OSError`` (``ConnectionRefusedError`` once its process is gone) or
-    ``torch.distributed``'s ``DistNetworkError``. A clone connects with the timeout of the
-    store it is cloned from (30 minutes by default) and retries a server that is gone for that
-    long. ``PrefixStore`` does not say its prefix, so a client of one's own cannot be built
-    beside it: a plain TCP connect first finds the server listening (refused at once when its
-    process is gone), then the job's store lends a short timeout for the clone's connect.
+    :data:`_CONNECT_S` (a try; the callers try again while the server lives, and judge its
+    silence by whether its process runs, ``store_silence``): ``OSError``
+    (``ConnectionRefusedError`` once its process is gone) or ``torch.distributed``'s
+    ``DistNetworkError``. A clone connects with the timeout of the store it is cloned from (30
+    minutes by default) and retries a server that is gone for that long. ``PrefixStore`` does
+    not say its prefix, so a client of one's own cannot be built beside it: a plain TCP connect
+    first finds the server listening (refused at once when its process is gone), then the job's
+    store lends the try's timeout for the clone's connect.
     """
-    connect_s = min(timeout_s, _CONNECT_S)
+    connect_s = _CONNECT_S
     _connect_to_server(store, connect_s)
     with _clone_lock:
         previous = store.timeout
@@ -253,6 +258,9 @@ class _Beater(threading.Thread):
         self._count = 0
         self._state = (presence.doing, presence.progress)
         self._since = time.monotonic()
+        # When its wait between beats began (None while it beats): overdue while this process
+        # stands still.
+        self.waiting_since: float | None = None
         # This process's last standstill: (time.time() when it ended, its seconds).
         self.stood_still: tuple[float, float] | None = None
         # Its own connection, with its own timeout: the job's store is shared. None while
@@ -292,8 +300,10 @@ class _Beater(threading.Thread):
 
     def run(self) -> None:
         while True:
-            began = time.monotonic()
-            if self._stopping.wait(self.interval):
+            began = self.waiting_since = time.monotonic()
+            stopping = self._stopping.wait(self.interval)
+            self.waiting_since = None
+            if stopping:
                 break
             # A wait on an event overruns by seconds only when no thread of this process ran:
             # frozen (SIGSTOP, a debugger) or a main thread holding the GIL.
@@ -361,9 +371,17 @@ def loader_timeout() -> float | None:
 def stood_still_since(since: float) -> float:
     """How long this process last stood still, when that ended after ``since`` (a
     ``time.time()``): no thread of it ran (frozen by SIGSTOP or a debugger, or its main thread
-    held the GIL), as its heartbeat thread saw from a wait that overran; 0.0 otherwise."""
+    held the GIL), as its heartbeat thread saw from a wait that overran, or sees now from
+    the wait it has not yet woken from (a process just continued runs its threads in any
+    order); 0.0 otherwise."""
     beater = _beater
-    stood_still = None if beater is None else beater.stood_still
+    if beater is None:
+        return 0.0
+    waiting_since = beater.waiting_since
+    overdue = 0.0 if waiting_since is None else time.monotonic() - waiting_since - beater.interval
+    if overdue > _STOOD_STILL_S:
+        return overdue
+    stood_still = beater.stood_still
     if stood_still is None or stood_still[0] < since:
         return 0.0
     return stood_still[1]

@@ -101,6 +101,10 @@ class Watch:
         self.store_error: BaseException | None = None
         # A question to the store still waiting for its answer (see :meth:`ask`).
         self._unanswered: threading.Thread | None = None
+        # When the store last answered a question, late ones included (monotonic clock).
+        self._answered_at = 0.0
+        # The silence (its start) already said busy in the log.
+        self.said_busy: float | None = None
 
     def connect(self) -> None:
         """Open this watch's own connection to the store, with a short timeout of its own.
@@ -134,6 +138,8 @@ class Watch:
         def ask_now() -> None:
             try:
                 answers.append(question(self.store))
+                # An answer, even one that came too late for its question, is a sign of life.
+                self._answered_at = time.monotonic()
             except Exception as error:
                 errors.append(error)
 
@@ -156,6 +162,13 @@ class Watch:
             raise errors[0]
         self.store_failing_since = self.store_error = None
         return answers[0]
+
+    def silent_since(self) -> float | None:
+        """Since when the store has not answered (None while it answers): from the first
+        question it left unanswered, or its last answer to an earlier one when that came
+        later (a busy store answers late, and lives)."""
+        since = self.store_failing_since
+        return None if since is None else max(since, self._answered_at)
 
     def look(self, ranks: Sequence[int]) -> dict[int, PeerView] | None:
         """The peers' latest heartbeats; None when the store did not answer."""
@@ -193,11 +206,12 @@ _watch: Watch | None = None
 
 
 def watch_from_now() -> None:
-    """Connect the current process group's watch now, while the store's host is alive."""
+    """Connect the current process group's watch now, while the store's host is alive: a
+    question like any other, so that a connect the store does not answer starts its silence."""
     if default_store() is not None:
         try:
-            current_watch().connect()
-        except Exception as error:  # asked again by the first question, which records it
+            current_watch().ask(lambda store: None)
+        except Exception as error:  # recorded: store_failing_since
             logger.debug("the job's store does not answer a new connection: %r", error)
 
 
@@ -214,12 +228,18 @@ def process_state(beat: Beat) -> str | None:
     """``"gone"``, ``"stopped"`` or ``"running"`` for a peer on this host; None elsewhere."""
     if beat.host != host_token():
         return None
+    return pid_state(beat.pid)
+
+
+def pid_state(pid: int) -> str | None:
+    """``"gone"``, ``"stopped"`` or ``"running"`` (also sleeping: alive, not frozen) for a
+    process of this host; None when the kernel does not say."""
     try:
-        stat = Path(f"/proc/{beat.pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return "gone"
     except OSError:
-        return _exists(beat.pid)
+        return _exists(pid)
     state = stat.rsplit(")", 1)[-1].split()[0]
     if state in ("Z", "X"):
         return "gone"

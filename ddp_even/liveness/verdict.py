@@ -32,6 +32,7 @@ from ddp_even.liveness.peers import (
     store_host,
 )
 from ddp_even.liveness.rollcall import Ticket
+from ddp_even.liveness.store_server import store_server_state
 
 logger = logging.getLogger("ddp_even")
 
@@ -146,24 +147,54 @@ def verdict_on(
     return Verdict(by, missing, dict(states), timeout, what, detail)
 
 
-def store_silence(watch: Watch, *, by: int, timeout: float, what: str) -> Verdict | None:
-    """A verdict once the store has not answered for ``timeout``: its host is named."""
-    since = watch.store_failing_since
-    if since is None or time.monotonic() - since < timeout:
+def store_silence(
+    watch: Watch, *, by: int, timeout: float, what: str, patience: float | None = None
+) -> Verdict | None:
+    """A verdict once the store has not answered for ``timeout`` and its host is lost: its
+    host rank is named, stalled or dead (at once when it refused and the kernel says its
+    process is gone).
+
+    A store whose serving process runs (on this host the kernel says so) is busy, not lost: it
+    is waited for, said in the log once its silence passes ``timeout``, and named ``busy`` only
+    past ``patience`` (the training group's timeout; None: never here, the caller's own wait
+    ends). Elsewhere only the store's own answers say that it lives (a late one counts).
+    """
+    since = watch.silent_since()
+    if since is None:
         return None
     silent_s = time.monotonic() - since
     host = store_host()
     error = watch.store_error
+    refused = error is not None and connection_lost(str(error))
+    # Refused by a store served here whose process is gone: nothing will answer again.
+    process = store_server_state(watch, host, by) if refused or silent_s >= timeout else None
+    if silent_s < timeout and process != "gone":
+        return None
     beat = None if host is None else watch.last_beat(host)
-    gone = (error is not None and connection_lost(str(error))) or (
-        beat is not None and process_state(beat) == "gone"
-    )
-    state = DEAD if gone else STALLED
+    gone = refused or process == "gone"
     silence = (
         f"the job's store did not answer for {silent_s:.1f} s (timeout {timeout:g} s; "
         f"{type(error).__name__}: {error})"
     )
-    if host is None:
+    if not gone and process == "running":
+        if patience is None or silent_s < patience:
+            if watch.said_busy != since:
+                watch.said_busy = since
+                logger.warning(
+                    "%s, but the process that serves it runs (busy: a machine short of CPU?); "
+                    "waiting for it, as for any live peer",
+                    silence,
+                )
+            return None
+        state = BUSY
+    else:
+        state = DEAD if gone else STALLED
+    if state == BUSY:
+        detail = (
+            f"{silence}, not within the training group's timeout ({patience:g} s), while the "
+            "process that serves it ran"
+        )
+    elif host is None:
         detail = f"{silence}: its host is {state}"
     elif beat is None:
         detail = f"{silence}: rank {host}, which hosts it, is {state}"
@@ -172,7 +203,8 @@ def store_silence(watch: Watch, *, by: int, timeout: float, what: str) -> Verdic
             PeerView(host, beat, silent_s), state, timeout
         )
     missing = () if host is None or host == by else (host,)
-    return Verdict(by, missing, {rank: state for rank in missing}, timeout, what, detail)
+    applied = patience if state == BUSY and patience is not None else timeout
+    return Verdict(by, missing, {rank: state for rank in missing}, applied, what, detail)
 
 
 def verdict_on_missing(
@@ -193,13 +225,24 @@ def verdict_on_missing(
     lost = connection_lost(gloo_message)
     views = watch.look(list(missing)) or {}
     states = {}
+    living = []
     for rank in missing:
         view = views.get(rank)
         state = None if view is None else judge(view, timeout, connection_lost=lost)
+        process = None if view is None or view.beat is None else process_state(view.beat)
+        if state is None and lost and process == "gone":
+            state = DEAD  # killed a moment ago: its heartbeat has not missed a beat yet
+        if state is None and lost and process == "running":
+            # Alive on this host, only slow to check in (a busy machine): not the one whose
+            # connection closed.
+            living.append(rank)
         if state is None:
             alive = view is not None and view.beat is not None
             state = DEAD if lost else BUSY if alive else UNSEEN if view else STALLED
         states[rank] = state
+    if living and len(living) < len(missing):
+        missing = [rank for rank in missing if rank not in living]
+        states = {rank: states[rank] for rank in missing}
     timed_out = not lost and any(state in (BUSY, UNSEEN) for state in states.values())
     applied = gloo_timeout if timed_out else timeout
     if views:

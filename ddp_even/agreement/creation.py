@@ -1,0 +1,275 @@
+"""The creation of ddp_even's control group: the ranks meet in the store, then gloo's rendezvous.
+
+Both are waits for the other ranks, and both are decided by liveness, not patience: a rank
+that is absent, or slow to connect, is waited for while its heartbeat (or, on this host, its
+process) says it lives, up to the training group's timeout; one that dies or freezes is named
+within the loader's ``timeout`` by every rank (``liveness/``). ``control_group.py`` caches
+what this makes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ddp_even.errors import EvenLoaderError, PeerTimeoutError
+from ddp_even.liveness.heartbeat import stood_still_since, waiting
+from ddp_even.liveness.peers import (
+    BUSY,
+    UNSEEN,
+    Watch,
+    current_watch,
+    lost_peers,
+    poll_interval,
+)
+from ddp_even.liveness.verdict import Board, Verdict, store_silence, verdict_on
+
+__all__ = ["create", "meet_before_creating"]
+
+logger = logging.getLogger("ddp_even")
+
+
+# What the ranks meet for, in the words of an error.
+_MEETING = "ddp_even's first meeting (each rank's first epoch, before ddp_even's group exists)"
+_ONE_LOOP = (
+    "every rank of the training group must iterate the loader at the same point; to loop on "
+    "some ranks only (evaluation on rank 0), iterate the underlying loader there"
+)
+_CREATING = "the creation of ddp_even's group, after every rank had met"
+# The thread that runs gloo's rendezvous (:func:`create`).
+_CREATOR = "ddp-even-create-group"
+
+
+def meet_before_creating(
+    meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float
+) -> None:
+    """Wait in the store until every rank is here, for as long as the absent ones live.
+
+    A peer that shows no sign of life for ``timeout`` (or exited) is named at once; a live one,
+    or one with no heartbeat yet (it has not made its ``EvenLoader``: a long set-up), is waited
+    for up to the training group's timeout, as DDP's first all-reduce would wait for it.
+    """
+    me = dist.get_rank()
+    watch = current_watch()
+    board = Board(watch, meeting, me, hosts_store=me == 0)
+    keys = [f"{meeting}{rank}" for rank in ranks]
+    others = [rank for rank in ranks if rank != me]
+    poll = poll_interval(timeout, len(ranks))
+    began, began_wall = time.monotonic(), time.time()
+
+    def say_here(store: Any) -> bool:
+        store.set(f"{meeting}{me}", "here")
+        return True
+
+    here = False
+    with waiting():
+        while True:
+            # Said again until the store answers: its host may be frozen at this moment.
+            here = here or _answered(watch, say_here)
+            if here and _answered(watch, lambda store: bool(store.check(keys))):
+                return
+            verdict = board.read()
+            if verdict is None:
+                verdict = _why_not_all_here(
+                    watch, keys, ranks, others, began, timeout, gloo_timeout
+                )
+                # After the look: a process frozen during it finds out before it judges.
+                late_here(began_wall, timeout, _MEETING)
+                if verdict is not None:
+                    verdict = board.publish(verdict)
+            if verdict is not None:
+                raise board.adopt(verdict, len(ranks))
+            time.sleep(poll)
+
+
+def _holds(store: Any, key: str) -> bool:
+    return bool(store.check([key]))
+
+
+def _answered(watch: Watch, question: Callable[[Any], bool]) -> bool:
+    """Whether the store answered ``question``, and with True."""
+    try:
+        return watch.ask(question)
+    except Exception:  # the store did not answer: the next look says why
+        return False
+
+
+def _why_not_all_here(
+    watch: Watch,
+    keys: list[str],
+    ranks: Sequence[int],
+    others: list[int],
+    began: float,
+    timeout: float,
+    gloo_timeout: float,
+) -> Verdict | None:
+    me = dist.get_rank()
+    views = watch.look(others)
+    if views is None:
+        return store_silence(watch, by=me, timeout=timeout, what=_MEETING, patience=gloo_timeout)
+    lost = lost_peers(views, timeout)
+    if lost:
+        return verdict_on(views, lost, by=me, timeout=timeout, what=_MEETING)
+    if time.monotonic() - began < gloo_timeout:
+        return None
+    absent = [
+        rank
+        for rank, key in zip(ranks, keys, strict=True)
+        if not _answered(watch, functools.partial(_holds, key=key))
+    ]
+    states = {rank: BUSY if views[rank].beat is not None else UNSEEN for rank in absent}
+    verdict = verdict_on(views, states, by=me, timeout=gloo_timeout, what=_MEETING)
+    return Verdict(
+        me,
+        verdict.missing,
+        verdict.states,
+        gloo_timeout,
+        _MEETING,
+        f"not within the training group's timeout ({gloo_timeout:g} s): {verdict.detail}. "
+        f"Did they never start iterating an EvenLoader? {_ONE_LOOP}",
+    )
+
+
+def create(meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float) -> Any:
+    """``dist.new_group`` once every rank has met, waited for while every rank lives.
+
+    Gloo's rendezvous connects every pair of ranks (W(W - 1)/2 connections): seconds for 64
+    processes sharing 2 cores, and no sign of any peer's death. It runs in a thread of its own
+    under the training group's timeout, the one deadline for a live peer, while this thread
+    reads the peers' heartbeats as any wait in ddp_even does: a peer that dies or freezes
+    meanwhile is named within ``timeout`` (and the creating thread left to gloo's timeout or
+    the process's exit), a live one is waited for, and said so in the log after ``timeout``.
+    """
+    created: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            created.append(
+                dist.new_group(
+                    ranks=ranks,
+                    backend="gloo",
+                    timeout=datetime.timedelta(seconds=gloo_timeout),
+                    use_local_synchronization=True,
+                )
+            )
+        except BaseException as error:  # raised by the waiting thread, with ddp_even's words
+            failed.append(error)
+
+    # Taken before the thread starts: a process frozen from then on stood still in creation.
+    began, began_wall = time.monotonic(), time.time()
+    creator = threading.Thread(target=run, name=_CREATOR, daemon=True)
+    creator.start()
+    me = dist.get_rank()
+    watch = current_watch()
+    board = Board(watch, meeting, me, hosts_store=me == 0)
+    others = [rank for rank in ranks if rank != me]
+    poll = poll_interval(timeout, len(ranks))
+    # Each rank says when its group is made, and leaves only once every rank's is: until then
+    # a verdict is on this meeting's board, where every rank reads it.
+    done_keys = [f"{meeting}created/{rank}" for rank in ranks]
+    said_done = said_slow = False
+
+    def say_done(store: Any) -> bool:
+        store.set(f"{meeting}created/{me}", "created")
+        return True
+
+    with waiting():
+        while True:
+            joined_at = time.monotonic()
+            creator.join(poll)
+            # This thread overslept by the timeout: this process stood still (SIGSTOP), seen
+            # before its heartbeat thread has had the chance to say so.
+            late_here(began_wall, timeout, _CREATING, time.monotonic() - joined_at - poll)
+            if not creator.is_alive():
+                if failed:
+                    error = failed[0]
+                    raise _creation_failure(meeting, ranks, timeout, gloo_timeout, error) from error
+                said_done = said_done or _answered(watch, say_done)
+                if said_done and _answered(watch, lambda store: bool(store.check(done_keys))):
+                    break
+                time.sleep(poll)
+            verdict = board.read()
+            if verdict is None:
+                verdict = _lost_while_creating(watch, others, me, timeout, gloo_timeout)
+                late_here(began_wall, timeout, _CREATING)  # frozen during the look, as above
+                if verdict is not None:
+                    verdict = board.publish(verdict)
+            if verdict is not None:
+                logger.debug("gave up creating ddp_even's group: %s", verdict)
+                raise board.adopt(verdict, len(ranks))
+            if not said_slow and time.monotonic() - began >= timeout:
+                said_slow = True
+                logger.info(
+                    "creating ddp_even's gloo group over %d ranks has taken %.1f s, every rank "
+                    "alive: waiting for it (up to the training group's timeout, %g s)",
+                    len(ranks),
+                    time.monotonic() - began,
+                    gloo_timeout,
+                )
+    logger.debug("ddp_even's group created in %.2f s", time.monotonic() - began)
+    return created[0]
+
+
+def late_here(since: float, timeout: float, what: str, overslept: float = 0.0) -> None:
+    """Raise ``PeerTimeoutError(late=True)`` naming this rank when its own process stood still
+    for ``timeout`` or more since ``since`` (a ``time.time()``; or the caller's own wait
+    ``overslept`` that long): the others gave up on it, and the store that would tell it so
+    may have left with them."""
+    seconds = max(stood_still_since(since), overslept)
+    if seconds >= timeout:
+        me = dist.get_rank()
+        detail = (
+            f"this rank's process stood still for {seconds:.1f} s (SIGSTOP, a debugger, or its "
+            "main thread holding the GIL), longer than the timeout"
+        )
+        raise PeerTimeoutError((me,), timeout, detail, rank=me, late=True, what=what)
+
+
+def _lost_while_creating(
+    watch: Watch, others: list[int], me: int, timeout: float, gloo_timeout: float
+) -> Verdict | None:
+    views = watch.look(others)
+    if views is None:
+        return store_silence(watch, by=me, timeout=timeout, what=_CREATING, patience=gloo_timeout)
+    lost = lost_peers(views, timeout)
+    return verdict_on(views, lost, by=me, timeout=timeout, what=_CREATING) if lost else None
+
+
+def _creation_failure(
+    meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float, error: BaseException
+) -> EvenLoaderError:
+    """ddp_even's error for a failed gloo rendezvous: the ranks lost since the meeting."""
+    me = dist.get_rank()
+    watch = current_watch()
+    board = Board(watch, meeting, me, hosts_store=me == 0)
+    others = [rank for rank in ranks if rank != me]
+    words = f"gloo: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    what = _CREATING
+    # Their silence counts from when this rank first saw it: watch for up to ``timeout``.
+    deadline = time.monotonic() + timeout + 1.0
+    while time.monotonic() < deadline:
+        verdict = board.read()
+        if verdict is None:
+            views = watch.look(others)
+            lost = {} if views is None else lost_peers(views, timeout)
+            if views is not None and lost:
+                verdict = board.publish(verdict_on(views, lost, by=me, timeout=timeout, what=what))
+            elif views is None:
+                verdict = store_silence(
+                    watch, by=me, timeout=timeout, what=what, patience=gloo_timeout
+                )
+        if verdict is not None:
+            return board.adopt(verdict, len(ranks))
+        time.sleep(poll_interval(timeout, len(ranks)))
+    return EvenLoaderError(
+        f"ddp_even could not create its gloo group within {gloo_timeout:g} s although every rank "
+        f"had met and none is known to be lost since ({words})"
+    )
