@@ -3,10 +3,10 @@
     python -m benchmarks.bench_scale                       # W = 8, 16, 32, 64: a table, JSON
     python -m benchmarks.bench_scale --ranks 8 --ranks 16  # some of them
 
-Each W is one job of W processes (spawned, each importing torch), joined in one gloo process
-group through a ``TCPStore`` that rank 0 hosts, wrapped so that every rank counts the requests
-it makes of the store (gloo's rendezvous, ddp_even's heartbeats and waiting readers). Every
-rank, in turn:
+Each W is first one job of W processes (spawned, each importing torch), joined in one gloo
+process group through a ``TCPStore`` that rank 0 hosts, wrapped so that every rank counts the
+requests it makes of the store (gloo's rendezvous, ddp_even's heartbeats and waiting readers).
+Every rank, in turn:
 
 1. creates the process group (the time to ``init_process_group``);
 2. creates ddp_even's control group (its time apart), then trains a one-parameter DDP model
@@ -21,14 +21,20 @@ rank, in turn:
    compute, agreeing every step (``sync_every=1``) and with known lengths (a list), medians and
    99th percentiles, and each epoch's collectives;
 4. store requests per second over all ranks: while training (300 steps of 10 ms) and while
-   every rank waits in an agreement for one rank that pauses 3 s;
-5. a SIGKILL: the last rank kills itself just before its third ``backward()`` (the DDP model
-   averaging through ``ddp_even.allreduce_hook``), and every survivor records when it raised
-   what: the time from the kill to the last survivor's error, against the loader's ``timeout``
-   (:mod:`benchmarks.scale_faults`).
+   every rank waits in an agreement for one rank that pauses 3 s.
 
-Then a second job of W ranks: the last rank SIGSTOPs itself in a loop agreeing every step,
-every survivor names it ``stalled``, the time from the stop to the last survivor's error.
+Then one job of W ranks per fault, each on the plain ``TCPStore`` (as under ``env://`` and
+torchrun: ddp_even reads the kernel about the process serving it), every survivor recording
+when it raised what (:mod:`benchmarks.scale_faults`): a SIGKILL of the last rank just before its
+third ``backward()`` (the DDP model averaging through ``ddp_even.allreduce_hook``), named
+``dead``; a SIGSTOP of the last rank in a loop agreeing every step, named ``stalled``; and one
+per Parquet reader (from_parquet's pyarrow reader; petastorm's ``make_batch_reader``, one
+worker, where petastorm is installed) whose first loader, in cycle mode, creates ddp_even's
+group under the short timeout, the last rank SIGKILLing itself before its third
+``backward()``. Each gives the time from the fault to the last survivor's error, against the
+loader's ``timeout`` (10 s), beside ``--hogs`` CPU hogs (busy loops, as ``scripts/soak.py``
+runs): ranks starved of CPU while they create ddp_even's group, connect to the store and wait
+for it are alive, and only the victim may be named.
 
 Peak resident memory per rank (``ru_maxrss``). Where W stops (memory, time) the run says so
 and what was measured before. On 2 cores every rank's process competes for them: times here
@@ -57,7 +63,13 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.report import write_results
-from benchmarks.scale_faults import fault_summary, kill_phase, stop_phase
+from benchmarks.scale_faults import (
+    cpu_hogs,
+    fault_summary,
+    kill_phase,
+    parquet_kill_phase,
+    stop_phase,
+)
 from benchmarks.scale_parquet import check_parquet, measure_parquet, write_dataset
 from ddp_even.names import ModeName
 
@@ -68,6 +80,8 @@ KILL_TIMEOUT_S = 10.0
 # Everywhere else: long, so that a rank starved of CPU by 63 others is not taken for dead.
 TIMEOUT_S = 60.0
 JOB_LIMIT_S = 900.0
+# CPU hogs beside the fault phases.
+HOGS = 2
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,8 @@ class ScaleConfig:
     ranks: tuple[int, ...]
     agreement_steps: int = AGREEMENT_STEPS
     kill_timeout_s: float = KILL_TIMEOUT_S
+    hogs: int = HOGS
+    readers: tuple[str, ...] = ()
 
 
 def shard_length(rank: int) -> int:
@@ -168,15 +184,24 @@ def _rank_main(rank: int, world_size: int, port: int, workdir: str, phase: str) 
         inner = dist.TCPStore(  # type: ignore[attr-defined]
             "127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=600)
         )
-        store = _store_class()(inner)
+        # Counted in the measuring job; the faults see the plain TCPStore, as a user's job does.
+        store = _store_class()(inner) if phase == "main" else inner
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=600),
         )  # fmt: skip
         result["group_s"] = time.perf_counter() - started
         dist.barrier()
-        if phase == "stop":
+        if phase == "kill":
+            shard = [torch.full((4, 1), float(rank))] * shard_length(rank)
+            result["fault"] = kill_phase(rank, world_size, shard, Path(workdir), KILL_TIMEOUT_S)
+        elif phase == "stop":
             result["fault"] = stop_phase(rank, world_size, Path(workdir), KILL_TIMEOUT_S)
+        elif phase.startswith("kill-"):
+            dataset = Path(workdir, "scale.parquet")
+            result["fault"] = parquet_kill_phase(
+                rank, world_size, dataset, Path(workdir), KILL_TIMEOUT_S, phase[5:]
+            )
         else:
             _measure(rank, world_size, store, result, Path(workdir))
     except BaseException as error:  # written down: the parent reads every rank's outcome
@@ -266,12 +291,6 @@ def _measure(rank: int, world_size: int, store: Any, result: dict[str, Any], her
         "waiting": requests_during(20, 0.0, paused=True),
     }
 
-    # 5. A SIGKILL just before the last rank's third backward(); what the victim measured is
-    # written first.
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    (here / f"rank-{rank}.json").write_text(json.dumps(result))
-    result["fault"] = kill_phase(rank, world_size, shard, here, KILL_TIMEOUT_S)
-
 
 def _free_port() -> int:
     with socket.socket() as probe:
@@ -279,16 +298,37 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def run_world(world_size: int) -> dict[str, Any]:
-    """The jobs of ``world_size`` ranks (measures and a SIGKILL, then a SIGSTOP), summed up."""
-    summary = _run_job(world_size, "main")
+def available_readers() -> tuple[str, ...]:
+    """The Parquet readers of the kill jobs: pyarrow's, and petastorm's where installed."""
+    try:
+        import petastorm  # noqa: F401
+    except ImportError:
+        return ("arrow",)
+    return ("arrow", "petastorm")
+
+
+def run_world(
+    world_size: int, hogs: int = HOGS, readers: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """The jobs of ``world_size`` ranks (measures; a SIGKILL, a SIGSTOP, a SIGKILL per Parquet
+    reader, each beside ``hogs`` CPU hogs), summed up."""
+    summary = _run_job(world_size, "main", hogs)
+    summary["hogs"] = hogs
     if "group_s" in summary:
-        stopped = _run_job(world_size, "stop")
-        summary["stop"] = stopped.get("fault") or {"named": False, "outcomes": stopped}
+        faults = ["kill", "stop"]
+        faults += [
+            f"kill-{reader}" for reader in (available_readers() if readers is None else readers)
+        ]
+        for phase in faults:
+            ended = _run_job(world_size, phase, hogs)
+            summary[phase.replace("-", "_")] = ended.get("fault") or {
+                "named": False,
+                "outcomes": ended,
+            }
     return summary
 
 
-def _run_job(world_size: int, phase: str) -> dict[str, Any]:
+def _run_job(world_size: int, phase: str, hogs: int) -> dict[str, Any]:
     """One job of ``world_size`` ranks doing ``phase``; what each rank measured, summed up."""
     os.environ["OMP_NUM_THREADS"] = "1"
     context = multiprocessing.get_context("spawn")
@@ -303,8 +343,9 @@ def _run_job(world_size: int, phase: str) -> dict[str, Any]:
         for process in ranks:
             process.start()
         deadline = time.monotonic() + JOB_LIMIT_S
-        for process in ranks:
-            process.join(max(0.0, deadline - time.monotonic()))
+        with cpu_hogs(0 if phase == "main" else hogs):
+            for process in ranks:
+                process.join(max(0.0, deadline - time.monotonic()))
         hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
         for process in ranks:
             if process.is_alive():
@@ -316,13 +357,14 @@ def _run_job(world_size: int, phase: str) -> dict[str, Any]:
         fault_mark = Path(workdir, "fault_at")
         fault_at = float(fault_mark.read_text()) if fault_mark.exists() else None
         seconds = time.perf_counter() - started
-    if phase == "stop":
+    if phase != "main":
         survivors = [result for result in results if result["rank"] != world_size - 1]
         faults = [result["fault"] for result in survivors if "fault" in result]
         if hung or len(faults) < world_size - 1:
             return {"hung": hung, "errors": [result.get("error") for result in results]}
-        return {"fault": fault_summary(faults, world_size - 1, "stalled", fault_at)}
-    return summarize(world_size, results, hung, fault_at, seconds)
+        state = "stalled" if phase == "stop" else "dead"
+        return {"fault": fault_summary(faults, world_size - 1, state, fault_at)}
+    return summarize(world_size, results, hung, seconds)
 
 
 def _expected_steps(world_size: int) -> dict[str, list[int]]:
@@ -339,11 +381,8 @@ def summarize(
     world_size: int,
     results: list[dict[str, Any]],
     hung: list[int],
-    kill_time: float | None,
     seconds: float,
 ) -> dict[str, Any]:
-    victim = world_size - 1
-    survivors = [result for result in results if result["rank"] != victim]
     errors = {result["rank"]: result["error"] for result in results if "error" in result}
     summary: dict[str, Any] = {
         "world_size": world_size,
@@ -359,19 +398,16 @@ def summarize(
         [result["steps"][mode] for result in results] == expected[mode] for mode in MODES
     )
     summary["parquet_wrong"] = check_parquet(results, world_size)
-    summary["group_s"] = max(result["group_s"] for result in survivors)
-    summary["control_group_s"] = max(result["control_group_s"] for result in survivors)
-    summary["first_step_s"] = max(result["first_step_s"] for result in survivors)
+    summary["group_s"] = max(result["group_s"] for result in results)
+    summary["control_group_s"] = max(result["control_group_s"] for result in results)
+    summary["first_step_s"] = max(result["first_step_s"] for result in results)
     for name in ("every_step", "known"):
         summary[name] = {
-            "median_us": statistics.median(result[name]["median_us"] for result in survivors),
-            "p99_us": max(result[name]["p99_us"] for result in survivors),
+            "median_us": statistics.median(result[name]["median_us"] for result in results),
+            "p99_us": max(result[name]["p99_us"] for result in results),
             "collectives": results[0][name]["collectives"],
         }
     summary["store_requests_per_s"] = results[0]["store_requests_per_s"]
-    summary["kill"] = fault_summary(
-        [result["fault"] for result in survivors], victim, "dead", kill_time
-    )
     summary["peak_rss_mib"] = max(result["peak_rss_mib"] for result in results)
     return summary
 
@@ -382,6 +418,7 @@ def results_table(runs: list[dict[str, Any]]) -> Table:
         "W", "group s", "control group s", "first step s", "modes", "Parquet, resume",
         "K=1 median / p99", "known median / p99", "collectives K=1 / known",
         "store req/s train / wait", "SIGKILL → last error", "SIGSTOP → last error",
+        "SIGKILL, Parquet: pyarrow / petastorm",
         "peak RSS/rank", "job s",
     ):  # fmt: skip
         table.add_column(column, justify="right")
@@ -404,11 +441,16 @@ def results_table(runs: list[dict[str, Any]]) -> Table:
             f"{rates['training']:.0f} / {rates['waiting']:.0f}",
             _fault_cell(run["kill"]),
             _fault_cell(run.get("stop", {"named": False})),
+            " / ".join(
+                _fault_cell(run[f"kill_{reader}"]) if f"kill_{reader}" in run else "-"
+                for reader in ("arrow", "petastorm")
+            ),
             f"{run['peak_rss_mib']:.0f} MiB",
             f"{run['seconds']:.0f}",
         )
     table.caption = (
-        f"known lengths: {AGREEMENT_STEPS} steps; faults: the loader's timeout {KILL_TIMEOUT_S:g} s"
+        f"known lengths: {AGREEMENT_STEPS} steps; faults: the loader's timeout "
+        f"{KILL_TIMEOUT_S:g} s, beside {runs[0].get('hogs', HOGS) if runs else HOGS} CPU hogs"
     )
     return table
 
@@ -420,20 +462,22 @@ def _fault_cell(fault: dict[str, Any]) -> str:
 
 @click.command()
 @click.option("--ranks", multiple=True, type=click.IntRange(2), help="[default: 8 16 32 64]")
+@click.option("--hogs", type=click.IntRange(0), default=HOGS, show_default=True,
+              help="CPU hogs (busy loops) beside the fault phases")  # fmt: skip
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=Path("bench-results/scale.json"),
     show_default=True,
 )
-def main(ranks: tuple[int, ...], out: Path) -> None:
+def main(ranks: tuple[int, ...], hogs: int, out: Path) -> None:
     """Every guarantee's cost as W grows: group creation, agreement, store load, a death."""
     console = Console() if sys.stdout.isatty() else Console(width=200)
-    config = ScaleConfig(ranks or (8, 16, 32, 64))
+    config = ScaleConfig(ranks or (8, 16, 32, 64), hogs=hogs, readers=available_readers())
     runs = []
     for world_size in config.ranks:
         console.print(f"W = {world_size} ...")
-        run = run_world(world_size)
+        run = run_world(world_size, hogs, config.readers)
         runs.append(run)
         if "group_s" not in run:
             console.print(f"W = {world_size} stopped: {run['errors'] or run['hung']}")

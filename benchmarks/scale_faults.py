@@ -7,6 +7,13 @@ raised what.
 * :func:`stop_phase`: the last rank stops itself (SIGSTOP) after its second batch, a loop
   agreeing every step and without a collective of its own: the others wait for it in ddp_even's
   agreement, and name it ``stalled``; a helper continues it ``timeout`` + 8 s later.
+* :func:`parquet_kill_phase`: a fresh job's first loader (so ddp_even's group is created under
+  the short ``timeout``, beside the CPU hogs) reads the Parquet dataset in cycle mode, with
+  from_parquet's pyarrow reader or petastorm's own (``make_batch_reader``, one worker,
+  ``cur_shard``/``shard_count``); the last rank kills itself before its third ``backward()``.
+
+The fault phases run beside CPU hogs (:func:`cpu_hogs`, busy loops as ``scripts/soak.py``
+starts): a live rank starved of CPU must not be named, only the victim.
 
 Each writes when the fault began to ``<workdir>/fault_at``, and returns what this rank raised
 (:func:`outcome`); :func:`fault_summary` checks the survivors' outcomes.
@@ -14,12 +21,35 @@ Each writes when the fault began to ``<workdir>/fault_at``, and returns what thi
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+def _busy() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[None]:
+    """``count`` busy loops, each in a process of its own, while the block runs."""
+    context = multiprocessing.get_context("spawn")
+    procs = [context.Process(target=_busy, daemon=True) for _ in range(count)]
+    for proc in procs:
+        proc.start()
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join()
 
 
 def outcome(error: Exception | None) -> dict[str, Any]:
@@ -34,6 +64,7 @@ def outcome(error: Exception | None) -> dict[str, Any]:
         "at": time.time(),
         "missing": list(error.missing_ranks),
         "states": {str(key): value for key, value in error.states.items()},
+        "message": str(error)[:600],
     }
 
 
@@ -83,19 +114,82 @@ def stop_phase(rank: int, world_size: int, here: Path, timeout: float) -> Any:
     return outcome(None)
 
 
+def parquet_kill_phase(
+    rank: int, world_size: int, dataset: Path, here: Path, timeout: float, reader: str
+) -> Any:
+    import torch
+
+    from ddp_even import EvenLoader, allreduce_hook
+
+    hooked = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    hooked.register_comm_hook(None, allreduce_hook)
+    loader: Any
+    if reader == "petastorm":
+        from petastorm import make_batch_reader
+        from petastorm.pytorch import BatchedDataLoader
+
+        url = dataset.resolve().as_uri()
+
+        def one_pass() -> Any:
+            return BatchedDataLoader(
+                make_batch_reader(
+                    url, num_epochs=1, workers_count=1, cur_shard=rank, shard_count=world_size
+                ),
+                batch_size=4,
+            )
+
+        loader = EvenLoader(one_pass, "cycle", timeout=timeout)
+    else:
+        loader = EvenLoader.from_parquet(str(dataset), 4, "cycle", timeout=timeout)
+    # The error's time is taken where it is raised: leaving the loop then closes the epoch's
+    # readers (petastorm's, on 34 processes sharing 2 cores, take seconds), timed apart.
+    batches = iter(loader)
+    result = outcome(None)
+    steps = 0
+    try:
+        for step, batch in enumerate(batches):
+            steps = step + 1
+            loss = hooked(batch["x"].reshape(-1, 1).float()).sum()
+            if step == 2 and rank == world_size - 1:
+                _mark_fault(here)
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                loss.backward()
+            except Exception as error:
+                result = outcome(error)
+                raise
+    except Exception as error:
+        if result["error"] is None:  # raised by the loader itself
+            result = outcome(error)
+    del batches
+    if "at" in result:
+        result["closed_s"] = time.time() - result["at"]
+        result["steps"] = steps  # batches it had when it raised: behind the others, or not
+    return result
+
+
 def fault_summary(
     outcomes: list[dict[str, Any]], victim: int, state: str, fault_at: float | None
 ) -> dict[str, Any]:
     """Whether every survivor named ``victim`` in ``state``, and the fault's time to the last."""
-    named = all(
-        result["error"] == "PeerTimeoutError"
-        and result["missing"] == [victim]
-        and result["states"] == {str(victim): state}
+    wrong = [
+        result
         for result in outcomes
-    )
+        if not (
+            result["error"] == "PeerTimeoutError"
+            and result["missing"] == [victim]
+            and result["states"] == {str(victim): state}
+        )
+    ]
+    named = not wrong
     summary: dict[str, Any] = {"named": named}
     if named and fault_at is not None:
         summary["to_last_error_s"] = max(result["at"] for result in outcomes) - fault_at
+        closed = [result["closed_s"] for result in outcomes if "closed_s" in result]
+        if closed:
+            summary["closing_readers_s"] = max(closed)
+            last = max(outcomes, key=lambda result: result["at"])
+            summary["last_survivors_batches"] = last["steps"]
     else:
-        summary["outcomes"] = sorted({str(result) for result in outcomes})[:3]
+        summary["outcomes"] = sorted({str(result) for result in wrong or outcomes})[:3]
     return summary

@@ -1,6 +1,7 @@
 """The scale benchmark runs end to end on 4 ranks: every mode as defined (in memory, and over
 Parquet round robin and by rows, with a resume), the agreement's costs and collectives, the
-store's load, and a SIGKILL and a SIGSTOP named on every survivor within their bound."""
+store's load, and a SIGKILL and a SIGSTOP named on every survivor within their bound, and a
+SIGKILL in a fresh job per Parquet reader, beside CPU hogs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks.bench_scale import AGREEMENT_STEPS, KILL_TIMEOUT_S, run_world
+from benchmarks.bench_scale import AGREEMENT_STEPS, KILL_TIMEOUT_S, available_readers, run_world
 
 pytestmark = [pytest.mark.benchmark, pytest.mark.multirank]
 
@@ -25,6 +26,10 @@ def test_four_ranks_measure_everything_and_name_the_killed_rank() -> None:
     assert run["kill"]["to_last_error_s"] <= KILL_TIMEOUT_S + 5, run
     assert run["stop"]["named"], run
     assert run["stop"]["to_last_error_s"] <= KILL_TIMEOUT_S + 5, run
+    # A fresh job per Parquet reader, beside CPU hogs: only the killed rank is named.
+    for reader in available_readers():
+        assert run[f"kill_{reader}"]["named"], run
+        assert run[f"kill_{reader}"]["to_last_error_s"] <= KILL_TIMEOUT_S + 5, run
     assert run["control_group_s"] > 0, run
     # Agreeing every step: one agreement per step (the first in two forms), one to end the
     # epoch, the statistics; known lengths: the opening agreement's two, one check after the
