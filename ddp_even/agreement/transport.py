@@ -358,7 +358,7 @@ class CollectiveAgreer:
             )
         if attendance.unknown_because is not None:
             why = (attendance.unknown_because, self.global_ranks, self._me, self.timeout, what)
-            lost = store_host_gone(str(error), *why)
+            lost = store_host_gone(self._watch, str(error), *why)
             if lost is not None:
                 return self._decide(lost)
         if attendance.unknown_because is not None or not attendance.missing:

@@ -294,7 +294,7 @@ def _look(
     views = watch.look(peers)
     if views is None:
         unknown = f"the job's store did not answer ({watch.store_error!r})"
-        verdict = store_host_gone(gloo_message, unknown, peers, me, timeout, WHAT)
+        verdict = store_host_gone(watch, gloo_message, unknown, peers, me, timeout, WHAT)
         return verdict or store_silence(watch, by=me, timeout=timeout, what=WHAT)
     states = lost_peers(views, timeout, connection_lost=lost)
     return verdict_on(views, states, by=me, timeout=timeout, what=WHAT) if states else None

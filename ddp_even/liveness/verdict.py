@@ -258,6 +258,7 @@ def verdict_on_missing(
 
 
 def store_host_gone(
+    watch: Watch,
     gloo_message: str,
     unknown_because: str,
     ranks: Sequence[int],
@@ -267,9 +268,12 @@ def store_host_gone(
 ) -> Verdict | None:
     """The verdict when the store stopped answering and gloo's connection to a peer closed: the
     rank whose process hosted the store is dead (None when no rank of ``ranks`` hosts it, or
-    this one does, or gloo does not say that a connection closed)."""
+    this one does, or gloo does not say that a connection closed, or the kernel says that the
+    store's process is still here: busy, the closed connection another peer's)."""
     host = store_host()
     if host is None or host == by or host not in ranks or not connection_lost(gloo_message):
+        return None
+    if store_server_state(watch, host, by) in ("running", "stopped"):
         return None
     detail = (
         f"rank {host} is dead: the job's store, which its process hosted, stopped answering "
