@@ -64,7 +64,6 @@ from rich.table import Table
 
 from benchmarks.report import write_results
 from benchmarks.scale_faults import (
-    cpu_hogs,
     fault_summary,
     kill_phase,
     parquet_kill_phase,
@@ -72,6 +71,7 @@ from benchmarks.scale_faults import (
 )
 from benchmarks.scale_parquet import check_parquet, measure_parquet, write_dataset
 from ddp_even.names import ModeName
+from scripts.soak import busy_machine
 
 MODES: tuple[ModeName, ...] = ("truncate", "cycle", "pad", "join")
 AGREEMENT_STEPS = 200
@@ -343,7 +343,7 @@ def _run_job(world_size: int, phase: str, hogs: int) -> dict[str, Any]:
         for process in ranks:
             process.start()
         deadline = time.monotonic() + JOB_LIMIT_S
-        with cpu_hogs(0 if phase == "main" else hogs):
+        with busy_machine(0 if phase == "main" else hogs):
             for process in ranks:
                 process.join(max(0.0, deadline - time.monotonic()))
         hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]

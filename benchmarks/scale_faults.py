@@ -12,8 +12,8 @@ raised what.
   from_parquet's pyarrow reader or petastorm's own (``make_batch_reader``, one worker,
   ``cur_shard``/``shard_count``); the last rank kills itself before its third ``backward()``.
 
-The fault phases run beside CPU hogs (:func:`cpu_hogs`, busy loops as ``scripts/soak.py``
-starts): a live rank starved of CPU must not be named, only the victim.
+The fault phases run beside CPU hogs (``scripts/soak.py``'s busy loops,
+:func:`scripts.soak.busy_machine`): a live rank starved of CPU must not be named, only the victim.
 
 Each writes when the fault began to ``<workdir>/fault_at``, and returns what this rank raised
 (:func:`outcome`); :func:`fault_summary` checks the survivors' outcomes.
@@ -21,35 +21,12 @@ Each writes when the fault began to ``<workdir>/fault_at``, and returns what thi
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-
-def _busy() -> None:
-    while True:
-        pass
-
-
-@contextlib.contextmanager
-def cpu_hogs(count: int) -> Iterator[None]:
-    """``count`` busy loops, each in a process of its own, while the block runs."""
-    context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_busy, daemon=True) for _ in range(count)]
-    for proc in procs:
-        proc.start()
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.join()
 
 
 def outcome(error: Exception | None) -> dict[str, Any]:

@@ -99,7 +99,9 @@ def _disk_busy(directory: str) -> None:
 
 
 @contextlib.contextmanager
-def _hogs(cpu: int, disk: int) -> Iterator[None]:
+def busy_machine(cpu: int, disk: int = 0) -> Iterator[None]:
+    """``cpu`` busy loops and ``disk`` loops writing and syncing 64 MiB, each in a process of
+    its own, while the block runs (the soak's, and the scale benchmark's faults')."""
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="ddp-even-soak-hog-") as directory:
         procs = [context.Process(target=_busy, daemon=True) for _ in range(cpu)]
@@ -226,7 +228,7 @@ def main(
     deadline = None if minutes is None else time.monotonic() + minutes * 60
     soak = Soak()
     began = time.monotonic()
-    with _hogs(hogs, io_hogs):
+    with busy_machine(hogs, io_hogs):
         index = 0
         while (runs is None or index < runs) and (deadline is None or time.monotonic() < deadline):
             suite = chosen[index % len(chosen)]

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.scale_faults import cpu_hogs
+from scripts.soak import busy_machine
 from tests.helpers.spawn import RankError, run_ranks
 
 TIMEOUT = 2.0
@@ -51,7 +51,7 @@ def train_one_epoch(rank: int, world_size: int, timeout: float) -> dict[str, Any
 
 
 def run_job(world_size: int, timeout: float, hogs: int, limit_s: float) -> list[Any]:
-    with cpu_hogs(hogs):
+    with busy_machine(hogs):
         return run_ranks(
             train_one_epoch,
             world_size,
