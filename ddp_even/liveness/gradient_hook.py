@@ -217,19 +217,20 @@ def _wait_watching(
     peers' heartbeats (a peer whose process is gone, or that exited), and raises that verdict
     at once; a live or frozen peer is left to gloo's timeout, as before.
     """
+    timeout = loader_timeout()
+    if averaged.done() or timeout is None:  # most buckets of most steps: no watching to set up
+        averaged.wait()
+        return
     finished = threading.Event()
     averaged.add_done_callback(lambda _: finished.set())
-    timeout = loader_timeout()
-    if finished.wait(QUIET_S) or timeout is None:
+    if finished.wait(QUIET_S):
         averaged.wait()
         return
     me = dist.get_rank()
     ranks = _global_ranks(group)
     peers = [rank for rank in ranks if rank != me]
     watch = current_watch()
-    training_group = group or dist.group.WORLD
-    assert training_group is not None  # a hook runs only in a process group
-    board = Board(watch, f"ddp_even/{training_group.group_name}/gradients/", me, store_host() == me)
+    board = _gradients_board(watch, group)
     while not finished.wait(poll_interval(timeout, len(ranks))):
         verdict = board.read()
         if verdict is None:
@@ -265,14 +266,12 @@ def named_failure(error: RuntimeError, group: dist.ProcessGroup | None) -> EvenL
             f"started in this process, so there are no heartbeats to read; gloo: {gloo}"
         )
     watch = current_watch()
-    training_group = group or dist.group.WORLD
-    assert training_group is not None  # a hook runs only in a process group
-    board = Board(watch, f"ddp_even/{training_group.group_name}/gradients/", me, store_host() == me)
+    board = _gradients_board(watch, group)
     lost_connection = connection_lost(gloo)
     give_up = time.monotonic() + timeout + _LAST_LOOK_S
     # A store that does not answer while its serving process runs is busy, not a reason to
     # give up on naming the peer: waited for up to the training group's timeout.
-    patience = time.monotonic() + max(training_timeout(training_group), timeout)
+    patience = time.monotonic() + max(training_timeout(group), timeout)
     while (verdict := board.read()) is None:
         verdict = _look(watch, peers, str(error), me, timeout, lost_connection)
         store_busy = watch.silent_since() is not None and time.monotonic() < patience
@@ -298,6 +297,15 @@ def _look(
         return verdict or store_silence(watch, by=me, timeout=timeout, what=WHAT)
     states = lost_peers(views, timeout, connection_lost=lost)
     return verdict_on(views, states, by=me, timeout=timeout, what=WHAT) if states else None
+
+
+def _gradients_board(watch: Watch, group: dist.ProcessGroup | None) -> Board:
+    """Where the survivors of a failed gradient all-reduce in ``group`` (the world by default)
+    write the one verdict they all raise."""
+    training_group = group or dist.group.WORLD
+    assert training_group is not None  # a hook runs only in a process group
+    me = dist.get_rank()
+    return Board(watch, f"ddp_even/{training_group.group_name}/gradients/", me, store_host() == me)
 
 
 def _global_ranks(group: dist.ProcessGroup | None) -> Sequence[int]:
