@@ -105,7 +105,8 @@ def channel_for(control_group: dist.ProcessGroup) -> Channel:
     return channel
 
 
-_control_groups: dict[tuple[Any, float], Channel] = {}
+# By training group, gloo timeout and purpose (control messages, or batches handed over).
+_control_groups: dict[tuple[Any, float, str], Channel] = {}
 # Control groups created so far per training group: names each creation's rendezvous.
 _creations: dict[Any, int] = {}
 _RENDEZVOUS_POLL_S = 0.05
@@ -123,9 +124,13 @@ def start_heartbeat_for(group: dist.ProcessGroup | None, timeout: float | None) 
 
 
 def control_group_for(
-    training_group: dist.ProcessGroup | None, timeout: float
+    training_group: dist.ProcessGroup | None, timeout: float, purpose: str = "control"
 ) -> dist.ProcessGroup:
     """The gloo group ddp_even talks on for ``training_group``, created once and cached.
+
+    Another ``purpose`` gets a group of its own, made and released the same way: batches
+    handed over (``runtime/handover.py``) would hold up the control messages queued behind
+    them on the same connection.
 
     Creating it is a collective over the training group's ranks, so every rank must reach this
     call; ``EvenLoader`` does so at the start of its first epoch. The ranks first meet in the
@@ -136,7 +141,7 @@ def control_group_for(
     release_orphaned()
     group: Any = training_group if training_group is not None else dist.group.WORLD
     gloo_timeout = max(timeout, training_timeout(group))
-    key = (group, gloo_timeout)
+    key = (group, gloo_timeout, purpose)
     channel = _control_groups.get(key)
     if channel is None or channel.group is None:
         ranks = dist.get_process_group_ranks(group)
@@ -148,7 +153,7 @@ def control_group_for(
         channel = Channel(control_group, group)
         _control_groups[key] = _channels[control_group.group_name] = channel
         _register_release_at_exit()
-        logger.debug("created a gloo control group over ranks %s", ranks)
+        logger.debug("created a gloo %s group over ranks %s", purpose, ranks)
     assert channel.group is not None
     return channel.group
 
@@ -195,7 +200,7 @@ def _register_release_at_exit() -> None:
         _release_at_exit_registered = True
 
 
-def _release(key: tuple[Any, float]) -> None:
+def _release(key: tuple[Any, float, str]) -> None:
     """Forget one control group, and join its gloo threads by dropping the last reference.
 
     A gloo worker thread drops a collective, and with it the collective's tensors, only after

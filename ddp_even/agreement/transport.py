@@ -54,6 +54,7 @@ from ddp_even.liveness.heartbeat import start_heartbeat, waiting
 from ddp_even.liveness.peers import current_watch, lost_peers, poll_interval
 from ddp_even.liveness.rollcall import (
     AGREEMENT,
+    HANDOVER,
     PADDING,
     QUIET_S,
     REPORTS,
@@ -260,7 +261,21 @@ class CollectiveAgreer:
         sequence, since_previous = self._channel.next_collective()
         return Ticket(sequence, time.time(), what, since_previous)
 
-    def await_work(self, work: Any, ticket: Ticket) -> None:
+    def handover_group(self) -> dist.ProcessGroup:
+        """ddp_even's second gloo group over these ranks, made as the control group is (a
+        collective: every rank asks at the same point), on which batches are handed over."""
+        return control_group_for(self._channel.training_group, self.timeout, purpose=HANDOVER)
+
+    def await_peer(self, work: Any, peer: int) -> None:
+        """Wait for a point-to-point ``work`` with group rank ``peer`` as for a collective.
+
+        Only the two ranks take part, and ranks issue different numbers of them: its ticket
+        keeps the last control collective's number (the sequence stays the same on every rank),
+        nothing is written for a roll call, and a failure names ``peer`` without one.
+        """
+        self.await_work(work, Ticket(self._channel.issued, time.time(), HANDOVER), peer)
+
+    def await_work(self, work: Any, ticket: Ticket, peer: int | None = None) -> None:
         """Wait for a started collective while every peer that has not come lives.
 
         The first, short wait costs what a plain ``wait()`` costs; only a wait that outlasts
@@ -277,19 +292,20 @@ class CollectiveAgreer:
             work.wait(self._quiet)
         except RuntimeError as error:
             if not work.is_completed():
-                self._wait_watching(work, ticket)
+                self._wait_watching(work, ticket, peer)
                 return
             if not _succeeded(work):
-                raise self.failure(error, ticket) from error
+                raise self.failure(error, ticket, peer) from error
         if ticket.since_previous >= self.timeout / 2:
             # Away long enough for the others to have given up on this rank: its collective
             # may have completed only because it finally joined theirs, after they raised.
             self._raise_if_given_up()
 
-    def _wait_watching(self, work: Any, ticket: Ticket) -> None:
+    def _wait_watching(self, work: Any, ticket: Ticket, peer: int | None) -> None:
         """Wait on, looking at the peers between slices of waiting, until the work completes,
         fails, or a peer is lost (here or on another rank)."""
-        self._roll_call.mark_waiting(ticket)
+        if peer is None:
+            self._roll_call.mark_waiting(ticket)
         with waiting():
             while True:
                 try:
@@ -299,7 +315,7 @@ class CollectiveAgreer:
                     if work.is_completed():
                         if _succeeded(work):
                             break
-                        raise self.failure(error, ticket) from error
+                        raise self.failure(error, ticket, peer) from error
                 verdict = self._look_around(ticket)
                 if verdict is not None and not _succeeded(work):
                     raise self._decide(verdict)
@@ -336,14 +352,19 @@ class CollectiveAgreer:
     def _me(self) -> int:
         return self.global_ranks[self.rank]
 
-    def failure(self, error: RuntimeError, ticket: Ticket) -> EvenLoaderError:
-        """The error every rank raises when a control collective failed: who is missing."""
+    def failure(
+        self, error: RuntimeError, ticket: Ticket, peer: int | None = None
+    ) -> EvenLoaderError:
+        """The error every rank raises when a control collective (or a point-to-point one
+        with ``peer``) failed: who is missing."""
         verdict = self._board.read()
         if verdict is not None:
             return self._decide(verdict)
         what = WHAT.get(ticket.what, ticket.what)
         if late := stood_still(ticket, str(error), by=self._me, timeout=self.timeout, what=what):
             return late
+        if peer is not None:
+            return self._decide(self._missing([self.global_ranks[peer]], error, what))
         attendance = self._roll_call.attendance(ticket)
         logger.debug("control collective %s failed: %s (%s)", ticket, error, attendance)
         gloo = f"gloo: {gloo_words(str(error))}"
@@ -383,7 +404,10 @@ class CollectiveAgreer:
             return PeerTimeoutError(
                 tuple(missing), self.timeout, gloo, rank=self._me, late=True, what=what
             )
-        verdict = verdict_on_missing(
+        return self._decide(self._missing(missing, error, what))
+
+    def _missing(self, missing: list[int], error: RuntimeError, what: str) -> Verdict:
+        return verdict_on_missing(
             self._watch,
             missing,
             str(error),
@@ -392,7 +416,6 @@ class CollectiveAgreer:
             gloo_timeout=self._gloo_timeout,
             what=what,
         )
-        return self._decide(verdict)
 
 
 def _decode_one_word(reduced: list[int]) -> Agreement | None:

@@ -1,0 +1,247 @@
+"""Batches handed from one rank to another (mode share), point to point over gloo.
+
+A batch travels as a few messages on one pair of ranks: the size of its header, the header,
+then each of its tensors as itself (``isend``/``irecv`` of the tensor's own memory, never
+pickled bytes). The header is the batch pickled with every CPU tensor and every numpy array
+that torch can hold left out (pickle's ``persistent_id``), and their dtypes and shapes. Pickle,
+not ``torch.utils._pytree``, walks the batch: it keeps every type a loader can yield as it was
+(namedtuples, dataclasses, sets, numpy scalars, strings) where pytree keeps only the types
+registered with it, and a tensor that appears twice arrives once, twice referenced. A numpy
+array travels as the tensor ``torch.from_numpy`` makes of it and comes back as an array.
+
+Gloo delivers a pair's messages in the order they were sent, so a receiver that asks for them
+in the same order gets each sender's batches first in, first out.
+
+**A group of its own.** Batches go on a second gloo group, made as ddp_even's control group is
+(``agreement/control_group.py``), not on the control group: a gloo group has one connection
+per pair of ranks, and a control all-reduce queued behind a batch on it waits for the whole
+batch. Measured on 2 CPU cores, 2 ranks: while 128 MB went from rank 0 to rank 1 on the same
+group, an all-reduce of one int64 took 97 to 150 ms (0.2 ms idle); on a second group, 8 to
+11 ms, what the copy's share of the two cores costs any thread (``benchmarks/
+bench_handover.py`` measures both).
+
+**Waiting.** A point-to-point wait given a timeout that expires closes every connection of the
+gloo group ("Application timeout caused pair closure"), so each wait runs in a thread of its own
+without one (gloo's own timeout, the training group's, still applies) while the calling thread
+waits for that thread in slices, watching the peers' heartbeats as every wait in ddp_even does
+(``CollectiveAgreer.await_peer``): a peer that dies or freezes is named, a live one, however
+busy, is waited for.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import pickle
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ddp_even.agreement.control_group import channel_for
+from ddp_even.agreement.transport import Agreer, CollectiveAgreer
+from ddp_even.errors import EvenLoaderError
+
+__all__ = ["Handover"]
+
+
+class Handover:
+    """Batches handed from one rank to another in mode share, over ddp_even's gloo group."""
+
+    def __init__(self, agreer: Agreer) -> None:
+        """Every rank makes its Handover at the same point: the first one of a training group
+        creates the group batches go on (a collective)."""
+        self._rank = agreer.rank
+        self._world_size = agreer.world_size
+        # A single process has no peer: only a collective agreer hands anything over.
+        self._agreer = agreer if isinstance(agreer, CollectiveAgreer) else None
+        if self._agreer is not None:
+            self._group = self._agreer.handover_group()
+            self._channel = channel_for(self._group)
+            self._global_ranks = self._agreer.global_ranks
+        # By group rank: the messages sent there not yet seen received, kept alive until then.
+        self._sending: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+
+    def send(self, batch: Any, to_rank: int) -> None:
+        """Start sending ``batch`` to group rank ``to_rank`` (agreer.rank numbering); returns at
+        once."""
+        agreer = self._peer_check(to_rank)
+        header, tensors = _pack(batch)
+        size = torch.tensor([len(header)], dtype=torch.int64)
+        messages = [size, torch.frombuffer(bytearray(header), dtype=torch.uint8), *tensors]
+        sending = self._sending.setdefault(to_rank, [])
+        destination = self._global_ranks[to_rank]
+        for message in messages:
+            try:
+                work = dist.isend(message, dst=destination, group=self._group)
+            except RuntimeError as error:  # the peer's connection closed already
+                agreer.await_peer(_InThread(_raising(error)), to_rank)
+                raise
+            self._channel.track(work)
+            sending.append((work, message))
+
+    def receive(self, from_rank: int) -> Any:
+        """The next batch ``from_rank`` sent to this rank (FIFO per pair of ranks); blocks until
+        it is here."""
+        agreer = self._peer_check(from_rank)
+        source = self._global_ranks[from_rank]
+        receiving = _InThread(lambda: self._receive_now(source))
+        agreer.await_peer(receiving, from_rank)
+        header, tensors = receiving.result
+        return _Unpacker(io.BytesIO(header), tensors).load()
+
+    def finish(self) -> None:
+        """Wait until every batch this rank started sending has been received (called at the
+        end of a window and of the epoch, and in ``finally`` when the epoch stops early)."""
+        while self._sending:
+            # Taken off first: after a failure, a second finish does not wait for it again.
+            to_rank, sending = self._sending.popitem()
+            works = [work for work, _ in sending]
+            assert self._agreer is not None  # only a collective agreer sent anything
+            self._agreer.await_peer(_InThread(functools.partial(_wait_all, works)), to_rank)
+
+    def _peer_check(self, rank: int) -> CollectiveAgreer:
+        if not 0 <= rank < self._world_size or rank == self._rank or self._agreer is None:
+            raise ValueError(
+                f"rank {self._rank} cannot hand a batch over to or from rank {rank}: another "
+                f"rank of the group (0 to {self._world_size - 1}) is needed"
+            )
+        return self._agreer
+
+    def _receive_now(self, source: int) -> tuple[bytes, list[torch.Tensor]]:
+        """One batch's messages, received and waited for (in the waiting thread)."""
+        size = torch.empty(1, dtype=torch.int64)
+        _wait_all([dist.irecv(size, src=source, group=self._group)])
+        header = torch.empty(int(size.item()), dtype=torch.uint8)
+        _wait_all([dist.irecv(header, src=source, group=self._group)])
+        specs, body = pickle.loads(header.numpy().tobytes())
+        tensors = [torch.empty(spec.shape, dtype=spec.dtype) for spec in specs]
+        _wait_all([dist.irecv(tensor, src=source, group=self._group) for tensor in tensors])
+        arrays = [
+            tensor.numpy().view(spec.numpy) if spec.numpy is not None else tensor
+            for tensor, spec in zip(tensors, specs, strict=True)
+        ]
+        return body, arrays
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What a receiver allocates for one tensor of a batch."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    # The numpy dtype it comes back as; None: it is a tensor.
+    numpy: np.dtype[Any] | None
+
+
+class _Packer(pickle.Pickler):
+    """Pickles a batch with its tensors and numeric numpy arrays left out, to go as tensors."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self.specs: list[_Spec] = []
+        # By id: a tensor seen again goes once. The objects are kept, so no id is reused.
+        self._seen: dict[int, tuple[int, Any]] = {}
+
+    def persistent_id(self, obj: Any) -> int | None:
+        seen = self._seen.get(id(obj))
+        if seen is not None:
+            return seen[0]
+        tensor = _as_tensor(obj)
+        if tensor is None:
+            return None
+        index = len(self.tensors)
+        self._seen[id(obj)] = (index, obj)
+        self.tensors.append(tensor)
+        numpy = obj.dtype if isinstance(obj, np.ndarray) else None
+        self.specs.append(_Spec(tuple(tensor.shape), tensor.dtype, numpy))
+        return index
+
+
+class _Unpacker(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[Any]) -> None:
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._tensors[pid]
+
+
+def _pack(batch: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """The header (the tensors' specs and the batch's pickle without them), and the tensors."""
+    body = io.BytesIO()
+    packer = _Packer(body)
+    packer.dump(batch)
+    return pickle.dumps((packer.specs, body.getvalue()), protocol=pickle.HIGHEST_PROTOCOL), (
+        packer.tensors
+    )
+
+
+def _as_tensor(obj: Any) -> torch.Tensor | None:
+    """The contiguous CPU tensor ``obj`` travels as; None: it is pickled with the header."""
+    if type(obj) is np.ndarray:
+        if not obj.flags.c_contiguous:
+            obj = obj.copy(order="C")
+        try:
+            with warnings.catch_warnings():
+                # Only read, so an array that is not writable (pyarrow's) needs no copy.
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(obj)
+        except (TypeError, ValueError):  # strings, objects, dates, another byte order
+            return None
+    # Subclasses (a Parameter) are pickled, so that they arrive as what they were.
+    if type(obj) is not torch.Tensor or obj.layout != torch.strided:
+        return None
+    if obj.device.type != "cpu":
+        raise EvenLoaderError(
+            f"a batch handed over to another rank holds a tensor on {obj.device}: ddp_even "
+            "hands over CPU tensors (move batches to the device after the loader)"
+        )
+    # A conjugate or negative view is resolved, a strided one copied: gloo sends memory as is.
+    return obj.detach().resolve_conj().resolve_neg().contiguous()
+
+
+class _InThread:
+    """A blocking wait run in a thread of its own, waited for like a gloo work."""
+
+    def __init__(self, wait: Callable[[], Any]) -> None:
+        self.result: Any = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(wait,), daemon=True).start()
+
+    def _run(self, wait: Callable[[], Any]) -> None:
+        try:
+            self.result = wait()
+        except BaseException as error:  # raised by the thread that waits for this one
+            self._error = error
+        self._done.set()
+
+    def wait(self, timeout: Any) -> bool:
+        if not self._done.wait(timeout.total_seconds()):
+            raise RuntimeError("still waiting")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+
+def _wait_all(works: list[Any]) -> None:
+    # Without a timeout: see the module's docstring.
+    for work in works:
+        work.wait()
+
+
+def _raising(error: RuntimeError) -> Callable[[], None]:
+    def fail() -> None:
+        raise error
+
+    return fail
