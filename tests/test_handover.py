@@ -68,7 +68,13 @@ def batches(seed: int) -> list[Any]:
                 np.float32(seed),
             ],
         ),
-        {"ids": [seed, seed + 1], "name": f"batch {seed}", "nothing": None, "weight": 1.5},
+        # No tensor at all, and a header longer than a batch's first message.
+        {
+            "ids": [seed, seed + 1],
+            "paths": [f"part-{seed}-{index}.parquet" for index in range(200)],
+            "nothing": None,
+            "weight": 1.5,
+        },
         (shared, shared, OrderedDict(first=seed, second=shared)),
         Record([seed], torch.full((2, 2), seed, dtype=torch.int16)),
     ]
@@ -162,7 +168,30 @@ def _one_dies(rank: int, world_size: int, victim: int) -> dict[str, Any]:
     return {"missing": None}
 
 
+def _one_pauses(rank: int, world_size: int) -> list[int]:
+    """Rank 1, alive, takes longer than the timeout to receive, then to send back: rank 0 waits
+    for it in finish(), then in receive()."""
+    from ddp_even.agreement.transport import agreer_for
+    from ddp_even.runtime.handover import Handover
+
+    handover = Handover(agreer_for(None, TIMEOUT))
+    if rank == 0:
+        handover.send([rank], 1)
+        handover.finish()
+        back: list[int] = handover.receive(1)
+        return back
+    time.sleep(1.5 * TIMEOUT)
+    got: list[int] = handover.receive(0)
+    time.sleep(1.5 * TIMEOUT)
+    handover.send([*got, rank], 0)
+    handover.finish()
+    return got
+
+
+# timing: these tests bound how soon a fault is named, and wait past the timeout
+# (pyproject.toml's markers).
 @pytest.mark.timeout(120)
+@pytest.mark.timing
 @pytest.mark.parametrize("victim", [0, 1], ids=["sender", "receiver"])
 def test_a_killed_peer_is_named_dead_by_the_rank_left_waiting(victim: int) -> None:
     survivor = 1 - victim
@@ -173,5 +202,11 @@ def test_a_killed_peer_is_named_dead_by_the_rank_left_waiting(victim: int) -> No
     assert isinstance(named, dict), named  # ddp_even's error, not gloo's RuntimeError
     assert named["missing"] == (victim,), named
     assert named["states"] == {victim: "dead"}, named
-    assert "handed over" in named["message"], named
+    assert "hand-over of a batch" in named["message"], named
     assert named["after"] <= 0.5 + TIMEOUT + 5, named
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.timing
+def test_a_live_peer_slower_than_the_timeout_is_waited_for() -> None:
+    assert run_ranks(_one_pauses, 2, timeout=100) == [[0, 1], [0]]

@@ -55,7 +55,7 @@ WHAT = {
     STATISTICS: "the end-of-epoch statistics gather",
     ROWS: "the sum of a window's real rows (pad)",
     PADDING: "the copy of a batch for a rank with nothing to pad with (pad)",
-    HANDOVER: "a batch handed over from one rank to another (share)",
+    HANDOVER: "the hand-over of a batch from one rank to another (share)",
 }
 
 # A wait at a control collective longer than this is written down in the store, once per

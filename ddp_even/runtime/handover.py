@@ -1,6 +1,7 @@
 """Batches handed from one rank to another (mode share), point to point over gloo.
 
-A batch travels as a few messages on one pair of ranks: the size of its header, the header,
+A batch travels as a few messages on one pair of ranks: its header (with the header's size
+first, in a message of fixed size; a header too long for it sends the rest in a second one),
 then each of its tensors as itself (``isend``/``irecv`` of the tensor's own memory, never
 pickled bytes). The header is the batch pickled with every CPU tensor and every numpy array
 that torch can hold left out (pickle's ``persistent_id``), and their dtypes and shapes. Pickle,
@@ -15,10 +16,10 @@ in the same order gets each sender's batches first in, first out.
 **A group of its own.** Batches go on a second gloo group, made as ddp_even's control group is
 (``agreement/control_group.py``), not on the control group: a gloo group has one connection
 per pair of ranks, and a control all-reduce queued behind a batch on it waits for the whole
-batch. Measured on 2 CPU cores, 2 ranks: while 128 MB went from rank 0 to rank 1 on the same
-group, an all-reduce of one int64 took 97 to 150 ms (0.2 ms idle); on a second group, 8 to
-11 ms, what the copy's share of the two cores costs any thread (``benchmarks/
-bench_handover.py`` measures both).
+batch. Measured on 2 CPU cores, 2 ranks (``benchmarks/bench_handover.py``): while 128 MB went
+from rank 0 to rank 1 on the control group, an all-reduce of one int64 on it took 85 to 150 ms
+(0.2 to 0.4 ms idle); with the batch on a second group, 5 to 11 ms, what the copy's share of
+the two cores costs any thread.
 
 **Waiting.** A point-to-point wait given a timeout that expires closes every connection of the
 gloo group ("Application timeout caused pair closure"), so each wait runs in a thread of its own
@@ -49,6 +50,12 @@ from ddp_even.errors import EvenLoaderError
 
 __all__ = ["Handover"]
 
+# A batch's first message: the header's size (8 bytes), then as much of the header as fits.
+# Gloo receives only a message of the size it expects, and each message the receiver must read
+# before it knows what follows costs a round trip: one for most headers, not two.
+_FIRST_BYTES = 1024
+_FIRST_ROOM = _FIRST_BYTES - 8
+
 
 class Handover:
     """Batches handed from one rank to another in mode share, over ddp_even's gloo group."""
@@ -72,8 +79,7 @@ class Handover:
         once."""
         agreer = self._peer_check(to_rank)
         header, tensors = _pack(batch)
-        size = torch.tensor([len(header)], dtype=torch.int64)
-        messages = [size, torch.frombuffer(bytearray(header), dtype=torch.uint8), *tensors]
+        messages = [*_header_messages(header), *tensors]
         sending = self._sending.setdefault(to_rank, [])
         destination = self._global_ranks[to_rank]
         for message in messages:
@@ -115,11 +121,15 @@ class Handover:
 
     def _receive_now(self, source: int) -> tuple[bytes, list[torch.Tensor]]:
         """One batch's messages, received and waited for (in the waiting thread)."""
-        size = torch.empty(1, dtype=torch.int64)
-        _wait_all([dist.irecv(size, src=source, group=self._group)])
-        header = torch.empty(int(size.item()), dtype=torch.uint8)
-        _wait_all([dist.irecv(header, src=source, group=self._group)])
-        specs, body = pickle.loads(header.numpy().tobytes())
+        first = torch.empty(_FIRST_BYTES, dtype=torch.uint8)
+        _wait_all([dist.irecv(first, src=source, group=self._group)])
+        size = int.from_bytes(first[:8].numpy().tobytes(), "little")
+        header = first[8 : 8 + size].numpy().tobytes()
+        if size > _FIRST_ROOM:
+            rest = torch.empty(size - _FIRST_ROOM, dtype=torch.uint8)
+            _wait_all([dist.irecv(rest, src=source, group=self._group)])
+            header += rest.numpy().tobytes()
+        specs, body = pickle.loads(header)
         tensors = [torch.empty(spec.shape, dtype=spec.dtype) for spec in specs]
         _wait_all([dist.irecv(tensor, src=source, group=self._group) for tensor in tensors])
         arrays = [
@@ -181,6 +191,16 @@ def _pack(batch: Any) -> tuple[bytes, list[torch.Tensor]]:
     return pickle.dumps((packer.specs, body.getvalue()), protocol=pickle.HIGHEST_PROTOCOL), (
         packer.tensors
     )
+
+
+def _header_messages(header: bytes) -> list[torch.Tensor]:
+    first = bytearray(_FIRST_BYTES)
+    first[:8] = len(header).to_bytes(8, "little")
+    first[8 : 8 + min(len(header), _FIRST_ROOM)] = header[:_FIRST_ROOM]
+    messages = [torch.frombuffer(first, dtype=torch.uint8)]
+    if len(header) > _FIRST_ROOM:
+        messages.append(torch.frombuffer(bytearray(header[_FIRST_ROOM:]), dtype=torch.uint8))
+    return messages
 
 
 def _as_tensor(obj: Any) -> torch.Tensor | None:
