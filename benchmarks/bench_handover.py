@@ -10,11 +10,11 @@ rank 1, which hands it back; half the round trip's median is one hand-over: pack
 messages (the header's size, the header, each tensor), the copy through the loopback, the
 waits in their threads, unpacking.
 
-Then the question of the group: while one batch of each size in ``--busy-mb`` goes from rank 0
-to rank 1, both ranks time one-int64 all-reduces on ddp_even's control group, with the batch
-on the control group itself and on a group of its own (what ``Handover`` uses). Reported: the
-all-reduce idle (median), the first and the slowest one while the batch was in flight, and the
-batch's transfer time.
+Then the question of the group: while a batch of each size in ``busy_mb`` goes from rank 0 to
+rank 1, both ranks time one-int64 all-reduces on ddp_even's control group, with the batch on
+the control group itself and on a group of its own (what ``Handover`` uses), the two in turn,
+``busy_repeats`` times each. Reported, as medians over the repeats: the all-reduce idle, the
+first and the slowest one while the batch was in flight, and the batch's transfer time.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.ranks import run_on_ranks
+from benchmarks.ranks import in_turn, run_on_ranks
 from benchmarks.report import warn_if_loaded, write_results
 
 MB = 2**20
@@ -49,9 +49,10 @@ class BenchConfig:
     sizes_mb: tuple[float, ...] = (0.0, 0.25, 1.0, 4.0, 16.0, 64.0)
     round_trips: int = 20
     busy_mb: tuple[float, ...] = (16.0, 128.0)
+    busy_repeats: int = 5
 
 
-QUICK = BenchConfig(sizes_mb=(0.0, 1.0, 4.0), round_trips=5, busy_mb=(4.0,))
+QUICK = BenchConfig(sizes_mb=(0.0, 1.0, 4.0), round_trips=5, busy_mb=(4.0,), busy_repeats=2)
 
 
 def batch_of(size_mb: float) -> dict[str, Any]:
@@ -72,11 +73,15 @@ def measure(rank: int, world_size: int, config: BenchConfig) -> dict[str, Any]:
     handover = Handover(agreer)
     handovers = [_round_trips(rank, handover, size, config.round_trips) for size in config.sizes_mb]
     groups = {"control group": agreer.group, "group of its own": agreer.handover_group()}
-    busy = [
-        {"batch_mb": size, "batch_on": name, **_all_reduces_beside(rank, agreer.group, group, size)}
-        for size in config.busy_mb
-        for name, group in groups.items()
-    ]
+    busy = []
+    for size in config.busy_mb:
+        seen: dict[str, list[dict[str, float]]] = {name: [] for name in groups}
+        for repeat in range(config.busy_repeats):
+            for name in in_turn(list(groups), repeat):
+                seen[name].append(_all_reduces_beside(rank, agreer.group, groups[name], size))
+        for name, rows in seen.items():
+            medians = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+            busy.append({"batch_mb": size, "batch_on": name, **medians})
     return {"handovers": handovers, "busy": busy, "load_average": os.getloadavg()}
 
 
@@ -141,7 +146,10 @@ def tables(result: dict[str, Any], config: BenchConfig) -> list[Table]:
     for row in result["handovers"]:
         rate = f"{row['mb_per_s']:.0f}" if row["batch_mb"] else "-"
         cost.add_row(f"{row['batch_mb']:g}", f"{row['median_s'] * 1e3:.2f}", rate)
-    busy = Table(title="a control all-reduce (one int64) while a batch is in flight, ms")
+    busy = Table(
+        title="a control all-reduce (one int64) while a batch is in flight, ms "
+        f"(medians of {config.busy_repeats})"
+    )
     for column in ("batch MB", "batch on", "idle", "first during", "slowest during", "transfer"):
         busy.add_column(column, justify="right")
     for row in result["busy"]:

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.benchmark, pytest.mark.multirank]
 
 @pytest.mark.timeout(120)
 def test_two_ranks_time_every_size_and_both_groups() -> None:
-    config = BenchConfig(sizes_mb=(0.0, 0.5), round_trips=2, busy_mb=(0.5,))
+    config = BenchConfig(sizes_mb=(0.0, 0.5), round_trips=2, busy_mb=(0.5,), busy_repeats=2)
     result = run(config)
     json.dumps(result)  # what the command writes
     assert [row["batch_mb"] for row in result["handovers"]] == [0.0, 0.5]

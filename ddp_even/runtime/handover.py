@@ -17,9 +17,9 @@ in the same order gets each sender's batches first in, first out.
 (``agreement/control_group.py``), not on the control group: a gloo group has one connection
 per pair of ranks, and a control all-reduce queued behind a batch on it waits for the whole
 batch. Measured on 2 CPU cores, 2 ranks (``benchmarks/bench_handover.py``): while 128 MB went
-from rank 0 to rank 1 on the control group, an all-reduce of one int64 on it took 85 to 150 ms
-(0.2 to 0.4 ms idle); with the batch on a second group, 5 to 11 ms, what the copy's share of
-the two cores costs any thread.
+from rank 0 to rank 1 on the control group, an all-reduce of one int64 on it took 59 to 150 ms
+in several runs (0.2 to 0.4 ms idle); with the batch on a second group, 2 to 11 ms, what the
+copy's share of the two cores costs any thread.
 
 **Waiting.** A point-to-point wait given a timeout that expires closes every connection of the
 gloo group ("Application timeout caused pair closure"), so each wait runs in a thread of its own
