@@ -140,6 +140,31 @@ def test_two_senders_to_one_receiver_and_one_sender_to_two_on_three_ranks() -> N
     assert run_ranks(_hand_over, 3, plan, timeout=100) == [0, 5, 15]
 
 
+def _unsendable(rank: int, world_size: int) -> str:
+    """Rank 0 sends a batch that does not pickle, then one that does: rank 1 is told of the
+    first (it waits for no batch that will not come) and gets the second."""
+    from ddp_even import EvenLoaderError
+    from ddp_even.agreement.transport import agreer_for
+    from ddp_even.runtime.handover import Handover
+
+    handover = Handover(agreer_for(None, 30.0))
+    if rank == 0:
+        with pytest.raises(TypeError, match="generator"):
+            handover.send({"x": torch.ones(2), "rows": (row for row in range(3))}, 1)
+        handover.send({"x": torch.ones(2)}, 1)
+        handover.finish()
+        return "sent"
+    with pytest.raises(EvenLoaderError, match="rank 0 could not hand a batch over to rank 1"):
+        handover.receive(0)
+    assert_same(handover.receive(0), {"x": torch.ones(2)})
+    return "told, then received"
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_that_does_not_pickle_raises_on_its_sender_and_its_receiver() -> None:
+    assert run_ranks(_unsendable, 2, timeout=100) == ["sent", "told, then received"]
+
+
 def _one_dies(rank: int, world_size: int, victim: int) -> dict[str, Any]:
     """Rank 0 sends a batch to rank 1 and waits until it is received; rank 1 waits for it;
     ``victim`` dies 0.5 s after the ranks meet, before sending or receiving."""

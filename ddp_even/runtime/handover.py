@@ -79,10 +79,22 @@ class Handover:
 
     def send(self, batch: Any, to_rank: int) -> None:
         """Start sending ``batch`` to group rank ``to_rank`` (agreer.rank numbering); returns at
-        once."""
+        once.
+
+        A batch that cannot go (it does not pickle, or holds a tensor off the CPU) raises here,
+        and the receiver's ``receive`` raises ``EvenLoaderError`` naming this rank in its place.
+        """
         agreer = self._peer_check(to_rank)
-        header, tensors = _pack(batch)
-        messages = [*_header_messages(header), *tensors]
+        try:
+            header, tensors = _pack(batch)
+        except Exception as error:
+            # Told instead, so that the receiver never waits for a batch that will not come.
+            refusal = pickle.dumps(_Unsendable(f"{type(error).__name__}: {error}"))
+            self._post(agreer, _header_messages(refusal), to_rank)
+            raise
+        self._post(agreer, [*_header_messages(header), *tensors], to_rank)
+
+    def _post(self, agreer: CollectiveAgreer, messages: list[torch.Tensor], to_rank: int) -> None:
         sending = self._sending.setdefault(to_rank, [])
         destination = self._global_ranks[to_rank]
         for message in messages:
@@ -102,6 +114,11 @@ class Handover:
         receiving = _InThread(lambda: self._receive_now(source))
         agreer.await_peer(receiving, from_rank)
         header, tensors = receiving.result
+        if isinstance(header, _Unsendable):
+            raise EvenLoaderError(
+                f"rank {source} could not hand a batch over to rank "
+                f"{self._global_ranks[self._rank]}: {header.error}"
+            )
         return _Unpacker(io.BytesIO(header), tensors).load()
 
     def finish(self) -> None:
@@ -122,7 +139,7 @@ class Handover:
             )
         return self._agreer
 
-    def _receive_now(self, source: int) -> tuple[bytes, list[torch.Tensor]]:
+    def _receive_now(self, source: int) -> tuple[bytes | _Unsendable, list[Any]]:
         """One batch's messages, received and waited for (in the waiting thread)."""
         first = torch.empty(_FIRST_BYTES, dtype=torch.uint8)
         _wait_all([dist.irecv(first, src=source, group=self._group)])
@@ -132,7 +149,10 @@ class Handover:
             rest = torch.empty(size - _FIRST_ROOM, dtype=torch.uint8)
             _wait_all([dist.irecv(rest, src=source, group=self._group)])
             header += rest.numpy().tobytes()
-        specs, body = pickle.loads(header)
+        unpacked = pickle.loads(header)
+        if isinstance(unpacked, _Unsendable):
+            return unpacked, []
+        specs, body = unpacked
         tensors = [torch.empty(spec.shape, dtype=spec.dtype) for spec in specs]
         _wait_all([dist.irecv(tensor, src=source, group=self._group) for tensor in tensors])
         arrays = [
@@ -140,6 +160,13 @@ class Handover:
             for tensor, spec in zip(tensors, specs, strict=True)
         ]
         return body, arrays
+
+
+@dataclass(frozen=True)
+class _Unsendable:
+    """What a receiver is sent instead of a batch its sender could not pack."""
+
+    error: str
 
 
 @dataclass(frozen=True)
