@@ -2,9 +2,11 @@
 
 Every kind of batch a loader yields arrives exactly as it was sent (values, types, dtypes,
 shapes, a tensor sent twice arriving once): several from one sender in order, two senders to
-one receiver, one sender to two receivers. A sender killed while its receiver waits, and a
-receiver killed before it receives, are named dead by the rank left waiting, within the
-loader's ``timeout`` + 5 s, with ddp_even's error and not gloo's.
+one receiver, one sender to two receivers. A batch that cannot go raises on both ends. A sender
+killed while its receiver waits, a receiver killed before it receives, and a third rank killed
+while one waits for a live peer are named dead by every rank left waiting, within the loader's
+``timeout`` + 5 s, with ddp_even's error and not gloo's; a live peer slower than the timeout is
+waited for.
 """
 
 from __future__ import annotations
@@ -193,6 +195,26 @@ def _one_dies(rank: int, world_size: int, victim: int) -> dict[str, Any]:
     return {"missing": None}
 
 
+def _a_third_dies(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 waits for a batch from rank 0, which waits for one from rank 2, which dies: rank 1's
+    own connections stay open, so it learns of the death from the heartbeats or the verdict."""
+    from ddp_even import PeerTimeoutError
+    from ddp_even.agreement.transport import agreer_for
+    from ddp_even.runtime.handover import Handover
+
+    handover = Handover(agreer_for(None, TIMEOUT))
+    began = time.time()
+    if rank == 2:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        handover.receive(2 if rank == 0 else 0)
+    except PeerTimeoutError as error:
+        after = time.time() - began
+        return {"missing": error.missing_ranks, "states": error.states, "after": after}
+    return {"missing": None}
+
+
 def _one_pauses(rank: int, world_size: int) -> list[int]:
     """Rank 1, alive, takes longer than the timeout to receive, then to send back: rank 0 waits
     for it in finish(), then in receive()."""
@@ -229,6 +251,16 @@ def test_a_killed_peer_is_named_dead_by_the_rank_left_waiting(victim: int) -> No
     assert named["states"] == {victim: "dead"}, named
     assert "hand-over of a batch" in named["message"], named
     assert named["after"] <= 0.5 + TIMEOUT + 5, named
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.timing
+def test_a_rank_waiting_for_a_live_peer_names_a_third_that_died() -> None:
+    results = run_ranks(_a_third_dies, 3, timeout=100, capture_exceptions=True)
+    for named in results[:2]:
+        assert isinstance(named, dict), named
+        assert (named["missing"], named["states"]) == ((2,), {2: "dead"}), named
+        assert named["after"] <= 0.5 + TIMEOUT + 5, named
 
 
 @pytest.mark.timeout(120)
