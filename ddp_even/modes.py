@@ -23,19 +23,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from ddp_even.agreement.wire import Agreement
+from ddp_even.mode_stats import ModeStats
+from ddp_even.share_plan import plan_window
 
 __all__ = ["MODES", "AfterOwnData", "Mode", "ModeStats", "WindowDecision", "mode_named"]
 
 #: What a rank hands out once its own data ran out, while the epoch goes on: nothing more
-#: (``"stop"``), batches of a fresh pass over its shard (``"restart"``), or its last batch
-#: again, flagged as padding of weight 0 (``"pad"``).
-AfterOwnData = Literal["stop", "restart", "pad"]
+#: (``"stop"``), batches of a fresh pass over its shard (``"restart"``), its last batch
+#: again, flagged as padding of weight 0 (``"pad"``), or batches other ranks hand it
+#: (``"share"``).
+AfterOwnData = Literal["stop", "restart", "pad", "share"]
 
 
 @dataclass(frozen=True)
@@ -44,105 +47,6 @@ class WindowDecision:
 
     steps: int
     last: bool
-
-
-@dataclass(frozen=True)
-class ModeStats:
-    """One mode's epoch over known shards: steps, and what each rank drops, repeats, pads or
-    waits (tuples indexed by rank; zeros where the mode does none of it).
-
-    ``waste_percent`` is, per mode: rows dropped (truncate) or batches repeated (cycle) as a
-    share of the epoch's own, and for pad and join the share of rank-steps spent on padding or
-    waiting. ``runnable`` and ``note`` say, for people, whether and how the epoch runs
-    (:meth:`ddp_even.planning.ShardPlan.stats` fills them from the plan).
-
-    Example:
-        >>> from ddp_even.planning import plan_shards
-        >>> stats = plan_shards([30, 10], world_size=2, batch_size=10).stats("truncate")
-        >>> stats.steps, stats.dropped_batches, stats.dropped_rows
-        (1, (2, 0), (20, 0))
-    """
-
-    mode: str
-    steps: int
-    waste_percent: float
-    dropped_batches: tuple[int, ...]
-    dropped_rows: tuple[int, ...]
-    repeated_batches: tuple[int, ...]
-    repeated_rows: tuple[int, ...]
-    idle_steps: tuple[int, ...]
-    padded_batches: tuple[int, ...]
-    padded_rows: tuple[int, ...]
-    runnable: bool = True
-    note: str = ""
-
-    @classmethod
-    def of(
-        cls, mode: str, steps: int, waste: float, whole: int, **per_rank: npt.NDArray[np.int64]
-    ) -> ModeStats:
-        """``mode``'s epoch wasting ``waste`` of ``whole``, with the per-rank arrays given."""
-        ranks = len(next(iter(per_rank.values())))
-
-        def of_rank(name: str) -> tuple[int, ...]:
-            return tuple(int(value) for value in per_rank.get(name, np.zeros(ranks, np.int64)))
-
-        return cls(
-            mode=mode,
-            steps=steps,
-            waste_percent=round(100.0 * waste / max(whole, 1), 3),
-            dropped_batches=of_rank("dropped_batches"),
-            dropped_rows=of_rank("dropped_rows"),
-            repeated_batches=of_rank("repeated_batches"),
-            repeated_rows=of_rank("repeated_rows"),
-            idle_steps=of_rank("idle_steps"),
-            padded_batches=of_rank("padded_batches"),
-            padded_rows=of_rank("padded_rows"),
-        )
-
-    @property
-    def total_dropped_rows(self) -> int:
-        """Rows no rank yields this epoch.
-
-        Example:
-            >>> from ddp_even.planning import plan_shards
-            >>> plan = plan_shards([30, 10], world_size=2, batch_size=10)
-            >>> plan.stats("truncate").total_dropped_rows
-            20
-        """
-        return sum(self.dropped_rows)
-
-    @property
-    def total_repeated_rows(self) -> int:
-        """Rows yielded more than once this epoch.
-
-        Example:
-            >>> from ddp_even.planning import plan_shards
-            >>> plan = plan_shards([30, 10], world_size=2, batch_size=10)
-            >>> plan.stats("cycle").total_repeated_rows
-            20
-        """
-        return sum(self.repeated_rows)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON-ready), as ``ddp-even plan --json`` prints it."""
-        return {
-            "steps": self.steps,
-            "runnable": self.runnable,
-            "note": self.note,
-            "waste_percent": self.waste_percent,
-            **{name: list(getattr(self, name)) for name in _PER_RANK},
-        }
-
-
-_PER_RANK = (
-    "dropped_batches",
-    "dropped_rows",
-    "repeated_batches",
-    "repeated_rows",
-    "idle_steps",
-    "padded_batches",
-    "padded_rows",
-)
 
 
 class Mode(ABC):
@@ -164,6 +68,12 @@ class Mode(ABC):
         """Whether a rank hands out batches past its own data (repeats or padding), which
         need a batch of its own to copy (one it reads again when an epoch resumes)."""
         return self.after_own_data != "stop"
+
+    @property
+    def hands_over(self) -> bool:
+        """Whether ranks past their data hand out batches the others send them (share): the
+        epoch then agrees window by window, every rank's counts beside each agreement."""
+        return self.after_own_data == "share"
 
     @property
     def weighs_batches(self) -> bool:
@@ -397,8 +307,62 @@ class JoinMode(Mode):
         return True, f"rank(s) {empty_ranks} have no batch and join at once"
 
 
+class Share(Mode):
+    """Ranks that still have data hand batches to the ranks that ran out: every rank takes
+    ``ceil(B / W)`` steps (``B`` batches over ``W`` ranks), every batch is handed out once, and
+    only the last step holds padding (weight 0) on the ranks with the fewest batches
+    (:mod:`ddp_even.share_plan`)."""
+
+    name = "share"
+    summary = "ranks with data left hand batches to those that ran out: every row once"
+    after_own_data = "share"
+    waste_means = "padded rank-steps as % of rank-steps"
+
+    def check(self, *, steps_per_epoch: int | None, has_joinables: bool) -> None:
+        super().check(steps_per_epoch=steps_per_epoch, has_joinables=has_joinables)
+        if steps_per_epoch is not None:
+            raise ValueError(
+                "share mode hands out every batch once, so it takes no steps_per_epoch; use "
+                "mode='cycle' or mode='pad' for a fixed number of steps"
+            )
+
+    def steps_per_rank(
+        self, batches_per_rank: Sequence[int], steps_per_epoch: int | None = None
+    ) -> tuple[int, ...]:
+        ranks = len(batches_per_rank)
+        return (-(-sum(batches_per_rank) // ranks),) * ranks
+
+    def epoch_outcome(
+        self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
+    ) -> ModeStats:
+        counts = [int(count) for count in batches]
+        steps = self.steps_per_rank(counts)[0]
+        window = plan_window(counts, [True] * len(counts), [count > 0 for count in counts], steps)
+        padded = np.array([int(any(slot.padding for slot in slots)) for slots in window.slots])
+        own = np.minimum(batches, steps - padded)
+        # A padding batch copies a full batch (the last one handed out, where it is not the
+        # shard's short last batch; an approximation the plan cannot refine).
+        return ModeStats.of(
+            self.name,
+            steps,
+            float(padded.sum()),
+            steps * len(counts),
+            padded_batches=padded,
+            padded_rows=padded * np.minimum(batch_size, rows.max(initial=0)),
+            sent_batches=batches - own,
+            received_batches=steps - padded - own,
+        )
+
+    def note_with_empty_ranks(self, empty_ranks: str, steps: int) -> tuple[bool, str]:
+        if steps == 0:
+            return True, "no rank has a batch: the epoch has 0 steps"
+        return True, f"rank(s) {empty_ranks} have no batch: the others hand them theirs"
+
+
 #: Every mode by name, in the order tables list them.
-MODES: dict[str, Mode] = {mode.name: mode for mode in (Truncate(), Cycle(), Pad(), JoinMode())}
+MODES: dict[str, Mode] = {
+    mode.name: mode for mode in (Truncate(), Cycle(), Pad(), JoinMode(), Share())
+}
 
 
 def mode_named(mode: str | Mode) -> Mode:
@@ -411,7 +375,7 @@ def mode_named(mode: str | Mode) -> Mode:
         >>> mode_named("wrap")
         Traceback (most recent call last):
         ...
-        ValueError: unknown mode 'wrap': choose one of 'truncate', 'cycle', 'pad', 'join'
+        ValueError: unknown mode 'wrap': choose one of 'truncate', 'cycle', 'pad', 'join', 'share'
     """
     if isinstance(mode, Mode):
         return mode

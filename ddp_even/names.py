@@ -13,7 +13,7 @@ from typing import Literal
 __all__ = ["ModeName", "Sharding"]
 
 #: The modes, as ``EvenLoader(mode=...)`` takes them (see :mod:`ddp_even.modes`).
-ModeName = Literal["truncate", "cycle", "pad", "join"]
+ModeName = Literal["truncate", "cycle", "pad", "join", "share"]
 
 #: The shardings, as ``sharding=`` takes them (see :mod:`ddp_even.planning.sharding`).
 Sharding = Literal["round_robin", "row_groups", "rows", "replicate"]

@@ -88,6 +88,8 @@ LAYERS: dict[str, int] = {
     "checks": 0,
     "process_group": 0,
     "modes": 0,
+    "mode_stats": 0,
+    "share_plan": 0,
     "agreement.wire": 0,
     "planning": 1,
     "storage": 2,

@@ -94,7 +94,7 @@ def test_too_many_ranks_petastorm_refuses_and_the_plan_says_so(tmp_path: Path) -
         make_batch_reader(url, cur_shard=0, shard_count=4, reader_pool_type="dummy")
     assert plan.petastorm_error is not None and "NoDataAvailableError" in plan.petastorm_error
     # The shards themselves run as a balanced plan's with the same empty rank (from_parquet).
-    assert [plan.stats(mode).runnable for mode in MODES] == [True, False, True, True]
+    assert [plan.stats(mode).runnable for mode in MODES] == [True, False, True, True, True]
     message = plan.describe_too_many_ranks()
     assert message is not None
     for words in (

@@ -429,17 +429,25 @@ def test_cycle_repeats_no_rows_of_an_empty_shard_and_cannot_run() -> None:
 
 @pytest.mark.timeout(30)
 def test_registry_names_and_flags() -> None:
-    assert list(MODES) == ["truncate", "cycle", "pad", "join"]
-    assert [mode.after_own_data for mode in MODES.values()] == ["stop", "restart", "pad", "stop"]
+    assert list(MODES) == ["truncate", "cycle", "pad", "join", "share"]
+    assert [mode.after_own_data for mode in MODES.values()] == [
+        "stop",
+        "restart",
+        "pad",
+        "stop",
+        "share",
+    ]
+    assert [name for name, mode in MODES.items() if mode.hands_over] == ["share"]
     assert [name for name, mode in MODES.items() if not mode.shares_steps] == ["join"]
     assert all(mode.name == name for name, mode in MODES.items())
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("mode", ["truncate", "cycle", "pad"])
+@pytest.mark.parametrize("mode", ["truncate", "cycle", "pad", "share"])
 def test_check_refuses_joinables_outside_join(mode: str) -> None:
     MODES[mode].check(steps_per_epoch=None, has_joinables=False)
-    MODES[mode].check(steps_per_epoch=7, has_joinables=False)
+    if mode != "share":
+        MODES[mode].check(steps_per_epoch=7, has_joinables=False)
     with pytest.raises(ValueError, match=f"only used in join mode, not in '{mode}'"):
         MODES[mode].check(steps_per_epoch=None, has_joinables=True)
 
@@ -460,7 +468,7 @@ def test_mode_named() -> None:
     for name, mode in MODES.items():
         assert mode_named(name) is mode
         assert mode_named(mode) is mode
-    choices = "choose one of 'truncate', 'cycle', 'pad', 'join'"
+    choices = "choose one of 'truncate', 'cycle', 'pad', 'join', 'share'"
     for wrong, shown in [("wrap", "'wrap'"), ("Cycle", "'Cycle'"), ("", "''"), (None, "None")]:
         with pytest.raises(ValueError) as info:
             mode_named(wrong)  # type: ignore[arg-type]

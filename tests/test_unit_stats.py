@@ -27,6 +27,10 @@ COLUMNS = (
     "planned_rows",
     "padded_batches",
     "padded_rows",
+    "sent_batches",
+    "sent_rows",
+    "received_batches",
+    "received_rows",
 )
 
 
@@ -108,8 +112,8 @@ def test_vectors_and_columns_of_a_worked_example() -> None:
         planned_batches=7,
         planned_rows=50,
     )
-    assert first.as_vector() == [4, 4, 0, 1, 30, 30, 0, -1, -1, 0, 0]
-    assert second.as_vector() == [4, 2, 2, 2, -1, -1, 1, 7, 50, 0, 0]
+    assert first.as_vector() == [4, 4, 0, 1, 30, 30, 0, -1, -1, 0, 0, 0, 0, 0, 0]
+    assert second.as_vector() == [4, 2, 2, 2, -1, -1, 1, 7, 50, 0, 0, 0, 0, 0, 0]
     columns = RankCounts.columns_of([first.as_vector(), second.as_vector()])
     assert tuple(columns) == COLUMNS
     assert columns["own_batches"] == (4, 2)
@@ -131,6 +135,10 @@ counts_st = st.builds(
     planned_rows=st.none() | st.integers(0, 2**62),
     padded_batches=st.integers(0, 2**40),
     padded_rows=st.none() | st.integers(0, 2**62),
+    sent_batches=st.integers(0, 2**40),
+    sent_rows=st.none() | st.integers(0, 2**62),
+    received_batches=st.integers(0, 2**40),
+    received_rows=st.none() | st.integers(0, 2**62),
 )
 
 
@@ -184,6 +192,10 @@ def test_gathered_stats_are_the_same_on_every_rank(rank: int) -> None:
         truncated=(True, False, False),
         padded_batches=(0, 0, 0),
         padded_rows=(0, 0, 0),
+        sent_batches=(0, 0, 0),
+        sent_rows=(0, 0, 0),
+        received_batches=(0, 0, 0),
+        received_rows=(0, 0, 0),
         dropped_batches=(3, 0, 0),
         dropped_rows=(24, 0, 0),
         lost_rows=(0, 0, 6),
@@ -197,7 +209,7 @@ def test_the_gatherer_receives_this_ranks_vector_once() -> None:
     counts = _planned_cycle_epoch()
     gatherer = Gatherer(1, {0: counts[0], 2: counts[2]})
     gather_epoch_stats(gatherer, counts[1], 0, "cycle")
-    assert gatherer.sent == [[5, 3, 2, 2, 38, 22, 0, 3, 22, 0, 0]]
+    assert gatherer.sent == [[5, 3, 2, 2, 38, 22, 0, 3, 22, 0, 0, 0, 0, 0, 0]]
 
 
 @pytest.mark.timeout(30)

@@ -1,6 +1,6 @@
 """The one place that decides how an epoch runs, from the mode and what is known of the shards.
 
-An epoch has one of three shapes, and every rank must take the same one (ranks of two shapes
+An epoch has one of four shapes, and every rank must take the same one (ranks of two shapes
 would wait in different collectives):
 
 * **known lengths** (:meth:`~ddp_even.runtime.epochs.EpochRun.known_lengths`): every rank's batch
@@ -9,6 +9,8 @@ would wait in different collectives):
   one agreement, then only overlapped checks of the sources;
 * **join** (:func:`~ddp_even.runtime.join.run_join`): the mode does not share steps
   (``shares_steps`` False) and there are several ranks;
+* **share** (:func:`~ddp_even.runtime.share.run_share`): the mode hands batches over
+  (``hands_over``) and there are several ranks: windows whose batches the ranks plan together;
 * **windows** (:meth:`~ddp_even.runtime.epochs.EpochRun.windows`): otherwise, and whenever the user
   set ``sync_every``, or the mode weighs batches without a plan (pad: each step's real rows
   over all ranks are summed with each window's agreement).
@@ -281,7 +283,9 @@ def settle_epoch(
     rank, counts = agreer.rank, RankCounts()
     known_batches = start.source.known_batches()
     fixed_steps = mode.fixes_steps(steps_per_epoch)
-    agrees_as_it_goes = configured.sync_every is not None or not mode.shares_steps
+    agrees_as_it_goes = (
+        configured.sync_every is not None or not mode.shares_steps or mode.hands_over
+    )
     wants_plan = not (agrees_as_it_goes or fixed_steps)
     # Sources whose passes tell what they read (petastorm's) are checked every epoch.
     unplanned = configured.plan is None and known_batches is None
@@ -328,8 +332,13 @@ def run_epoch(
     """The epoch in its shape: known lengths (no window), join (several ranks), or windows."""
     if run.settings.sync_every is None:
         return run.known_lengths()
-    if not run.settings.mode.shares_steps and run.agreer.world_size > 1:
+    several_ranks = run.agreer.world_size > 1
+    if not run.settings.mode.shares_steps and several_ranks:
         from ddp_even.runtime.join import run_join
 
         return run_join(run, joinables)
+    if run.settings.mode.hands_over and several_ranks:
+        from ddp_even.runtime.share import run_share
+
+        return run_share(run)
     return run.windows()

@@ -84,11 +84,13 @@ class EpochRun(Generic[BatchT]):
 
             self.pad_weights = PadWeights(self.agreer, self.settings.plan)
 
-    def hand_out(self, fed: FedBatch[BatchT]) -> BatchT:
+    def hand_out(self, fed: FedBatch[BatchT], weight: float = 1.0) -> BatchT:
+        """``fed``'s batch, counted and marked; ``weight`` is its loss weight where the mode's
+        run works it out (share), unless it is padding or pad weighs it."""
         step = self.counts.steps
         rows = fed.count_samples(fed.batch)
-        self.counts.count_batch(fed.pass_number, rows, fed.padding)
-        marks = BatchMarks(step, fed.repeated, fed.padding, self._weight(fed, step, rows))
+        self.counts.count_batch(fed.pass_number, rows, fed.padding, fed.received)
+        marks = BatchMarks(step, fed.repeated, fed.padding, self._weight(fed, step, rows, weight))
         self.handed_out.add(marks)
         return fed.batch
 
@@ -98,12 +100,14 @@ class EpochRun(Generic[BatchT]):
         self.handed_out.epoch_ended()
         self.feed.close()
 
-    def _weight(self, fed: FedBatch[BatchT], step: int, rows: int | None) -> float | None:
+    def _weight(
+        self, fed: FedBatch[BatchT], step: int, rows: int | None, weight: float
+    ) -> float | None:
         """The loss weight of ``fed`` (of ``rows`` rows), handed out at ``step``."""
         if fed.padding:
             return 0.0
         if self.pad_weights is None:
-            return 1.0
+            return weight
         return self.pad_weights.weight(step, rows)
 
     def finish(self, had_more_own_data: bool) -> None:
@@ -301,9 +305,7 @@ class EpochRun(Generic[BatchT]):
                         assert window is not None
                         report, pending = self.offer_buffered(window)
                     if remaining == 0 and decision.last:
-                        yield from _last_batch(
-                            self, self.hand_out(fed), self.feed.had_more_own_data
-                        )
+                        yield from last_batch(self, self.hand_out(fed), self.feed.had_more_own_data)
                         return
                     yield self.hand_out(fed)
                 if decision.last:
@@ -369,7 +371,7 @@ class EpochRun(Generic[BatchT]):
                     self.start_check(schedule.proposal(step))
                     schedule.checked(step, agreed)
                 if step == decision.steps:
-                    yield from _last_batch(self, batch, had_more_own_data)
+                    yield from last_batch(self, batch, had_more_own_data)
                     return
                 yield batch
             self.finish(had_more_own_data())
@@ -389,7 +391,7 @@ _CHECKING = 0x3C3C_3C3C_3C3C
 _RESUMING = 0x5E5E_5E5E_5E5E
 
 
-def _last_batch(
+def last_batch(
     run: EpochRun[BatchT], batch: BatchT, had_more_own_data: Callable[[], bool]
 ) -> Iterator[BatchT]:
     """Hand out the epoch's last batch; the epoch is complete even if no one asks for more.

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 import torch
 
 from ddp_even.errors import EvenLoaderError, SourceEndedEarlyError
-from ddp_even.sources import ShardPass, ShardSource
+from ddp_even.sources import ShardPass, ShardSource, count_rows
 
 if TYPE_CHECKING:
     from ddp_even.modes import AfterOwnData
@@ -39,6 +39,8 @@ class FedBatch(NamedTuple, Generic[BatchT]):
     count_samples: Callable[[BatchT], int | None]
     # Handed out past the rank's data (pad): a copy of a batch already handed out.
     padding: bool = False
+    # Another rank's, handed to this one (share).
+    received: bool = False
 
     @property
     def repeated(self) -> bool:
@@ -47,7 +49,7 @@ class FedBatch(NamedTuple, Generic[BatchT]):
     @property
     def own(self) -> bool:
         """From the rank's first pass, handed out for the first time."""
-        return self.pass_number == 1 and not self.padding
+        return self.pass_number == 1 and not self.padding and not self.received
 
 
 # How an unknown count (None) travels in the gathered int64 vectors.
@@ -75,12 +77,26 @@ class RankCounts:
     # Padding handed out past the rank's data (pad).
     padded_batches: int = 0
     padded_rows: int | None = 0
+    # Batches of this rank's shard handed to other ranks, and other ranks' it handed out (share).
+    sent_batches: int = 0
+    sent_rows: int | None = 0
+    received_batches: int = 0
+    received_rows: int | None = 0
 
-    def count_batch(self, pass_number: int, rows: int | None, padding: bool = False) -> None:
+    def count_sent(self, rows: int | None) -> None:
+        self.sent_batches += 1
+        self.sent_rows = _add(self.sent_rows, rows)
+
+    def count_batch(
+        self, pass_number: int, rows: int | None, padding: bool = False, received: bool = False
+    ) -> None:
         self.steps += 1
         if padding:
             self.padded_batches += 1
             self.padded_rows = _add(self.padded_rows, rows)
+        elif received:
+            self.received_batches += 1
+            self.received_rows = _add(self.received_rows, rows)
         elif pass_number > 1:
             self.repeated_batches += 1
         else:
@@ -191,6 +207,9 @@ class ShardFeed(Generic[BatchT]):
         self.reading: PassReading | None = None
         # Pad: the shard's first batch, which a rank with an empty shard pads with.
         self._first_own: FedBatch[BatchT] | None = None
+        # How the last pass opened counts a batch's rows (share counts the batches it
+        # receives with it).
+        self.count_samples: Callable[[BatchT], int | None] = count_rows
 
     @property
     def buffered(self) -> int:
@@ -373,6 +392,7 @@ class ShardFeed(Generic[BatchT]):
                 "num_epochs=1"
             )
         self._pass = opened
+        self.count_samples = opened.count_samples
         if self.passes_started == 0:
             self.reading = opened.reading
         self.passes_started += 1

@@ -21,7 +21,7 @@ class EpochStats:
 
     Attributes:
         epoch: index of the epoch, counted by the loader from 0.
-        mode: ``"truncate"``, ``"cycle"``, ``"pad"`` or ``"join"``.
+        mode: ``"truncate"``, ``"cycle"``, ``"pad"``, ``"join"`` or ``"share"``.
         world_size: number of ranks.
         steps: batches each rank yielded.
         own_batches: batches each rank yielded from its first pass over its shard.
@@ -33,6 +33,10 @@ class EpochStats:
         truncated: whether each rank still had data when the epoch stopped.
         padded_batches: padding batches each rank handed out past its data (pad; 0 otherwise).
         padded_rows: the rows of those, or None where a batch's size could not be read.
+        sent_batches: batches of its shard each rank handed to another rank (share; 0
+            otherwise), and ``sent_rows`` their rows (None where a batch's size is unknown).
+        received_batches: other ranks' batches each rank handed out (share; 0 otherwise), and
+            ``received_rows`` their rows.
         dropped_batches: batches of its shard each rank did not hand out because the epoch
             stopped first, known when the loader has a shard plan (``EvenLoader(...,
             plan=...)`` or ``from_parquet``); else None.
@@ -73,6 +77,10 @@ class EpochStats:
     truncated: tuple[bool, ...]
     padded_batches: tuple[int, ...]
     padded_rows: tuple[int | None, ...]
+    sent_batches: tuple[int, ...]
+    sent_rows: tuple[int | None, ...]
+    received_batches: tuple[int, ...]
+    received_rows: tuple[int | None, ...]
     dropped_batches: tuple[int, ...] | None = None
     dropped_rows: tuple[int, ...] | None = None
     lost_rows: tuple[int, ...] | None = None
@@ -102,6 +110,21 @@ class EpochStats:
             if self.own_batches[rank] == 0 and not self.truncated[rank]
         )
 
+    @property
+    def steps_saved(self) -> int:
+        """Steps this epoch took fewer than pad would have on the same shards (share hands
+        batches over instead of padding; 0 in the other modes).
+
+        Example::
+
+            >>> from ddp_even import EvenLoader
+            >>> loader = EvenLoader([[1, 2], [3]], mode="share")
+            >>> list(loader), loader.stats.steps_saved
+            ([[1, 2], [3]], 0)
+        """
+        shards = [own + sent for own, sent in zip(self.own_batches, self.sent_batches, strict=True)]
+        return max(shards) - max(self.steps) if any(self.sent_batches) else 0
+
     def summary(self) -> str:
         """One line, as logged on rank 0 after each epoch."""
         line = (
@@ -116,6 +139,11 @@ class EpochStats:
             line += f"; padded {_slashed(self.padded_batches)}"
             if None not in self.padded_rows:
                 line += f" (rows {_slashed(self.padded_rows)})"
+        if any(self.sent_batches):
+            line += (
+                f"; handed over: sent {_slashed(self.sent_batches)}, received "
+                f"{_slashed(self.received_batches)} ({self.steps_saved} steps fewer than pad)"
+            )
         if self.dropped_batches is not None and any(self.dropped_batches):
             line += f"; dropped batches {_slashed(self.dropped_batches)}"
             if self.dropped_rows is not None:
@@ -193,6 +221,10 @@ def gather_epoch_stats(
         truncated=truncated,
         padded_batches=_known(columns["padded_batches"]),
         padded_rows=columns["padded_rows"],
+        sent_batches=_known(columns["sent_batches"]),
+        sent_rows=columns["sent_rows"],
+        received_batches=_known(columns["received_batches"]),
+        received_rows=columns["received_rows"],
         dropped_batches=dropped_batches,
         dropped_rows=dropped_rows,
         lost_rows=lost_rows,

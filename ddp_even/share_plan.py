@@ -1,0 +1,161 @@
+"""Share mode's arithmetic: which batch every rank hands out at every step of a window.
+
+Every rank reports, before a window, the batches of its own shard it holds unread
+(``buffered``), whether its shard has ended (nothing more will come), and whether it already
+has a batch it could copy as padding. From those counts, the same on every rank, :func:`plan_window`
+works out the window: how many steps every rank takes and, for each rank and step, whose batch
+it hands out, so that every rank decides the same without another message.
+
+* A window takes ``min(window, total // W)`` full steps while some shard goes on (every rank a
+  real batch at every step), and, once every shard has ended, ``ceil(total / W)`` steps (at
+  most ``window`` at a time), the last of them padding on the ``W * steps - total`` ranks that
+  hold the fewest batches.
+* Each rank first hands out its own batches, oldest first; ranks holding more than their steps
+  (givers) hand their extra batches, oldest first, to the ranks holding fewer (receivers), in
+  rank order, so that as few batches move as the counts allow.
+* :func:`fill_targets` says how many batches each rank reads ahead for the next window: its
+  share of ``W * window`` among the ranks whose shard goes on, so that the ranks still reading
+  can feed every rank a whole window.
+
+Nothing here imports torch.
+
+Example::
+
+    >>> window = plan_window([3, 0], ended=[False, True], has_padding=[True, True], window=2)
+    >>> window.steps, window.last, window.slots[1]
+    (1, False, (Slot(giver=0, index=1, padding=False),))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Slot", "WindowPlan", "fill_targets", "plan_window"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """The batch a rank hands out at one step: the ``index``-th batch ``giver`` held when the
+    window was planned (the rank itself, or a rank that sends it), or padding (weight 0)."""
+
+    giver: int
+    index: int
+    padding: bool = False
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """A window of share: its steps, whether it ends the epoch, each rank's batch at each step
+    (``slots[rank][step]``), and how many of each rank's held batches it uses."""
+
+    steps: int
+    last: bool
+    slots: tuple[tuple[Slot, ...], ...]
+    used: tuple[int, ...]
+
+    def sends(self, giver: int) -> list[tuple[int, int, bool]]:
+        """``(receiver, index, padding)`` for each batch ``giver`` sends, in the order the
+        receiver takes them (a receiver takes a pair's batches in the order they are sent).
+
+        Example::
+
+            >>> plan_window([4, 0, 0], [True] * 3, [True] * 3, window=4).sends(0)
+            [(1, 2, False), (2, 3, False)]
+        """
+        return [
+            (receiver, slot.index, slot.padding)
+            for receiver, slots in enumerate(self.slots)
+            for slot in slots
+            if slot.giver == giver and receiver != giver
+        ]
+
+    def padding_weight(self, step: int) -> float:
+        """The loss weight of a real batch at ``step``: ``W / real batches`` at a step with
+        padding (so that the averaged gradient is the real batches' mean), 1 elsewhere.
+
+        Example::
+
+            >>> plan_window([3, 0], [True, True], [True, True], window=4).padding_weight(1)
+            2.0
+        """
+        real = sum(1 for slots in self.slots if not slots[step].padding)
+        return len(self.slots) / real if real else 0.0
+
+
+def fill_targets(ended: Sequence[bool], window: int) -> list[int]:
+    """How many batches each rank reads ahead for a window: ``window`` while every shard goes
+    on; once some have ended, the ranks whose shard goes on share ``W * window`` between them.
+
+    Example::
+
+        >>> fill_targets([False, True, True, False], window=2)
+        [4, 0, 0, 4]
+    """
+    going_on = sum(1 for done in ended if not done)
+    share = math.ceil(len(ended) * window / going_on) if going_on else 0
+    return [0 if done else max(window, share) for done in ended]
+
+
+def plan_window(
+    buffered: Sequence[int], ended: Sequence[bool], has_padding: Sequence[bool], window: int
+) -> WindowPlan:
+    """The next window from every rank's held batches (``buffered``), whether its shard ended,
+    and whether it has a batch to copy as padding; the same on every rank.
+
+    A window of 0 steps happens while the ranks still reading have not yet read enough to
+    feed every rank a step: the next window's :func:`fill_targets` read more.
+
+    Example::
+
+        >>> plan = plan_window([4, 1, 0], [True] * 3, [True, True, False], window=4)
+        >>> plan.steps, plan.last, plan.used
+        (2, True, (4, 1, 0))
+        >>> for slots in plan.slots:
+        ...     print([(slot.giver, slot.index, slot.padding) for slot in slots])
+        [(0, 0, False), (0, 1, False)]
+        [(1, 0, False), (0, 2, False)]
+        [(0, 3, False), (2, -1, True)]
+    """
+    world_size, total = len(buffered), sum(buffered)
+    everyone_ended = all(ended)
+    steps = min(window, math.ceil(total / world_size) if everyone_ended else total // world_size)
+    last = everyone_ended and steps * world_size >= total
+    padded = world_size * steps - total if last else 0
+    # The ranks that hold the fewest batches take the padding (ties: the highest ranks).
+    by_fewest = sorted(range(world_size), key=lambda rank: (buffered[rank], -rank))
+    quotas = [steps] * world_size
+    for rank in by_fewest[:padded]:
+        quotas[rank] = steps - 1
+    own = [min(count, quota) for count, quota in zip(buffered, quotas, strict=True)]
+    # The extra batches, oldest first, of each giver in rank order.
+    extras = [
+        (giver, index)
+        for giver in range(world_size)
+        for index in range(own[giver], buffered[giver])
+    ]
+    extras.reverse()
+    slots: list[tuple[Slot, ...]] = []
+    used = list(own)
+    for rank in range(world_size):
+        mine = [Slot(rank, index) for index in range(own[rank])]
+        while len(mine) < quotas[rank]:
+            giver, index = extras.pop()
+            mine.append(Slot(giver, index))
+            used[giver] += 1
+        if quotas[rank] < steps:
+            mine.append(_padding_for(rank, mine, has_padding, buffered))
+        slots.append(tuple(mine))
+    return WindowPlan(steps, last, tuple(slots), tuple(used))
+
+
+def _padding_for(
+    rank: int, mine: list[Slot], has_padding: Sequence[bool], buffered: Sequence[int]
+) -> Slot:
+    """The padding of a rank at the last step: a copy of the batch it handed out last
+    (``index`` -1), or, when it never had one, of a batch the lowest rank holding one sends."""
+    if mine or has_padding[rank]:
+        return Slot(rank, -1, padding=True)
+    donor = next(giver for giver, count in enumerate(buffered) if count)
+    return Slot(donor, 0, padding=True)
