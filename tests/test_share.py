@@ -1,0 +1,164 @@
+"""Share mode on several gloo ranks: every rank takes ceil(B / W) steps, every batch is handed
+out exactly once (the ranks that ran out train on the others' batches), padding only at the
+last step, weights that make that step's mean right, exact statistics, DDP replicas equal.
+
+What each rank hands out is checked against the batches' ids (every id of every shard once over
+all ranks), not against ddp_even's arithmetic. Sources: lists of mixed batches (tensors, numpy
+arrays, strings, nested), and petastorm's own loader sharded by row group on 4 ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ddp_even import EvenLoader, PeerSourceError
+from tests.helpers.datasets import write_plain_dataset
+from tests.helpers.spawn import RankError, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+ROWS_PER_BATCH = 3
+
+
+def _shard(rank: int, counts: list[int]) -> list[dict[str, Any]]:
+    """Rank ``rank``'s batches: ids numbered over all shards, in several kinds of leaf."""
+    first = sum(counts[:rank])
+    batches = []
+    for index in range(first, first + counts[rank]):
+        ids = torch.arange(index * ROWS_PER_BATCH, (index + 1) * ROWS_PER_BATCH)
+        batches.append(
+            {
+                "id": ids,
+                "features": {"x": ids.float().unsqueeze(1).repeat(1, 4) / 100},
+                "label": ids.numpy().astype(np.float32),
+                "name": f"batch {index}",
+            }
+        )
+    return batches
+
+
+def _train(rank: int, world_size: int, counts: list[int], sync_every: int | None) -> Any:
+    """Two epochs of a DDP model over this rank's shard in share mode; per step what it saw."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = EvenLoader(_shard(rank, counts), mode="share", sync_every=sync_every, timeout=60)
+    epochs = []
+    for _ in range(2):
+        seen = []
+        for batch in loader:
+            assert isinstance(batch["label"], np.ndarray) and batch["label"].dtype == np.float32
+            assert batch["name"] == f"batch {int(batch['id'][0]) // ROWS_PER_BATCH}"
+            optimizer.zero_grad()
+            prediction = model(batch["features"]["x"]).squeeze(1)
+            loss = torch.nn.functional.mse_loss(prediction, torch.from_numpy(batch["label"]))
+            (loss * loader.batch_weight).backward()
+            optimizer.step()
+            seen.append((batch["id"].tolist(), loader.padding, loader.batch_weight))
+        epochs.append((seen, loader.stats.as_dict()))
+    return epochs, [parameter.detach().clone() for parameter in model.parameters()]
+
+
+def _check_epoch(
+    counts: list[int], seen_per_rank: list[list[tuple[list[int], bool, float]]]
+) -> None:
+    world_size, total = len(counts), sum(counts)
+    steps = math.ceil(total / world_size)
+    assert [len(seen) for seen in seen_per_rank] == [steps] * world_size
+    real = Counter(
+        row for seen in seen_per_rank for ids, padding, _ in seen if not padding for row in ids
+    )
+    assert real == Counter(range(total * ROWS_PER_BATCH)), "every row exactly once"
+    padded = [step for seen in seen_per_rank for step, (_, pad, _) in enumerate(seen) if pad]
+    assert padded == [steps - 1] * (world_size * steps - total), "padding at the last step only"
+    for seen in seen_per_rank:
+        for step, (_, padding, weight) in enumerate(seen):
+            if padding:
+                assert weight == 0.0
+            elif step == steps - 1:
+                assert weight == pytest.approx(world_size / (world_size - len(padded)))
+            else:
+                assert weight == 1.0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("counts", "sync_every"),
+    [([3, 17], None), ([0, 9, 2, 14], 3), ([1, 0, 0], None)],
+    ids=["3/17 on 2", "an empty rank, 4 ranks, windows of 3", "fewer batches than ranks"],
+)
+def test_every_batch_once_in_equal_steps(counts: list[int], sync_every: int | None) -> None:
+    results = run_ranks(_train, len(counts), counts, sync_every, timeout=200)
+    world_size, total = len(counts), sum(counts)
+    for epoch in range(2):
+        seen = [epochs[epoch][0] for epochs, _ in results]
+        _check_epoch(counts, seen)
+        stats = results[0][0][epoch][1]
+        assert all(epochs[epoch][1] == stats for epochs, _ in results), "the same everywhere"
+        assert stats["mode"] == "share" and stats["epoch"] == epoch
+        steps = math.ceil(total / world_size)
+        for rank in range(world_size):
+            own, sent = stats["own_batches"][rank], stats["sent_batches"][rank]
+            assert own + sent == counts[rank], "a rank's shard is its own batches and those sent"
+            assert own + stats["received_batches"][rank] + stats["padded_batches"][rank] == steps
+            assert stats["sent_rows"][rank] == sent * ROWS_PER_BATCH
+            assert stats["received_rows"][rank] == stats["received_batches"][rank] * 3
+        assert sum(stats["sent_batches"]) == sum(stats["received_batches"])
+    first, *others = [final for _, final in results]
+    for other in others:
+        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True)), "DDP diverged"
+
+
+def _petastorm_rows(rank: int, world_size: int, url: str) -> list[list[int]]:
+    from petastorm import make_batch_reader
+    from petastorm.pytorch import BatchedDataLoader
+
+    def batches() -> BatchedDataLoader:
+        reader = make_batch_reader(
+            url, num_epochs=1, cur_shard=rank, shard_count=world_size, workers_count=2
+        )
+        return BatchedDataLoader(reader, batch_size=8)
+
+    loader = EvenLoader(batches, mode="share", timeout=60)
+    ids = [batch["id"].tolist() for batch in loader if not loader.padding]
+    assert loader.stats.steps[rank] == max(loader.stats.steps)
+    return [ids, list(loader.stats.steps)]
+
+
+@pytest.mark.petastorm
+@pytest.mark.timeout(240)
+def test_petastorm_sharded_by_row_group_on_4_ranks(tmp_path: Any) -> None:
+    # Row groups of 40, 30, 1, 17, 3, 5, 6, ...: petastorm's round robin gives the 4 ranks
+    # shards of very different sizes.
+    sizes = [[40, 3], [30, 5], [1, 6, 4, 2], [17]]
+    url = write_plain_dataset(tmp_path / "data", sizes)
+    results = run_ranks(_petastorm_rows, 4, url, timeout=200)
+    rows = sorted(row for ids, _ in results for batch in ids for row in batch)
+    assert rows == list(range(sum(map(sum, sizes))))
+    steps = {tuple(result[1]) for result in results}
+    assert len(steps) == 1 and len(set(steps.pop())) == 1
+
+
+def _failing(rank: int, world_size: int) -> Any:
+    def batches() -> Any:
+        for index in range(6 if rank == 0 else 2):
+            if rank == 0 and index == 4:
+                raise OSError("corrupt row group after 4 batches")
+            yield [index]
+
+    loader = EvenLoader(batches, mode="share", timeout=30)
+    return len(list(loader))
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_source_is_the_same_error_on_every_rank() -> None:
+    outcomes = run_ranks(_failing, 2, timeout=100, capture_exceptions=True)
+    assert isinstance(outcomes[0], RankError) and "corrupt row group" in outcomes[0].message
+    assert isinstance(outcomes[1], RankError) and outcomes[1].type_name == PeerSourceError.__name__
+    assert "rank 0" in outcomes[1].message
