@@ -454,8 +454,18 @@ def _check_consumer(scenario: Scenario, outcomes: list[Outcome]) -> None:
             assert outcome.epochs[epoch] == full, (scenario, rank, epoch)
             stats = outcome.stats[epoch]
             assert stats, (scenario, rank, epoch, "no statistics")
-            own = min(len(full), scenario.lengths[rank])
             assert stats["steps"][rank] == len(full)
+            assert stats == outcomes[0].stats[epoch], "stats must be equal on every rank"
+            if scenario.mode == "share":
+                # Its shard: what it handed out and what it sent; its steps: those and what
+                # it received or padded.
+                own, length = stats["own_batches"][rank], scenario.lengths[rank]
+                assert own + stats["sent_batches"][rank] == length
+                handed_out = own + stats["received_batches"][rank] + stats["padded_batches"][rank]
+                assert handed_out == len(full)
+                assert stats["repeated_batches"][rank] == 0 and not stats["truncated"][rank]
+                continue
+            own = min(len(full), scenario.lengths[rank])
             assert stats["own_batches"][rank] == own
             # Pad hands out its extra batches as padding, not as repeats.
             extra = len(full) - own
@@ -463,7 +473,6 @@ def _check_consumer(scenario: Scenario, outcomes: list[Outcome]) -> None:
             assert stats["repeated_batches"][rank] == (0 if padded else extra)
             assert stats["padded_batches"][rank] == (extra if padded else 0)
             assert stats["truncated"][rank] == (scenario.lengths[rank] > own)
-            assert stats == outcomes[0].stats[epoch], "stats must be equal on every rank"
         if scenario.drop_after is not None and outcome.closed_at_drop is not None:
             assert outcome.closed_at_drop, (
                 scenario,

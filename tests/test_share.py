@@ -162,3 +162,44 @@ def test_a_failing_source_is_the_same_error_on_every_rank() -> None:
     assert isinstance(outcomes[0], RankError) and "corrupt row group" in outcomes[0].message
     assert isinstance(outcomes[1], RankError) and outcomes[1].type_name == PeerSourceError.__name__
     assert "rank 0" in outcomes[1].message
+
+
+def _resumed(rank: int, world_size: int, counts: list[int], stop: int) -> Any:
+    """The whole epoch, and the same epoch stopped after ``stop`` steps and resumed from the
+    loader state saved there (a window of 3 steps whose hand-over the cut falls in)."""
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+
+    def make() -> EvenLoader[Any]:
+        return EvenLoader(_shard(rank, counts), mode="share", sync_every=3, timeout=60)
+
+    def ids(loader: Any, start: int) -> list[tuple[list[int], bool]]:
+        seen = []
+        for step, batch in enumerate(loader, start=start):
+            model(batch["features"]["x"]).sum().backward()
+            seen.append((batch["id"].tolist(), loader.padding_at(step)))
+        return seen
+
+    whole = make()
+    expected = ids(whole, 0)
+    stopped = make()
+    epoch = iter(stopped)
+    for _ in range(stop):
+        model(next(epoch)["features"]["x"]).sum().backward()
+    state = stopped.state_dict()
+    del epoch
+    resumed = make()
+    resumed.load_state_dict(state)
+    got = ids(resumed, stop)
+    return expected[stop:], got, whole.stats.as_dict(), resumed.stats.as_dict()
+
+
+@pytest.mark.timeout(240)
+def test_a_resume_cut_in_the_middle_of_a_hand_over_is_the_uninterrupted_epoch() -> None:
+    # Rank 0's 2 batches end in the first window; in the second (steps 2 to 4) rank 1 hands
+    # it 3 of its batches; the cut falls after step 3, between two of them.
+    counts, stop = [2, 11], 3
+    for expected, got, whole, resumed in run_ranks(_resumed, 2, counts, stop, timeout=200):
+        assert got == expected
+        assert resumed.pop("resumed_at_step") == stop and whole.pop("resumed_at_step") is None
+        assert resumed == whole
+        assert whole["received_batches"][0] > 0

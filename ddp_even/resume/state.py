@@ -239,14 +239,6 @@ def pending_resume(
     """
     provenance = None if planned is None else planned.provenance
     saved_world_size = state.get("world_size") if isinstance(state, Mapping) else None
-    saved_step = state.get("step") if isinstance(state, Mapping) else None
-    if mode.hands_over and isinstance(saved_step, int) and saved_step > 0:
-        raise ValueError(
-            f"the loader state was saved at step {saved_step} of epoch {state.get('epoch')}, "
-            "and share mode resumes only between epochs (which batch each rank was handed "
-            "mid-epoch is not saved): save the state at the end of an epoch, or use "
-            "mode='pad' for mid-epoch checkpoints"
-        )
     if (
         planned is None
         or not isinstance(saved_world_size, int)
@@ -268,6 +260,8 @@ def pending_resume(
     plan = planned.plan
     if mode.after_own_data == "restart":
         cannot = "cycle mode repeats rows, so 'the rows not yet read' is not one set"
+    elif mode.hands_over:
+        cannot = "share mode's hand-over is planned for the ranks the epoch started on"
     elif steps_per_epoch is not None:
         cannot = "steps_per_epoch caps the epoch by steps, not rows"
     elif SHARDINGS[plan.sharding].why_not_elastic is not None:
@@ -277,6 +271,7 @@ def pending_resume(
             "which rows were read before the saved step is not known: "
             f"{planned.why_not_in_plan_order}"
         )
+    saved_step = state.get("step")
     if cannot is not None and isinstance(saved_step, int) and saved_step > 0:
         raise ValueError(
             f"the loader state was saved on {saved_world_size} ranks in the middle of epoch "

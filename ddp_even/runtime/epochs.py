@@ -179,7 +179,9 @@ class EpochRun(Generic[BatchT]):
                 step,
                 unrepeatable,
             )
-        self._count_again_up_to(step)
+        if not (self.settings.mode.hands_over and self.agreer.world_size > 1):
+            # The share shape runs its steps before the resume point again itself.
+            self._count_again_up_to(step)
         self.steps_done = self.resumed_at = step
         # Once for the job, on rank 0; each rank's own count in its debug log.
         logger.log(

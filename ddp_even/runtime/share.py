@@ -64,26 +64,39 @@ class _SharedWindows(Generic[BatchT]):
         self.expected: dict[int, int] = {}
 
     def batches(self) -> Generator[BatchT, None, None]:
+        """The epoch's batches. An epoch resumed after step ``t`` runs its first ``t`` steps
+        again without handing them out (every rank reads, plans, sends and receives as it did
+        the first time), so that it goes on exactly where it was cut, also in the middle of a
+        hand-over, and its statistics count the whole epoch."""
         run = self.run
+        resume_at, run.steps_done = run.steps_done, 0
         try:
             self.start_offer(counts_ahead=False)
             while self.offer is not None:
-                plan = self.settle_offer()
+                plan, window_start = self.settle_offer(), run.steps_done
                 kept = self.send_extras(plan)
                 run.steps_done += plan.steps
                 for step, slot in enumerate(plan.slots[self.rank]):
                     fed = self.take(slot, kept)
-                    weight = plan.padding_weight(step)
-                    if step == plan.steps - 1 and not plan.last:
+                    ends_window, ends_epoch = step == plan.steps - 1, plan.last
+                    if ends_window and not ends_epoch:
                         self.start_offer(counts_ahead=True)
-                    if step == plan.steps - 1 and plan.last:
+                    if ends_window and ends_epoch:
                         self.handover.finish()
-                        yield from last_batch(run, run.hand_out(fed, weight), lambda: False)
+                    if window_start + step < resume_at:
+                        rows = fed.count_samples(fed.batch)
+                        run.counts.count_batch(fed.pass_number, rows, fed.padding, fed.received)
+                        if ends_window and ends_epoch:
+                            run.finish(had_more_own_data=False)
+                        continue
+                    batch = run.hand_out(fed, plan.padding_weight(step))
+                    if ends_window and ends_epoch:
+                        yield from last_batch(run, batch, lambda: False)
                         return
-                    yield run.hand_out(fed, weight)
+                    yield batch
                 if plan.last:
-                    # An epoch of no step (no rank had a batch).
-                    run.finish(had_more_own_data=False)
+                    if plan.steps == 0:  # no rank had a batch
+                        run.finish(had_more_own_data=False)
                     return
                 if plan.steps == 0:
                     self.start_offer(counts_ahead=True)

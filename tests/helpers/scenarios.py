@@ -20,6 +20,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from ddp_even import EvenLoader, PeerSourceError
 from ddp_even.agreement import control_group as _control_group
+from ddp_even.share_plan import fill_targets, plan_window
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ def expected_batches(scenario: Scenario, rank: int) -> list[list[int]]:
     own = shard(rank, scenario.lengths[rank])
     if scenario.mode == "join":
         return own
+    if scenario.mode == "share":
+        return shared_batches(scenario.lengths, scenario.sync_every or 1)[rank]
     if scenario.mode == "truncate":
         steps = min(scenario.lengths)
         if scenario.steps_per_epoch is not None:
@@ -70,6 +73,34 @@ def expected_batches(scenario: Scenario, rank: int) -> list[list[int]]:
         last = own[-1] if own else shard(donor, 1)[0] if donor is not None else []
         return [own[index] if index < len(own) else last for index in range(steps)]
     return [own[index % len(own)] for index in range(steps)] if own else []
+
+
+def shared_batches(lengths: Sequence[int], window: int) -> list[list[list[int]]]:
+    """What every rank yields in share mode, window by window as the ranks plan it: each
+    window's read-ahead (a rank learns that its shard ended only by reading past its end) and
+    its plan (:func:`ddp_even.share_plan.plan_window`), turned into batches."""
+    world_size = len(lengths)
+    read, taken, ended = [0] * world_size, [0] * world_size, [False] * world_size
+    yielded: list[list[list[int]]] = [[] for _ in lengths]
+    while True:
+        for rank, target in enumerate(fill_targets(ended, window)):
+            wanted = taken[rank] + target
+            if wanted > lengths[rank]:
+                read[rank], ended[rank] = lengths[rank], True
+            else:
+                read[rank] = max(read[rank], wanted)
+        buffered = [count - used for count, used in zip(read, taken, strict=True)]
+        has_padding = [bool(yielded[0])] * world_size
+        plan = plan_window(buffered, ended, has_padding, window)
+        for rank, slots in enumerate(plan.slots):
+            for slot in slots:
+                if slot.index < 0:
+                    yielded[rank].append(yielded[rank][-1])
+                else:
+                    yielded[rank].append(shard(slot.giver, taken[slot.giver] + slot.index + 1)[-1])
+        taken = [before + used for before, used in zip(taken, plan.used, strict=True)]
+        if plan.last:
+            return yielded
 
 
 def expected_weights(scenario: Scenario, rank: int) -> list[float]:
