@@ -218,9 +218,8 @@ def _pack(batch: Any) -> tuple[bytes, list[torch.Tensor]]:
     body = io.BytesIO()
     packer = _Packer(body)
     packer.dump(batch)
-    return pickle.dumps((packer.specs, body.getvalue()), protocol=pickle.HIGHEST_PROTOCOL), (
-        packer.tensors
-    )
+    header = pickle.dumps((packer.specs, body.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
+    return header, packer.tensors
 
 
 def _header_messages(header: bytes) -> list[torch.Tensor]:
