@@ -4,7 +4,7 @@ Petastorm gives rank ``r`` the row groups whose index ``i`` has ``i % world_size
 row groups differ in size, so do the shards, and plain DDP breaks: the rank with the shortest
 shard leaves the loop first and the others wait forever in an all-reduce it never enters.
 ``ddp_even.EvenLoader`` wraps each rank's loader so that every rank takes the same number of
-steps, in one of four modes, and says afterwards what each rank did (``loader.stats``):
+steps, in one of five modes, and says afterwards what each rank did (``loader.stats``):
 
 * ``truncate``: every rank stops where the shortest shard ends (the rest is not trained on);
 * ``cycle``: short shards start again until the longest one ends (some rows are seen twice);
@@ -410,6 +410,13 @@ def mode_caption(result: ModeResult) -> str:
             f"on once; {ranks_phrase(padded)} ran out of data and handed out "
             f"{sum(stats.padded_batches)} padding batches of weight 0."
         )
+    if result.mode == "share":
+        return (
+            f"Every rank took {stats.steps[0]} steps per epoch and all {total} rows were trained "
+            f"on once: {sum(stats.sent_batches)} batches were handed from ranks with data left "
+            f"to ranks that ran out, {stats.steps_saved} steps fewer than pad; "
+            f"{sum(stats.padded_batches)} padding batches of weight 0 at the last step."
+        )
     longest = max(stats.steps)
     idle = sum(longest - steps for steps in stats.steps)
     slots = longest * len(stats.steps)
@@ -462,6 +469,8 @@ def print_comparison(console: Console, results: Sequence[ModeResult]) -> None:
         "SyncBatchNorm, metrics); ranks that run out compute on padding of weight 0.\n"
         "[bold]join[/]: every row exactly once; ranks that run out idle until the last one "
         "finishes, which costs time when shards are very uneven.\n"
+        "[bold]share[/]: pad's promises in fewer steps: ranks with data left hand batches to "
+        "those that ran out (each batch sent costs a transfer between ranks).\n"
         "Equal shards avoid the skew in the first place: "
         '`EvenLoader.from_parquet(..., sharding="rows")` cuts the rows evenly between ranks, '
         "and `ddp-even plan DATASET --world-size N --batch-size B --sharding rows` shows how."
@@ -521,7 +530,7 @@ def print_demo_intro(console: Console, data_dir: Path, world_size: int, batch_si
         f"With a plain DDP loop, the ranks with {min(batches)} batches would leave after "
         f"{min(batches)} steps and the others would wait in DDP's next all-reduce until the "
         "process group times out. ddp_even gives every rank the same number of steps, in one "
-        "of four modes, and reports what each rank did."
+        "of five modes, and reports what each rank did."
     )
 
 
