@@ -150,7 +150,10 @@ class Watch:
             self._unanswered = thread
             errors.append(TimeoutError(f"the job's store did not answer in {_READ_TIMEOUT_S:g} s"))
         if errors:
-            if connection_broken(errors[0]):
+            # A question still waiting holds its connection, which is slow, not broken: a new
+            # one would cost the store a connect (and, in torch's server, a reverse DNS lookup
+            # of the client) just when it is short of time, and every waiting rank would ask.
+            if not thread.is_alive() and connection_broken(errors[0]):
                 self._store = None
             if self.store_failing_since is None:
                 # Silent since the question went unanswered, not since its wait ran out.
