@@ -12,7 +12,8 @@ called without an active exception"): about one 4-rank job in four on a 2-core m
   (``benchmarks/clean_exit_runs.py`` repeats such jobs, mode by mode);
 * ``torch.multiprocessing.spawn`` of 4 ranks whose last collective before the exit is
   ddp_even's statistics gather (the shape that aborted most often), one in each mode: every
-  process exits 0, and when it begins to finalize no gloo thread is left (truncate, cycle), or
+  process exits 0, and when it begins to finalize no gloo thread is left (truncate, cycle,
+  share with the group it hands batches over on), or
   only the DDP model's group's (join: torch keeps that group alive past
   ``destroy_process_group`` with or without ddp_even). This catches the cause every time: with
   ddp_even's releases switched off, both groups' threads are still running there;
@@ -111,7 +112,8 @@ def _spawned_rank(rank: int, world_size: int, port: int, mode: str) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mode", MODES)
+# share: the group its batches are handed over on too.
+@pytest.mark.parametrize("mode", [*MODES, "share"])
 def test_spawned_ranks_exit_cleanly(
     mode: str, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
