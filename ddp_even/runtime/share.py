@@ -141,6 +141,10 @@ class _SharedWindows(Generic[BatchT]):
     def send_extras(self, plan: WindowPlan) -> list[FedBatch[BatchT]]:
         """Take the batches the window uses out of the buffer, send the others' to them, and
         return this rank's (by their index in the buffer)."""
+        # The previous window's batches were all taken (each rank started this window's
+        # agreement after its last step), so this returns at once and lets them go: the
+        # Handover holds what it sent until finish(), a whole epoch's worth otherwise.
+        self.handover.finish()
         feed, counts = self.run.feed, self.run.counts
         sends = plan.sends(self.rank)
         taken = max([plan.used[self.rank]] + [index + 1 for _, index, _ in sends])
