@@ -9,11 +9,13 @@ Face ``datasets`` streaming six Parquet files split by node over 2 ranks, and
 ``10,40,70,120``) starts one gloo rank per shard. A rank's data is a
 ``torch.utils.data.DataLoader`` over an ``IterableDataset`` yielding that many batches of
 ``batch_size`` rows (``id``, ``x``, ``y``): no length, as a streaming source has none, so
-ddp_even agrees every window (``sync_every`` default). Every rank trains a real DDP model (an
-MLP ``features`` -> ``hidden`` -> ``hidden`` -> 10, SGD; at the defaults 256 -> 512 -> 512 -> 10,
-0.4 M parameters: forward, backward and step take about 2 ms of one core on batch 64 on the
-2-core machine the project is developed on, plus DDP's all-reduce of 1.6 MB of gradients), its
-loss multiplied by ``loader.batch_weight`` (0 for padding), as a pad or share loop does.
+ddp_even agrees every window (``--sync-every``: 1 batch by default, as ``EvenLoader``'s; a
+larger window shows what of an epoch's cost is the agreement and what the hand-over). Every
+rank trains a real DDP model (an MLP ``features`` -> ``hidden`` -> ``hidden`` -> 10, SGD; at
+the defaults 256 -> 512 -> 512 -> 10, 0.4 M parameters: forward, backward and step take about
+2 ms of one core on batch 64 on the 2-core machine the project is developed on, and a step of
+the equal-shards loop, DDP's all-reduce of 1.6 MB of gradients included, about 5 ms of CPU per
+rank), its loss multiplied by ``loader.batch_weight`` (0 for padding), as a pad or share loop does.
 
 Variants, interleaved, their order turned by one each round, the ranks starting each together:
 
@@ -97,6 +99,7 @@ class BenchConfig:
     features: int = 256
     hidden: int = 512
     outputs: int = 10
+    sync_every: int | None = None
 
 
 class Shard(IterableDataset[Batch]):
@@ -170,7 +173,10 @@ def variants_for(rank: int, shape: tuple[int, ...], config: BenchConfig) -> list
     variants = [Variant(EQUAL, shard(rank, equal, config), lambda: (1.0, False))]
     for mode in MODES_TIMED:
         loader: EvenLoader[Batch] = EvenLoader(
-            shard(rank, shape, config), MODES[mode], timeout=COLLECTIVE_TIMEOUT_S
+            shard(rank, shape, config),
+            MODES[mode],
+            sync_every=config.sync_every,
+            timeout=COLLECTIVE_TIMEOUT_S,
         )
         variants.append(
             Variant(
@@ -310,7 +316,7 @@ def results_table(result: dict[str, Any], config: BenchConfig) -> Table:
     table = Table(
         title=f"{result['world_size']} ranks (gloo, CPU), shards of {shards} batches of "
         f"{config.batch_size} rows ({result['total_rows']:,} rows; share's steps: "
-        f"ceil(B/W) = {result['share_steps']})",
+        f"ceil(B/W) = {result['share_steps']}; sync_every={config.sync_every})",
         title_justify="left",
     )
     table.add_column("variant")
@@ -375,6 +381,12 @@ QUICK = BenchConfig(shapes=((3, 9),), repeats=2, batch_size=16, features=32, hid
 @click.option("--repeats", type=click.IntRange(1), default=5, show_default=True)
 @click.option("--batch-size", type=click.IntRange(1), default=64, show_default=True)
 @click.option(
+    "--sync-every",
+    type=click.IntRange(1),
+    default=None,
+    help="The ddp_even variants' batches per agreement.  [default: EvenLoader's, 1 here]",
+)
+@click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=Path("bench-results/share.json"),
@@ -382,10 +394,16 @@ QUICK = BenchConfig(shapes=((3, 9),), repeats=2, batch_size=16, features=32, hid
 )
 @click.option("--quick", is_flag=True, help="Smoke run: shards 3/9, a small model, 2 repeats.")
 def main(
-    shapes: tuple[tuple[int, ...], ...], repeats: int, batch_size: int, out: Path, quick: bool
+    shapes: tuple[tuple[int, ...], ...],
+    repeats: int,
+    batch_size: int,
+    sync_every: int | None,
+    out: Path,
+    quick: bool,
 ) -> None:
     """An epoch of uneven shards in share, pad and cycle against equal shards, unwrapped."""
     config = QUICK if quick else BenchConfig(repeats=repeats, batch_size=batch_size)
+    config = dataclasses.replace(config, sync_every=sync_every)
     if shapes:
         config = dataclasses.replace(config, shapes=shapes)
     # Wide enough for the table when the output is not a terminal (a file, a pipe).

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from benchmarks.bench_share import EQUAL, MODES_TIMED, PAD_TARGET_SHAPE, QUICK, measure_shape
+from benchmarks.bench_share import EQUAL, PAD_TARGET_SHAPE, QUICK, measure_shape
 
 pytestmark = [pytest.mark.benchmark, pytest.mark.multirank]
 
@@ -28,7 +28,7 @@ def test_every_variant_trains_what_its_mode_promises(shape: tuple[int, ...]) -> 
     assert result["total_rows"] == total
     assert result["share_steps"] == math.ceil(batches / ranks)
     rows = {row["variant"]: row for row in result["results"]}
-    assert list(rows) == [EQUAL, *(f"ddp_even {mode}" for mode in MODES_TIMED)]
+    assert list(rows) == [EQUAL, "ddp_even pad", "ddp_even cycle", "ddp_even share"]
     for row in rows.values():
         assert len(row["rounds"]) == 1
         assert row["wall_s"] > 0 and row["cpu_s"] > 0
@@ -36,8 +36,7 @@ def test_every_variant_trains_what_its_mode_promises(shape: tuple[int, ...]) -> 
         # Every variant trains every row at least once.
         assert row["distinct_rows"] == total, row["variant"]
     # The equal shards and share: every row once, in B / W steps on every rank.
-    has_share = "share" in MODES_TIMED  # until ddp_even has share mode
-    for name in [EQUAL, *(["ddp_even share"] if has_share else [])]:
+    for name in (EQUAL, "ddp_even share"):
         assert rows[name]["steps_per_rank"] == [result["share_steps"]] * ranks, name
         assert rows[name]["rows_trained"] == total, name
     # Pad and cycle: the longest shard's steps; pad every row once, cycle repeats.
@@ -51,5 +50,4 @@ def test_every_variant_trains_what_its_mode_promises(shape: tuple[int, ...]) -> 
         "share / equal shards <= 1.15x (epoch, wall)",
         *(["share / pad <= 0.6x (epoch, wall)"] if shape == PAD_TARGET_SHAPE else []),
     ]
-    verdicts = {True, False} if has_share else {None}
-    assert {target["passed"] for target in result["targets"]} <= verdicts
+    assert {target["passed"] for target in result["targets"]} <= {True, False}
