@@ -49,6 +49,8 @@ SUITES: dict[str, list[str]] = {
     # A rank killed, frozen or paused inside DDP's all-reduce, named through allreduce_hook.
     "gradient-hook": ["tests/test_gradient_hook.py"],
     "planned": ["tests/test_planned_loader.py"],
+    # Share's hand-over: batches sent between ranks while every rank trains, resumed mid-way.
+    "share": ["tests/test_share.py"],
     "resume": [
         "tests/test_resume.py::test_epochs_resumed_by_new_processes_continue_where_they_stopped"
     ],
