@@ -203,3 +203,24 @@ def test_a_resume_cut_in_the_middle_of_a_hand_over_is_the_uninterrupted_epoch() 
         assert resumed.pop("resumed_at_step") == stop and whole.pop("resumed_at_step") is None
         assert resumed == whole
         assert whole["received_batches"][0] > 0
+
+
+def _from_parquet(rank: int, world_size: int, url: str) -> Any:
+    loader = EvenLoader.from_parquet(url, 4, mode="share", timeout=60)
+    ids = [batch["id"].tolist() for batch in loader if not loader.padding]
+    return ids, loader.stats.as_dict()
+
+
+@pytest.mark.timeout(240)
+def test_from_parquet_round_robin_every_row_once_and_nothing_called_lost(tmp_path: Any) -> None:
+    sizes = [[40, 3], [30, 5], [1, 6, 4, 2], [17]]
+    url = write_plain_dataset(tmp_path / "data", sizes)
+    results = run_ranks(_from_parquet, 3, url, timeout=200)
+    rows = sorted(row for ids, _ in results for batch in ids for row in batch)
+    assert rows == list(range(sum(map(sum, sizes))))
+    stats = results[0][1]
+    assert any(stats["sent_batches"]), "round robin leaves the shards uneven"
+    # A shard's batches sent to other ranks are read, not lost or dropped, against its plan.
+    assert stats["lost_rows"] == (0, 0, 0) and stats["dropped_rows"] == (0, 0, 0)
+    batches = sum(stats["own_batches"]) + sum(stats["sent_batches"])
+    assert stats["steps"] == (math.ceil(batches / 3),) * 3

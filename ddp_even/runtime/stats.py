@@ -107,7 +107,23 @@ class EpochStats:
         return tuple(
             rank
             for rank in range(self.world_size)
-            if self.own_batches[rank] == 0 and not self.truncated[rank]
+            if self.shard_batches[rank] == 0 and not self.truncated[rank]
+        )
+
+    @property
+    def shard_batches(self) -> tuple[int, ...]:
+        """Batches of each rank's shard handed out this epoch, by the rank itself or, in share,
+        by the ranks it sent them to (``own_batches + sent_batches``).
+
+        Example::
+
+            >>> from ddp_even import EvenLoader
+            >>> loader = EvenLoader([[1, 2], [3]], mode="share")
+            >>> list(loader), loader.stats.shard_batches
+            ([[1, 2], [3]], (2,))
+        """
+        return tuple(
+            own + sent for own, sent in zip(self.own_batches, self.sent_batches, strict=True)
         )
 
     @property
@@ -122,8 +138,7 @@ class EpochStats:
             >>> list(loader), loader.stats.steps_saved
             ([[1, 2], [3]], 0)
         """
-        shards = [own + sent for own, sent in zip(self.own_batches, self.sent_batches, strict=True)]
-        return max(shards) - max(self.steps) if any(self.sent_batches) else 0
+        return max(self.shard_batches) - max(self.steps) if any(self.sent_batches) else 0
 
     def summary(self) -> str:
         """One line, as logged on rank 0 after each epoch."""
@@ -203,12 +218,19 @@ def gather_epoch_stats(
     truncated = tuple(bool(value) for value in columns["truncated"])
     own_batches = _known(columns["own_batches"])
     planned_batches, planned_rows = columns["planned_batches"], columns["planned_rows"]
-    own_rows = columns["own_samples"]
+    # What each rank read of its shard: handed out itself, or sent to another rank (share).
+    shard_batches = tuple(
+        own + sent for own, sent in zip(own_batches, _known(columns["sent_batches"]), strict=True)
+    )
+    shard_rows = tuple(
+        None if own is None or sent is None else own + sent
+        for own, sent in zip(columns["own_samples"], columns["sent_rows"], strict=True)
+    )
     dropped_batches = dropped_rows = lost_rows = None
     if None not in planned_batches:
-        dropped_batches, _ = _short_of_plan(planned_batches, own_batches, truncated)
-        if None not in planned_rows and None not in own_rows:
-            dropped_rows, lost_rows = _short_of_plan(planned_rows, own_rows, truncated)
+        dropped_batches, _ = _short_of_plan(planned_batches, shard_batches, truncated)
+        if None not in planned_rows and None not in shard_rows:
+            dropped_rows, lost_rows = _short_of_plan(planned_rows, shard_rows, truncated)
     stats = EpochStats(
         epoch=epoch,
         mode=mode,
@@ -233,7 +255,7 @@ def gather_epoch_stats(
         resumed_from_world_size=resumed_from_world_size,
     )
     if agreer.rank == 0:
-        _log(stats, agreer.global_ranks, own_rows, planned_batches, planned_rows)
+        _log(stats, agreer.global_ranks, shard_rows, planned_batches, planned_rows)
     return stats
 
 
@@ -258,7 +280,7 @@ def _known(column: tuple[int | None, ...]) -> tuple[int, ...]:
 def _log(
     stats: EpochStats,
     global_ranks: tuple[int, ...],
-    own_rows: tuple[int | None, ...],
+    shard_rows: tuple[int | None, ...],
     planned_batches: tuple[int | None, ...],
     planned_rows: tuple[int | None, ...],
 ) -> None:
@@ -278,7 +300,7 @@ def _log(
             global_ranks[rank],
             stats,
             rank,
-            own_rows[rank],
+            shard_rows[rank],
             planned_batches[rank],
             planned_rows[rank],
         )
@@ -296,7 +318,7 @@ def _warn_if_off_plan(
     if planned_batches is None or planned_rows is None or own_rows is None:
         return
     read_whole_shard = not stats.truncated[rank]
-    own_batches = stats.own_batches[rank]
+    own_batches = stats.shard_batches[rank]
     if read_whole_shard and (own_batches, own_rows) != (planned_batches, planned_rows):
         logger.warning(
             "epoch %d: rank %d read %d batches / %d rows from its shard, but the shard plan "
