@@ -316,7 +316,7 @@ def results_table(result: dict[str, Any], config: BenchConfig) -> Table:
     table = Table(
         title=f"{result['world_size']} ranks (gloo, CPU), shards of {shards} batches of "
         f"{config.batch_size} rows ({result['total_rows']:,} rows; share's steps: "
-        f"ceil(B/W) = {result['share_steps']}; sync_every={config.sync_every})",
+        f"ceil(B/W) = {result['share_steps']}; sync_every={config.sync_every or 1})",
         title_justify="left",
     )
     table.add_column("variant")
