@@ -12,6 +12,9 @@ Modes (``--mode``, repeat to train once in each):
 * ``truncate``, ``cycle``: ddp_even gives every rank the same number of steps; no Join needed;
 * ``pad``: as many steps as cycle, every row once; a rank past its data gets padding, whose
   loss the loop multiplies by ``loader.batch_weight`` (0);
+* ``share``: every row once in fewer steps (all batches over the ranks, rounded up): the ranks
+  that ran out train on batches the others hand them; padding only at the last step, weighted
+  by ``loader.batch_weight`` as in pad;
 * ``join``: ddp_even's join mode, ``EvenLoader(..., mode="join", joinables=[model])`` with the
   *prepared* (DDP) model, and no ``accelerator.join_uneven_inputs`` around the loop: ddp_even
   already runs each epoch inside torch's ``Join`` with that model (and its own agreement as a
@@ -24,9 +27,10 @@ Modes (``--mode``, repeat to train once in each):
   which is what accelerate does on GPUs. It trains on every row too, but keeps no statistics
   (and needs petastorm, as ``--source factory`` does).
 
-After training, every run evaluates the model exactly: an EvenLoader in pad mode over the same
-shards (every row once, the same steps on every rank), a torchmetrics metric that leaves the
-padding out, and a collective of the loop's own at every step (``accelerator.reduce``).
+After training, every run evaluates the model exactly: an EvenLoader in pad mode (share after
+training in share) over the same shards (every row once, the same steps on every rank), a
+torchmetrics metric that leaves the padding out, and a collective of the loop's own at every
+step (``accelerator.reduce``).
 
 Run it under torchrun or accelerate launch (2 CPU processes here)::
 
@@ -82,7 +86,7 @@ hide_known_warnings()
 # 334 rows in 8 row groups; with 2 ranks petastorm gives rank 0 row groups 0, 2, 4, 6 (280
 # rows) and rank 1 row groups 1, 3, 5, 7 (54 rows).
 DEMO_ROW_GROUP_SIZES = (120, 8, 60, 16, 90, 20, 10, 10)
-MODES = ("truncate", "cycle", "pad", "join", "accelerate-join")
+MODES = ("truncate", "cycle", "pad", "share", "join", "accelerate-join")
 
 
 def train(
@@ -155,7 +159,7 @@ def train(
         rank,
         world_size,
         batch_size=batch_size,
-        mode="pad",
+        mode="share" if mode == "share" else "pad",
     )
     mse, eval_rows = evaluate(accelerator, model, evaluation)
     if accelerator.is_main_process:
@@ -191,8 +195,9 @@ def train_epoch(
         features, labels = features.to(accelerator.device), labels.to(accelerator.device)
         loss = torch.nn.functional.mse_loss(model(features), labels)
         if isinstance(batches, EvenLoader):
-            # Pad mode: 0 for padding, else the batch's share of the step's real rows (1.0 in
-            # the other modes): DDP's average is then the mean loss's gradient over the step.
+            # Pad and share: 0 for padding, else the batch's share of the step's real rows (pad)
+            # or batches (share); 1.0 in the other modes. DDP's average is then the gradient of
+            # the step's mean loss.
             loss = loss * batches.batch_weight
         optimizer.zero_grad()
         accelerator.backward(loss)

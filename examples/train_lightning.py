@@ -7,20 +7,20 @@ the trainer's loggers (here a CSV file per run under ``--results``).
 
 What works in which mode:
 
-* ``truncate``, ``cycle`` and ``pad``: yes, with a factory of petastorm loaders (``--source
-  factory``) or with ``EvenLoader.from_parquet`` (``--source parquet``, the default where
-  petastorm is not installed); with
-  ``from_parquet`` Lightning knows ``len(loader)`` and no collective runs inside the epoch
-  (``examples/shard_loaders.py``). In pad mode the training step multiplies its loss by the
-  batch's weight (0 for padding);
+* ``truncate``, ``cycle``, ``pad`` and ``share``: yes, with a factory of petastorm loaders
+  (``--source factory``) or with ``EvenLoader.from_parquet`` (``--source parquet``, the
+  default where petastorm is not installed); with ``from_parquet`` Lightning knows
+  ``len(loader)`` and, except in share (planned window by window), no collective runs inside
+  the epoch (``examples/shard_loaders.py``). In pad and share modes the training step
+  multiplies its loss by the batch's weight (0 for padding);
 * ``join``: no. Lightning broadcasts a tensor from rank 0 at every step (its SIGTERM check),
   a collective torch's ``Join`` cannot shadow for the ranks that ran out, so the job would
   hang; ddp_even raises ``EvenLoaderError`` on every rank at the first epoch instead.
 
 Validation, after every training epoch, is exact whatever the training mode: the validation
-loader is an EvenLoader in pad mode over the whole dataset, so every row is seen once and every
-rank takes the same steps; ``validation_step`` leaves padding out of a torchmetrics metric and
-out of a mean it logs with ``sync_dist=True`` at every step.
+loader is an EvenLoader in pad mode (share when training in share) over the whole dataset, so
+every row is seen once and every rank takes the same steps; ``validation_step`` leaves padding
+out of a torchmetrics metric and out of a mean it logs with ``sync_dist=True`` at every step.
 
 Run it three ways (Lightning starts the other ranks itself, as subprocesses of this script)::
 
@@ -126,8 +126,9 @@ class Regression(pl.LightningModule):
         self.log(
             "train_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(labels)
         )
-        # Pad mode: 0 for padding, else this batch's share of the step's real rows (1.0 in the
-        # other modes). By batch_idx: Lightning may have fetched the next batch already.
+        # Pad and share: 0 for padding, else this batch's share of the step's real rows (pad) or
+        # batches (share); 1.0 in the other modes. By batch_idx: Lightning may have fetched the
+        # next batch already.
         return loss * self.loader.batch_weight_at(batch_idx)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -166,8 +167,9 @@ class Regression(pl.LightningModule):
         return self.loader
 
     def val_dataloader(self) -> EvenLoader[dict[str, torch.Tensor]]:
-        # Pad: every row once, the same steps on every rank, whatever the training's mode.
-        self.val_loader = self.even_loader("pad")
+        # Every row once, the same steps on every rank, whatever the training's mode (share's
+        # fewer steps when training in share).
+        self.val_loader = self.even_loader("share" if self.settings.mode == "share" else "pad")
         return self.val_loader
 
     def even_loader(
@@ -248,7 +250,7 @@ def report(result: dict[str, Any]) -> None:
             f"dropped batches {epoch['dropped_batches']}, padded {epoch['padded_batches']}"
         )
     if "val_mse" in result["validation"]:
-        print(f"validation (pad mode, every row once): mse {result['validation']['val_mse']:.5f}")
+        print(f"validation (every row once): mse {result['validation']['val_mse']:.5f}")
 
 
 # --- Command line -----------------------------------------------------------------------------
@@ -262,7 +264,7 @@ def report(result: dict[str, Any]) -> None:
 @click.option(
     "--mode",
     "modes",
-    type=click.Choice(["truncate", "cycle", "pad", "join"]),
+    type=click.Choice(["truncate", "cycle", "pad", "share", "join"]),
     multiple=True,
     default=["cycle"],
     show_default=True,

@@ -1,10 +1,10 @@
 """EvenLoader inside a real Hugging Face accelerate loop, 2 CPU ranks under torchrun.
 
 One torchrun job runs ``examples/train_accelerate.py`` in every mode, one after the other:
-truncate, cycle, pad and join with a loader factory and with ``from_parquet``, and
+truncate, cycle, pad, share and join with a loader factory and with ``from_parquet``, and
 accelerate's own recipe (``accelerate-join``: a plain petastorm loader inside torch's ``Join``);
-where petastorm is not installed, only ``from_parquet``. After each,
-an evaluation in pad mode. Each rank writes a JSON file per run; the test checks them against
+where petastorm is not installed, only ``from_parquet``. After each, an evaluation in pad mode
+(in share after share). Each rank writes a JSON file per run; the test checks them against
 counts worked out from the row-group sizes, and the evaluation against the final model's exact
 mean squared error over the whole dataset.
 """
@@ -25,6 +25,7 @@ from tests.helpers.lightning_and_accelerate import (
     REPO,
     SOURCES,
     TORCHRUN,
+    check_share_rows,
     expected_epoch,
     launch,
     planned,
@@ -53,9 +54,10 @@ EXAMPLE = REPO / "examples" / "train_accelerate.py"
 WORLD_SIZE = 2
 BATCH_SIZE = 8
 EPOCHS = 3
-# Rank 0 gets row groups 0, 2, 4 (62 rows, 8 batches), rank 1 row groups 1, 3 (12 rows, 2).
-ROW_GROUP_SIZES = (30, 5, 20, 7, 12)
-MODES = ("truncate", "cycle", "pad", "join")
+# Rank 0 gets row groups 0, 2, 4 (54 rows, 7 batches), rank 1 row groups 1, 3 (12 rows, 2):
+# share takes 5 steps, rank 0 sending 2 batches, rank 1 padding the last step.
+ROW_GROUP_SIZES = (30, 5, 20, 7, 4)
+MODES = ("truncate", "cycle", "pad", "share", "join")
 EVEN_RUNS = source_runs(MODES)
 # accelerate's own recipe, over a plain petastorm loader.
 PLAIN_RUNS = [pytest.param("accelerate-join", "plain", marks=pytest.mark.petastorm)]
@@ -101,9 +103,13 @@ def test_every_rank_trains_the_planned_steps(trained: Path, mode: str, source: s
         assert [epoch["epoch"] for epoch in history] == list(range(EPOCHS))
         for epoch in history:
             assert {name: epoch[name] for name in expected} == expected, f"rank {rank}"
+            if mode == "share":
+                check_share_rows(epoch, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE)
         # What the training loop itself counted on this rank.
         assert result["steps"] == [expected["steps"][rank]] * EPOCHS
-        assert result["rows"] == [expected["samples"][rank]] * EPOCHS
+        assert result["rows"] == [epoch["samples"][rank] for epoch in history]
+        if mode != "share":  # share's rows: which batches travel is the plan's choice
+            assert result["rows"] == [expected["samples"][rank]] * EPOCHS
     assert ranks[0]["history"] == ranks[1]["history"]
     # DDP (and, in join mode, Join's final broadcast) kept the replicas equal.
     assert ranks[0]["weights"] == ranks[1]["weights"]
@@ -112,12 +118,15 @@ def test_every_rank_trains_the_planned_steps(trained: Path, mode: str, source: s
 @pytest.mark.timeout(250)
 @pytest.mark.parametrize(("mode", "source"), [*EVEN_RUNS, *PLAIN_RUNS])
 def test_evaluation_in_pad_mode_is_exact(trained: Path, mode: str, source: str) -> None:
-    """After every run, pad mode evaluates the final model on every row once: the metric is
-    its exact mean squared error over the whole dataset, on every rank."""
+    """After every run, pad mode (share after share) evaluates the final model on every row
+    once: the metric is its exact mean squared error over the whole dataset, on every rank."""
     table = pq.read_table(trained.parent / DATA)
     features = np.stack([table.column(name).to_numpy() for name in FEATURES], axis=1)
     labels = table.column("label").to_numpy()
-    expected = expected_epoch("pad", ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=True)
+    eval_mode = "share" if mode == "share" else "pad"
+    expected = expected_epoch(
+        eval_mode, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=planned(eval_mode, source)
+    )
     for result in read_ranks(trained, f"{mode}-{source}", WORLD_SIZE):
         *weights, bias = result["weights"]
         exact = float(np.mean((features.astype(np.float64) @ weights + bias - labels) ** 2))
@@ -125,6 +134,8 @@ def test_evaluation_in_pad_mode_is_exact(trained: Path, mode: str, source: str) 
         assert result["eval_rows"] == sum(ROW_GROUP_SIZES)
         (evaluation,) = result["eval_history"]
         assert {name: evaluation[name] for name in expected} == expected
+        if eval_mode == "share":
+            check_share_rows(evaluation, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE)
 
 
 @pytest.mark.petastorm

@@ -2,9 +2,10 @@
 
 The test runs ``examples/train_lightning.py`` as a subprocess: Lightning starts rank 1 itself
 (a subprocess of the script) and every rank writes a JSON file per run. One job trains, one
-after the other, in truncate, cycle and pad with a loader factory and with ``from_parquet``
-(only the latter where petastorm is not installed),
-validating after every epoch in pad mode (a metric synced at every step); a second job tries
+after the other, in truncate, cycle, pad and share with a loader factory and with
+``from_parquet`` (only the latter where petastorm is not installed), validating after every
+epoch in pad mode, share after training in share (a metric synced at every step); a second job
+tries
 join mode, which must end on every rank, with a clear error, not hang.
 """
 
@@ -24,10 +25,12 @@ from tests.helpers.lightning_and_accelerate import (
     PYTHON,
     REPO,
     SOURCES,
+    check_share_rows,
     expected_epoch,
     launch,
     planned,
     read_ranks,
+    shard_batches,
     skip_without,
     source_runs,
     write_regression_dataset,
@@ -51,9 +54,10 @@ EXAMPLE = REPO / "examples" / "train_lightning.py"
 WORLD_SIZE = 2
 BATCH_SIZE = 8
 EPOCHS = 3
-# Rank 0 gets row groups 0, 2, 4 (62 rows, 8 batches), rank 1 row groups 1, 3 (12 rows, 2).
-ROW_GROUP_SIZES = (30, 5, 20, 7, 12)
-MODES = ("truncate", "cycle", "pad")
+# Rank 0 gets row groups 0, 2, 4 (54 rows, 7 batches), rank 1 row groups 1, 3 (12 rows, 2):
+# share takes 5 steps, rank 0 sending 2 batches, rank 1 padding the last step.
+ROW_GROUP_SIZES = (30, 5, 20, 7, 4)
+MODES = ("truncate", "cycle", "pad", "share")
 RUNS = source_runs(MODES)
 
 
@@ -107,6 +111,8 @@ def test_every_epoch_has_the_right_steps_on_every_rank(
         assert [epoch["epoch"] for epoch in history] == list(range(EPOCHS))
         for epoch in history:
             assert {name: epoch[name] for name in expected} == expected, f"rank {rank}"
+            if mode == "share":
+                check_share_rows(epoch, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE)
         # Lightning ran exactly the steps the loader handed out.
         assert result["global_step"] == EPOCHS * expected["steps"][0]
     # The statistics are gathered, so equal everywhere; DDP kept the replicas equal.
@@ -119,8 +125,9 @@ def test_every_epoch_has_the_right_steps_on_every_rank(
 def test_validation_in_pad_mode_logs_the_exact_mean_over_the_whole_dataset(
     trained: Path, data_url: str, mode: str, source: str
 ) -> None:
-    """Whatever the training's mode, validation (pad) sees every row once: the metric logged
-    at the last epoch is the final model's mean squared error over the whole dataset."""
+    """Whatever the training's mode, validation (pad, or share after share) sees every row
+    once: the metric logged at the last epoch is the final model's mean squared error over the
+    whole dataset."""
     table = pq.read_table(data_url.removeprefix("file://"))
     features = np.stack([table.column(name).to_numpy() for name in FEATURES], axis=1)
     labels = table.column("label").to_numpy()
@@ -132,11 +139,17 @@ def test_validation_in_pad_mode_logs_the_exact_mean_over_the_whole_dataset(
         # every step (padding weighted 0): both exact, up to float32 sums.
         assert validation["val_mse"] == pytest.approx(exact, rel=1e-5)
         assert validation["val_mse_mean_epoch"] == pytest.approx(exact, rel=1e-5)
-        # Every validation epoch took the same steps on both ranks, padding the short shard.
-        expected = expected_epoch("pad", ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=True)
+        # Every validation epoch took the same steps on both ranks, padding the short shard
+        # (share: handing it batches, padding the last step).
+        val_mode = "share" if mode == "share" else "pad"
+        expected = expected_epoch(
+            val_mode, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=planned(val_mode, source)
+        )
         assert len(result["val_history"]) == EPOCHS
         for epoch in result["val_history"]:
             assert {name: epoch[name] for name in expected} == expected
+            if val_mode == "share":
+                check_share_rows(epoch, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE)
 
 
 @pytest.mark.timeout(250)
@@ -147,17 +160,23 @@ def test_the_callback_logs_every_epoch_to_the_trainers_logger(
     expected = expected_epoch(
         mode, ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE, planned=planned(mode, source)
     )
+    # Pad's steps are the longest shard's; share saves the steps beyond ceil(B / W).
+    longest = max(map(len, shard_batches(ROW_GROUP_SIZES, WORLD_SIZE, BATCH_SIZE)))
     wanted: dict[str, Any] = {
         "ddp_even/steps_min": min(expected["steps"]),
         "ddp_even/steps_max": max(expected["steps"]),
         "ddp_even/own_batches": sum(expected["own_batches"]),
         "ddp_even/repeated_batches": sum(expected["repeated_batches"]),
-        "ddp_even/samples": sum(expected["samples"]),
         "ddp_even/truncated_ranks": sum(expected["truncated"]),
         "ddp_even/oversampling": pytest.approx(expected["oversampling"]),
         "ddp_even/padded_batches": sum(expected["padded_batches"]),
-        "ddp_even/padded_rows": sum(expected["padded_rows"]),
+        "ddp_even/sent_batches": sum(expected["sent_batches"]),
+        "ddp_even/received_batches": sum(expected["received_batches"]),
+        "ddp_even/steps_saved": longest - expected["steps"][0] if mode == "share" else 0,
     }
+    if mode != "share":  # share's rows: which batches travel is the plan's choice
+        wanted["ddp_even/samples"] = sum(expected["samples"])
+        wanted["ddp_even/padded_rows"] = sum(expected["padded_rows"])
     known_lengths = expected["dropped_batches"] is not None
     if known_lengths:
         wanted["ddp_even/dropped_batches"] = sum(expected["dropped_batches"])
@@ -167,6 +186,10 @@ def test_the_callback_logs_every_epoch_to_the_trainers_logger(
         assert [metrics["ddp_even/epoch"] for metrics in logged] == list(range(EPOCHS))
         for metrics in logged:
             assert {name: metrics[name] for name in wanted} == wanted
+            if mode == "share":  # every row once, plus the padding; what is sent is received
+                rows = sum(ROW_GROUP_SIZES) + metrics["ddp_even/padded_rows"]
+                assert metrics["ddp_even/samples"] == rows
+                assert metrics["ddp_even/sent_rows"] == metrics["ddp_even/received_rows"] > 0
         if not known_lengths:
             assert "ddp_even/dropped_batches" not in logged[0]
     # Rank 0's CSVLogger wrote them.

@@ -42,8 +42,9 @@ def stats_metrics(stats: EpochStats, prefix: str = "ddp_even/") -> dict[str, flo
     """One epoch's statistics as flat numbers for a metrics logger.
 
     Per-rank fields are summed over the ranks (``steps`` as min and max); fields that are not
-    known (``samples`` and ``padded_rows`` with unsized batches, ``dropped_*`` and ``lost_rows``
-    without a shard plan, ``resumed_at_step`` in an epoch that was not resumed) are left out.
+    known (``samples`` and the other ``*_rows`` with unsized batches, ``dropped_*`` and
+    ``lost_rows`` without a shard plan, ``resumed_at_step`` in an epoch that was not resumed)
+    are left out.
 
     Example::
 
@@ -54,7 +55,9 @@ def stats_metrics(stats: EpochStats, prefix: str = "ddp_even/") -> dict[str, flo
         {'ddp_even/epoch': 0, 'ddp_even/steps_min': 3, 'ddp_even/steps_max': 3,
          'ddp_even/own_batches': 2, 'ddp_even/repeated_batches': 1, 'ddp_even/passes_max': 2,
          'ddp_even/truncated_ranks': 0, 'ddp_even/empty_ranks': 0, 'ddp_even/oversampling': 0.5,
-         'ddp_even/padded_batches': 0, 'ddp_even/samples': 5, 'ddp_even/padded_rows': 0}
+         'ddp_even/padded_batches': 0, 'ddp_even/sent_batches': 0, 'ddp_even/received_batches': 0,
+         'ddp_even/steps_saved': 0, 'ddp_even/samples': 5, 'ddp_even/padded_rows': 0,
+         'ddp_even/sent_rows': 0, 'ddp_even/received_rows': 0}
     """
     metrics: dict[str, float] = {
         "epoch": stats.epoch,
@@ -67,8 +70,11 @@ def stats_metrics(stats: EpochStats, prefix: str = "ddp_even/") -> dict[str, flo
         "empty_ranks": len(stats.empty_ranks),
         "oversampling": stats.oversampling,
         "padded_batches": sum(stats.padded_batches),
+        "sent_batches": sum(stats.sent_batches),
+        "received_batches": sum(stats.received_batches),
+        "steps_saved": stats.steps_saved,
     }
-    for name in ("samples", "padded_rows"):
+    for name in ("samples", "padded_rows", "sent_rows", "received_rows"):
         rows: tuple[int | None, ...] = getattr(stats, name)
         if None not in rows:
             metrics[name] = sum(count for count in rows if count is not None)

@@ -4,8 +4,11 @@
 ``label``) with the given row-group sizes; ``expected_epoch`` works out, from those sizes alone,
 what every rank's ``EpochStats`` must say (petastorm's round robin gives rank ``r`` the row
 groups ``i`` with ``i % world_size == r``; a ``BatchedDataLoader`` cuts a shard into full
-batches and one short last batch). ``launch`` runs a command in its own session with a hard
-timeout, waits for the per-rank JSON files, and kills whatever is left of the job.
+batches and one short last batch). In share, which batches travel is the plan's choice: the
+batch counts follow from share's promises, and ``check_share_rows`` checks the rows against
+them (every row once, padding only at the last step). ``launch`` runs a command in its own
+session with a hard timeout, waits for the per-rank JSON files, and kills whatever is left of
+the job.
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ def source_runs(modes: Sequence[str]) -> list[Any]:
 def planned(mode: str, source: str) -> bool:
     """Whether a run's statistics know what each rank dropped: ``from_parquet`` plans, and a
     petastorm factory sharded with cur_shard/shard_count has footer-known lengths too, except
-    in join mode."""
-    return source != "factory" or mode != "join"
+    in join mode and in share (which plans its hand-over window by window)."""
+    return source != "factory" or mode not in ("join", "share")
 
 
 def skip_without(trainer: str) -> None:
@@ -125,6 +128,8 @@ def expected_epoch(
     """The fields of every epoch's ``EpochStats.as_dict()`` (tuples as lists, as JSON has them)."""
     batches = shard_batches(row_group_sizes, world_size, batch_size)
     counts = [len(shard) for shard in batches]
+    if mode == "share":
+        return _expected_share_epoch(counts, planned=planned)
     if mode == "truncate":
         steps = [min(counts)] * world_size
     elif mode in ("cycle", "pad"):
@@ -157,6 +162,7 @@ def expected_epoch(
         "padded_rows": [
             sum(rows[mine:]) if mode == "pad" else 0 for rows, mine in zip(handed, own, strict=True)
         ],
+        **_no_hand_over(world_size),
     }
     if planned:
         expected["dropped_batches"] = [
@@ -165,15 +171,74 @@ def expected_epoch(
         expected["dropped_rows"] = [
             sum(shard) - sum(shard[:mine]) for shard, mine in zip(batches, own, strict=True)
         ]
+    _add_plan_fields(expected, world_size, planned=planned)
+    own_total = sum(own)
+    expected["oversampling"] = sum(expected["repeated_batches"]) / own_total if own_total else 0.0
+    return expected
+
+
+def _no_hand_over(world_size: int) -> dict[str, list[int]]:
+    names = ("sent_batches", "sent_rows", "received_batches", "received_rows")
+    return {name: [0] * world_size for name in names}
+
+
+def _add_plan_fields(expected: dict[str, Any], world_size: int, *, planned: bool) -> None:
+    if planned:
+        expected.setdefault("dropped_batches", [0] * world_size)
+        expected.setdefault("dropped_rows", [0] * world_size)
         expected["lost_rows"] = [0] * world_size
         # from_parquet's default, and what petastorm's cur_shard/shard_count does.
         expected["sharding"] = "round_robin"
     else:
         expected["dropped_batches"] = expected["dropped_rows"] = expected["lost_rows"] = None
         expected["sharding"] = None
-    own_total = sum(own)
-    expected["oversampling"] = sum(expected["repeated_batches"]) / own_total if own_total else 0.0
+
+
+def _expected_share_epoch(counts: Sequence[int], *, planned: bool) -> dict[str, Any]:
+    """Share's batch counts, from what it promises: every rank takes ceil(B / W) steps; a rank
+    with at least that many batches hands out that many of its own and sends the rest; a rank
+    with fewer hands out all of its own and receives the others' batches, except that the
+    W * steps - B ranks with the fewest batches (the shards here differ in size) pad the last
+    step. Nothing is dropped or repeated. The rows: ``check_share_rows``."""
+    world_size, total = len(counts), sum(counts)
+    steps = -(-total // world_size)
+    own = [min(count, steps) for count in counts]
+    padding = world_size * steps - total
+    padded_ranks = sorted(range(world_size), key=lambda rank: counts[rank])[:padding]
+    padded = [int(rank in padded_ranks) for rank in range(world_size)]
+    expected: dict[str, Any] = {
+        "mode": "share",
+        "world_size": world_size,
+        "steps": [steps] * world_size,
+        "own_batches": own,
+        "repeated_batches": [0] * world_size,
+        "passes": [1] * world_size,
+        "truncated": [False] * world_size,
+        "padded_batches": padded,
+        "sent_batches": [count - mine for count, mine in zip(counts, own, strict=True)],
+        "received_batches": [steps - mine - pad for mine, pad in zip(own, padded, strict=True)],
+        "oversampling": 0.0,
+    }
+    _add_plan_fields(expected, world_size, planned=planned)
     return expected
+
+
+def check_share_rows(
+    epoch: dict[str, Any], row_group_sizes: Sequence[int], world_size: int, batch_size: int
+) -> None:
+    """One share epoch's rows: each rank hands out its shard's rows less those it sent, plus
+    those it received and its padding; what is sent is received; a padding batch is a copy of
+    a batch of the dataset; so the real rows handed out are the dataset's, once."""
+    batches = shard_batches(row_group_sizes, world_size, batch_size)
+    for rank, shard in enumerate(batches):
+        handed = sum(shard) - epoch["sent_rows"][rank] + epoch["received_rows"][rank]
+        assert epoch["samples"][rank] == handed + epoch["padded_rows"][rank], f"rank {rank}"
+        assert (epoch["padded_batches"][rank] == 0) == (epoch["padded_rows"][rank] == 0)
+    assert sum(epoch["sent_rows"]) == sum(epoch["received_rows"])
+    sizes = {size for shard in batches for size in shard}
+    assert all(rows in sizes | {0} for rows in epoch["padded_rows"]), epoch["padded_rows"]
+    real = sum(epoch["samples"]) - sum(epoch["padded_rows"])
+    assert real == sum(row_group_sizes)
 
 
 def launch(
