@@ -4,10 +4,12 @@ extra; skipped where ``datasets`` is missing).
 
 ``split_dataset_by_node`` gives each rank whole files when the files divide evenly among the
 ranks: unequal files, unequal shards (checked here first, in one process). One job trains an
-accelerate-prepared (DDP) model on each rank's split wrapped in an EvenLoader in pad mode, then
-evaluates it exactly in pad mode, ``accelerator.reduce`` at every step (``gather_for_metrics``
+accelerate-prepared (DDP) model on each rank's split wrapped in an EvenLoader in each mode
+(share: the rank with data hands batches to the one that ran out), then evaluates pad's model
+exactly in pad mode, ``accelerator.reduce`` at every step (``gather_for_metrics``
 cannot drop duplicates of an iterable without a length). The test checks every row once in
-equal steps, and the evaluation against the final model's mean squared error over every row.
+equal steps (share: ceil(B / W) of them, padding only at the last), and the evaluation
+against the final model's mean squared error over every row.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ BATCH_SIZE = 16
 FILE_SIZES = (400, 30, 300, 20, 200, 10)
 TOTAL_ROWS = sum(FILE_SIZES)
 # Pad last: the model the evaluation runs on.
-MODES = ("truncate", "cycle", "join", "pad")
+MODES = ("truncate", "cycle", "join", "share", "pad")
 # The job reads no hub: local files only, its cache in the test's folder.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -108,8 +110,9 @@ def _train_and_evaluate(rank: int, world_size: int, files: list[str]) -> dict[st
         for batch in loader:
             features, labels = to_tensors(batch)
             loss = torch.nn.functional.mse_loss(model(features), labels)
-            # 0 for padding, else the batch's share of the step's real rows (1.0 in the other
-            # modes): DDP's average is then the mean loss's gradient over the step's rows.
+            # 0 for padding, else the batch's share of the step's real rows (pad) or batches
+            # (share); 1.0 in the other modes. DDP's average is then the step's mean loss's
+            # gradient.
             accelerator.backward(loss * loader.batch_weight)
             optimizer.step()
             optimizer.zero_grad()
@@ -159,8 +162,10 @@ def test_every_mode_trains_the_steps_it_promises(trained: list[dict[str, Any]], 
     for result in trained:
         assert result["distributed_type"] == "DistributedType.MULTI_CPU"
     seen = [result[mode] for result in trained]
-    steps = {"truncate": [4, 4], "cycle": [57, 57], "pad": [57, 57], "join": [57, 4]}[mode]
-    assert [len(rank.ids) for rank in seen] == steps
+    # Share: ceil((57 + 4) / 2) steps each.
+    steps = {"truncate": [4, 4], "cycle": [57, 57], "pad": [57, 57], "join": [57, 4]}
+    steps["share"] = [31, 31]
+    assert [len(rank.ids) for rank in seen] == steps[mode]
     own = [_shard(rank) for rank in range(WORLD_SIZE)]
     if mode == "truncate":  # the first 4 batches of each
         assert [rank.real_rows() for rank in seen] == [own[0][:64], own[1]]
@@ -168,6 +173,14 @@ def test_every_mode_trains_the_steps_it_promises(trained: list[dict[str, Any]], 
         assert seen[0].real_rows() == own[0]
         batches = [own[1][at : at + BATCH_SIZE] for at in range(0, 60, BATCH_SIZE)]
         assert seen[1].ids == (batches * 15)[:57]
+    elif mode == "share":  # every row once over the ranks, rank 1 training on rank 0's too
+        assert sorted(seen[0].real_rows() + seen[1].real_rows()) == list(range(TOTAL_ROWS))
+        assert len(seen[1].real_rows()) > len(own[1])
+        # 2 * 31 - 61 = 1 padding batch, at the last step, on the shorter split; that step's
+        # one real batch weighs 2, so that DDP's average is its loss's gradient.
+        assert seen[1].padding == [False] * 30 + [True] and seen[0].padding == [False] * 31
+        assert seen[0].batch_weights == [1.0] * 30 + [2.0]
+        assert seen[1].batch_weights == [1.0] * 30 + [0.0]
     else:  # pad and join: every row once
         assert [rank.real_rows() for rank in seen] == own
     if mode == "pad":
