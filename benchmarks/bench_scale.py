@@ -49,7 +49,6 @@ import json
 import multiprocessing
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -172,7 +171,33 @@ def _epoch_times(loader: Any, step_s: float = 0.0) -> list[float]:
             time.sleep(step_s)
 
 
-def _rank_main(rank: int, world_size: int, port: int, workdir: str, phase: str) -> None:
+def _job_store(rank: int, world_size: int, here: Path) -> Any:
+    """The job's ``TCPStore``: rank 0 serves it on a port the system picks and writes it down,
+    the others read it (a port picked free in advance may be taken by another job on the
+    machine before rank 0 binds it: rank 0 failed, and the others waited 10 minutes)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=600)
+    published = here / "store_port"
+    if rank == 0:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", 0, world_size, True, timeout=timeout, wait_for_workers=False
+        )
+        here.joinpath("store_port.part").write_text(str(store.port))
+        here.joinpath("store_port.part").rename(published)  # whole, or not there
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not published.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 did not start the job's store")
+        time.sleep(0.05)
+    port = int(published.read_text())
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", port, world_size, False, timeout=timeout
+    )
+
+
+def _rank_main(rank: int, world_size: int, workdir: str, phase: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -181,9 +206,7 @@ def _rank_main(rank: int, world_size: int, port: int, workdir: str, phase: str) 
     out = Path(workdir, f"rank-{rank}.json")
     try:
         started = time.perf_counter()
-        inner = dist.TCPStore(  # type: ignore[attr-defined]
-            "127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=600)
-        )
+        inner = _job_store(rank, world_size, Path(workdir))
         # Counted in the measuring job; the faults see the plain TCPStore, as a user's job does.
         store = _store_class()(inner) if phase == "main" else inner
         dist.init_process_group(
@@ -292,12 +315,6 @@ def _measure(rank: int, world_size: int, store: Any, result: dict[str, Any], her
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def available_readers() -> tuple[str, ...]:
     """The Parquet readers of the kill jobs: pyarrow's, and petastorm's where installed."""
     try:
@@ -334,10 +351,9 @@ def _run_job(world_size: int, phase: str, hogs: int) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as workdir:
         write_dataset(Path(workdir), world_size)
-        port = _free_port()
         started = time.perf_counter()
         ranks = [
-            context.Process(target=_rank_main, args=(rank, world_size, port, workdir, phase))
+            context.Process(target=_rank_main, args=(rank, world_size, workdir, phase))
             for rank in range(world_size)
         ]
         for process in ranks:
