@@ -337,7 +337,7 @@ class Share(Mode):
     ) -> ModeStats:
         counts = [int(count) for count in batches]
         steps = self.steps_per_rank(counts)[0]
-        window = plan_window(counts, [True] * len(counts), [count > 0 for count in counts], steps)
+        window = plan_window(counts, [True] * len(counts), False, steps)
         padded = np.array([int(any(slot.padding for slot in slots)) for slots in window.slots])
         own = np.minimum(batches, steps - padded)
         # A padding batch copies a full batch (the last one handed out, where it is not the

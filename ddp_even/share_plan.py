@@ -21,7 +21,7 @@ Nothing here imports torch.
 
 Example::
 
-    >>> window = plan_window([3, 0], ended=[False, True], has_padding=[True, True], window=2)
+    >>> window = plan_window([3, 0], ended=[False, True], handed_out_before=True, window=2)
     >>> window.steps, window.last, window.slots[1]
     (1, False, (Slot(giver=0, index=1, padding=False),))
 """
@@ -54,6 +54,8 @@ class WindowPlan:
     last: bool
     slots: tuple[tuple[Slot, ...], ...]
     used: tuple[int, ...]
+    # Ranks whose last step is padding (the epoch's last window only).
+    padded: int = 0
 
     def sends(self, giver: int) -> list[tuple[int, int, bool]]:
         """``(receiver, index, padding)`` for each batch ``giver`` sends, in the order the
@@ -61,7 +63,7 @@ class WindowPlan:
 
         Example::
 
-            >>> plan_window([4, 0, 0], [True] * 3, [True] * 3, window=4).sends(0)
+            >>> plan_window([4, 0, 0], [True] * 3, False, window=4).sends(0)
             [(1, 2, False), (2, 3, False)]
         """
         return [
@@ -77,11 +79,12 @@ class WindowPlan:
 
         Example::
 
-            >>> plan_window([3, 0], [True, True], [True, True], window=4).padding_weight(1)
+            >>> plan_window([3, 0], [True, True], False, window=4).padding_weight(1)
             2.0
         """
-        real = sum(1 for slots in self.slots if not slots[step].padding)
-        return len(self.slots) / real if real else 0.0
+        if not self.padded or step != self.steps - 1:
+            return 1.0
+        return len(self.slots) / (len(self.slots) - self.padded)
 
 
 def fill_targets(ended: Sequence[bool], window: int) -> list[int]:
@@ -99,17 +102,18 @@ def fill_targets(ended: Sequence[bool], window: int) -> list[int]:
 
 
 def plan_window(
-    buffered: Sequence[int], ended: Sequence[bool], has_padding: Sequence[bool], window: int
+    buffered: Sequence[int], ended: Sequence[bool], handed_out_before: bool, window: int
 ) -> WindowPlan:
-    """The next window from every rank's held batches (``buffered``), whether its shard ended,
-    and whether it has a batch to copy as padding; the same on every rank.
+    """The next window from every rank's held batches (``buffered``) and whether its shard
+    ended; the same on every rank. ``handed_out_before``: the epoch has taken steps, so every
+    rank has a batch of its own to copy as padding.
 
     A window of 0 steps happens while the ranks still reading have not yet read enough to
     feed every rank a step: the next window's :func:`fill_targets` read more.
 
     Example::
 
-        >>> plan = plan_window([4, 1, 0], [True] * 3, [True, True, False], window=4)
+        >>> plan = plan_window([4, 1, 0], [True] * 3, handed_out_before=False, window=4)
         >>> plan.steps, plan.last, plan.used
         (2, True, (4, 1, 0))
         >>> for slots in plan.slots:
@@ -123,11 +127,12 @@ def plan_window(
     steps = min(window, math.ceil(total / world_size) if everyone_ended else total // world_size)
     last = everyone_ended and steps * world_size >= total
     padded = world_size * steps - total if last else 0
-    # The ranks that hold the fewest batches take the padding (ties: the highest ranks).
-    by_fewest = sorted(range(world_size), key=lambda rank: (buffered[rank], -rank))
     quotas = [steps] * world_size
-    for rank in by_fewest[:padded]:
-        quotas[rank] = steps - 1
+    if padded:
+        # The ranks that hold the fewest batches take the padding (ties: the highest ranks).
+        by_fewest = sorted(range(world_size), key=lambda rank: (buffered[rank], -rank))
+        for rank in by_fewest[:padded]:
+            quotas[rank] = steps - 1
     own = [min(count, quota) for count, quota in zip(buffered, quotas, strict=True)]
     # The extra batches, oldest first, of each giver in rank order.
     extras = [
@@ -145,17 +150,17 @@ def plan_window(
             mine.append(Slot(giver, index))
             used[giver] += 1
         if quotas[rank] < steps:
-            mine.append(_padding_for(rank, mine, has_padding, buffered))
+            mine.append(_padding_for(rank, mine, handed_out_before, buffered))
         slots.append(tuple(mine))
-    return WindowPlan(steps, last, tuple(slots), tuple(used))
+    return WindowPlan(steps, last, tuple(slots), tuple(used), padded)
 
 
 def _padding_for(
-    rank: int, mine: list[Slot], has_padding: Sequence[bool], buffered: Sequence[int]
+    rank: int, mine: list[Slot], handed_out_before: bool, buffered: Sequence[int]
 ) -> Slot:
     """The padding of a rank at the last step: a copy of the batch it handed out last
     (``index`` -1), or, when it never had one, of a batch the lowest rank holding one sends."""
-    if mine or has_padding[rank]:
+    if mine or handed_out_before:
         return Slot(rank, -1, padding=True)
     donor = next(giver for giver, count in enumerate(buffered) if count)
     return Slot(donor, 0, padding=True)

@@ -135,8 +135,7 @@ class _SharedWindows(Generic[BatchT]):
         self.ended = ended
         window = self.run.settings.window(self.run.steps_done)
         assert window is not None
-        has_padding = [self.run.steps_done > 0] * self.world_size
-        return plan_window(buffered, ended, has_padding, window)
+        return plan_window(buffered, ended, self.run.steps_done > 0, window)
 
     def send_extras(self, plan: WindowPlan) -> list[FedBatch[BatchT]]:
         """Take the batches the window uses out of the buffer, send the others' to them, and
@@ -167,7 +166,8 @@ class _SharedWindows(Generic[BatchT]):
             self.expected[slot.giver] -= 1
             batch = self.handover.receive(slot.giver)
             fed = FedBatch(batch, 1, self.run.feed.count_samples, received=True)
-        fed = fed._replace(padding=slot.padding)
+        if slot.padding:
+            fed = fed._replace(padding=True)
         self.last = fed
         return fed
 

@@ -90,8 +90,7 @@ def shared_batches(lengths: Sequence[int], window: int) -> list[list[list[int]]]
             else:
                 read[rank] = max(read[rank], wanted)
         buffered = [count - used for count, used in zip(read, taken, strict=True)]
-        has_padding = [bool(yielded[0])] * world_size
-        plan = plan_window(buffered, ended, has_padding, window)
+        plan = plan_window(buffered, ended, bool(yielded[0]), window)
         for rank, slots in enumerate(plan.slots):
             for slot in slots:
                 if slot.index < 0:
