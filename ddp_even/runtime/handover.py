@@ -12,7 +12,9 @@ referenced. A numpy array travels as the tensor ``torch.from_numpy`` makes of it
 back as an array of the same dtype.
 
 Gloo delivers a pair's messages in the order they were sent, so a receiver that asks for them
-in the same order gets each sender's batches first in, first out.
+in the same order gets each sender's batches first in, first out. A receiver can ask for a batch
+before it needs it (:meth:`Handover.expect`): gloo moves a message only once its receiver has
+asked for it, so a batch asked for a window ahead travels while that window trains.
 
 **A group of its own.** Batches go on a second gloo group, made as ddp_even's control group is
 (``agreement/control_group.py``), not on the control group: a gloo group has one connection
@@ -51,7 +53,7 @@ from ddp_even.agreement.control_group import channel_for
 from ddp_even.agreement.transport import Agreer, CollectiveAgreer
 from ddp_even.errors import EvenLoaderError
 
-__all__ = ["Handover"]
+__all__ = ["Handover", "Incoming"]
 
 # A batch's first message: the header's size (8 bytes), then as much of the header as fits.
 # Gloo receives only a message of the size it expects, and each message the receiver must read
@@ -74,8 +76,11 @@ class Handover:
             self._group = self._agreer.handover_group()
             self._channel = channel_for(self._group)
             self._global_ranks = self._agreer.global_ranks
-        # By group rank: the messages sent there not yet seen received, kept alive until then.
-        self._sending: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+        # By group rank: the batches sent there not yet seen received, each waited for in a
+        # waiter thread (a gloo point-to-point work tells it completed only once waited for).
+        self._sending: dict[int, list[_InThread]] = {}
+        # By group rank: the last batch asked for from there (the next one is received after it).
+        self._receiving: dict[int, _InThread] = {}
 
     def send(self, batch: Any, to_rank: int) -> None:
         """Start sending ``batch`` to group rank ``to_rank`` (agreer.rank numbering); returns at
@@ -95,8 +100,8 @@ class Handover:
         self._post(agreer, [*_header_messages(header), *tensors], to_rank)
 
     def _post(self, agreer: CollectiveAgreer, messages: list[torch.Tensor], to_rank: int) -> None:
-        sending = self._sending.setdefault(to_rank, [])
         destination = self._global_ranks[to_rank]
+        works = []
         for message in messages:
             try:
                 work = dist.isend(message, dst=destination, group=self._group)
@@ -104,32 +109,49 @@ class Handover:
                 agreer.await_peer(_InThread(_raising(error)), to_rank)
                 raise
             self._channel.track(work)
-            sending.append((work, message))
+            works.append(work)
+        # The messages are kept alive by the wait until they are received; what was received
+        # already is let go here, so that an epoch's sends are not all held.
+        sending = [sent for sent in self._sending.get(to_rank, []) if not sent.is_completed()]
+        sending.append(_InThread(functools.partial(_wait_all, works, messages)))
+        self._sending[to_rank] = sending
 
     def receive(self, from_rank: int) -> Any:
         """The next batch ``from_rank`` sent to this rank (FIFO per pair of ranks); blocks until
         it is here."""
-        agreer = self._peer_check(from_rank)
+        return self.collect(self.expect(from_rank))
+
+    def expect(self, from_rank: int) -> Incoming:
+        """Start receiving the next batch ``from_rank`` sends to this rank (after those
+        expected from it before); returns at once. :meth:`collect` hands it out."""
+        self._peer_check(from_rank)
         source = self._global_ranks[from_rank]
-        receiving = _InThread(lambda: self._receive_now(source))
-        agreer.await_peer(receiving, from_rank)
-        header, tensors = receiving.result
-        if isinstance(header, _Unsendable):
+        before = self._receiving.get(from_rank)
+        receiving = _InThread(functools.partial(self._receive_after, before, source))
+        self._receiving[from_rank] = receiving
+        return Incoming(from_rank, receiving)
+
+    def collect(self, incoming: Incoming) -> Any:
+        """The batch ``incoming`` stands for; blocks until it is here."""
+        agreer = self._peer_check(incoming.from_rank)
+        agreer.await_peer(incoming.receiving, incoming.from_rank)
+        batch = incoming.receiving.result
+        if isinstance(batch, _Unsendable):
             raise EvenLoaderError(
-                f"rank {source} could not hand a batch over to rank "
-                f"{self._global_ranks[self._rank]}: {header.error}"
+                f"rank {self._global_ranks[incoming.from_rank]} could not hand a batch over to "
+                f"rank {self._global_ranks[self._rank]}: {batch.error}"
             )
-        return _Unpacker(io.BytesIO(header), tensors).load()
+        return batch
 
     def finish(self) -> None:
         """Wait until every batch this rank started sending has been received (called at the
-        end of a window and of the epoch, and in ``finally`` when the epoch stops early)."""
+        end of the epoch, and when the epoch stops early)."""
         while self._sending:
             # Taken off first: after a failure, a second finish does not wait for it again.
             to_rank, sending = self._sending.popitem()
-            works = [work for work, _ in sending]
             assert self._agreer is not None  # only a collective agreer sent anything
-            self._agreer.await_peer(_InThread(functools.partial(_wait_all, works)), to_rank)
+            for sent in sending:
+                self._agreer.await_peer(sent, to_rank)
 
     def _peer_check(self, rank: int) -> CollectiveAgreer:
         if not 0 <= rank < self._world_size or rank == self._rank or self._agreer is None:
@@ -139,8 +161,18 @@ class Handover:
             )
         return self._agreer
 
+    def _receive_after(self, before: _InThread | None, source: int) -> Any:
+        """One batch from global rank ``source``, once the one asked for before it from there
+        is in (in a waiter thread): the batch, or what its sender sent instead."""
+        if before is not None:
+            before.wait_done()
+        header, tensors = self._receive_now(source)
+        if isinstance(header, _Unsendable):
+            return header
+        return _Unpacker(io.BytesIO(header), tensors).load()
+
     def _receive_now(self, source: int) -> tuple[bytes | _Unsendable, list[Any]]:
-        """One batch's messages, received and waited for (in the waiting thread)."""
+        """One batch's messages, received and waited for."""
         first = torch.empty(_FIRST_BYTES, dtype=torch.uint8)
         _wait_all([dist.irecv(first, src=source, group=self._group)])
         size = int.from_bytes(first[:8].numpy().tobytes(), "little")
@@ -160,6 +192,14 @@ class Handover:
             for tensor, spec in zip(tensors, specs, strict=True)
         ]
         return body, arrays
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A batch on its way to this rank from group rank ``from_rank`` (:meth:`Handover.expect`)."""
+
+    from_rank: int
+    receiving: _InThread
 
 
 @dataclass(frozen=True)
@@ -314,12 +354,20 @@ class _InThread:
             raise self._error
         return True
 
+    def wait_done(self) -> None:
+        """Wait without a timeout (in a waiter thread: the caller's thread watches the peers),
+        raising what the wait raised."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
     def is_completed(self) -> bool:
         return self._done.is_set()
 
 
-def _wait_all(works: list[Any]) -> None:
-    # Without a timeout: see the module's docstring.
+def _wait_all(works: list[Any], messages: object = None) -> None:
+    """Wait for ``works`` (``messages``: what they send, held until then), without a timeout:
+    see the module's docstring."""
     for work in works:
         work.wait()
 

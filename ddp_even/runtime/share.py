@@ -2,14 +2,18 @@
 
 Before each window of ``sync_every`` steps every rank reads ahead (:func:`~ddp_even.share_plan.
 fill_targets`: a window while every shard goes on, more on the ranks still reading once others
-ran out), and tells the others, with the window's agreement, how many batches of its own it
-holds and whether its shard has ended: an ``all_reduce(SUM)`` of one pair of counts per rank,
-started beside the agreement (after the epoch's first, as pad's sums, so that it never pairs
-with another rank's other collective). From those counts every rank plans the same window
-(:func:`~ddp_even.share_plan.plan_window`): who hands out whose batch at each step. A rank with
-extra batches sends them all at once when the window is planned, over ddp_even's group
-(:class:`~ddp_even.runtime.handover.Handover`), so that they travel while the window's first
-steps train; a rank takes a batch sent to it at the step it hands it out.
+ran out) and agrees with the others as every mode does. From the last plan every rank knows
+what every other rank holds after reading (its target, or what it had left where that is more)
+unless the rank's shard ended: a rank whose counts differ from that says so in the agreement,
+and only then do the ranks add up every rank's (held batches, shard ended) in an
+``all_reduce(SUM)`` after it, a blocking collective at most once per rank and epoch. From those
+counts every rank plans the same window (:func:`~ddp_even.share_plan.plan_window`): who hands
+out whose batch at each step.
+
+Windows are planned one ahead of the one handed out: a rank sends the batches of a window
+(:class:`~ddp_even.runtime.handover.Handover`) and its receivers start receiving them while the
+window before it trains, so that a step waits for a batch only where the transfer takes longer
+than a window's steps.
 
 Every batch is handed out once. The epoch's last step may hold padding on the ranks with the
 fewest batches (a copy of their last batch, ``loader.padding`` True, weight 0), and the real
@@ -19,7 +23,9 @@ batches at that step weigh ``W / real batches`` so that the averaged gradient is
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Sequence
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ddp_even.runtime.epochs import last_batch
@@ -27,10 +33,10 @@ from ddp_even.runtime.feed import FedBatch
 from ddp_even.share_plan import Slot, WindowPlan, fill_targets, plan_window
 
 if TYPE_CHECKING:
-    from ddp_even.agreement.pending import Pending, PendingAgreement
+    from ddp_even.agreement.pending import PendingAgreement
     from ddp_even.agreement.wire import Report
     from ddp_even.runtime.epochs import EpochRun
-    from ddp_even.runtime.handover import Handover
+    from ddp_even.runtime.handover import Handover, Incoming
 
 BatchT = TypeVar("BatchT")
 
@@ -46,6 +52,16 @@ def run_share(run: EpochRun[BatchT]) -> Generator[BatchT, None, None]:
     return _SharedWindows(run, Handover(run.agreer)).batches()
 
 
+@dataclass
+class _Window(Generic[BatchT]):
+    """A planned window on this rank: the plan, the batches it took from its buffer (by their
+    index there), and, by step, the batches other ranks send it."""
+
+    plan: WindowPlan
+    kept: list[FedBatch[BatchT]]
+    incoming: dict[int, Incoming]
+
+
 class _SharedWindows(Generic[BatchT]):
     """One rank's share epoch: its windows' offers, plans, sends and batches."""
 
@@ -53,15 +69,19 @@ class _SharedWindows(Generic[BatchT]):
         self.run = run
         self.handover = handover
         self.rank, self.world_size = run.agreer.rank, run.agreer.world_size
-        # Whether every shard went on at the last plan (the next window's read-ahead follows).
+        # What every rank knows of every rank after the last plan: whether its shard ended, and
+        # how many of its batches it holds that no planned window takes.
         self.ended = [False] * self.world_size
-        # The offer in flight: this rank's report, its agreement, and the counts' sum (None
-        # until the epoch's first agreement showed that every rank runs this loop).
-        self.offer: tuple[Report, PendingAgreement, Pending[list[int]] | None] | None = None
+        self.left = [0] * self.world_size
+        # The batches every rank is expected to hold for the offer in flight.
+        self.expected = [0] * self.world_size
+        # The offer in flight: this rank's report and its agreement.
+        self.offer: tuple[Report, PendingAgreement] | None = None
+        self.last_planned = False
+        # The windows planned and not handed out, the one being handed out first.
+        self.windows: deque[_Window[BatchT]] = deque()
         # The batch this rank handed out last, which it copies when it pads.
         self.last: FedBatch[BatchT] | None = None
-        # The batches still to come from other ranks in the current window, by giver.
-        self.expected: dict[int, int] = {}
 
     def batches(self) -> Generator[BatchT, None, None]:
         """The epoch's batches. An epoch resumed after step ``t`` runs its first ``t`` steps
@@ -70,80 +90,102 @@ class _SharedWindows(Generic[BatchT]):
         hand-over, and its statistics count the whole epoch."""
         run = self.run
         resume_at, run.steps_done = run.steps_done, 0
+        stepped = 0
         try:
-            self.start_offer(counts_ahead=False)
-            while self.offer is not None:
-                plan, window_start = self.settle_offer(), run.steps_done
-                kept = self.send_extras(plan)
-                run.steps_done += plan.steps
+            self.start_offer()
+            while True:
+                self.plan_ahead()
+                if not self.windows:  # no rank had a batch
+                    run.finish(had_more_own_data=False)
+                    return
+                window = self.windows[0]
+                plan = window.plan
                 for step, slot in enumerate(plan.slots[self.rank]):
-                    fed = self.take(slot, kept)
-                    ends_window, ends_epoch = step == plan.steps - 1, plan.last
-                    if ends_window and not ends_epoch:
-                        self.start_offer(counts_ahead=True)
-                    if ends_window and ends_epoch:
+                    fed = self.take(window, step, slot)
+                    ends_window = step == plan.steps - 1
+                    if ends_window and not self.last_planned:
+                        self.start_offer()
+                    ends_epoch = ends_window and plan.last
+                    if ends_epoch:
                         self.handover.finish()
-                    if window_start + step < resume_at:
+                    stepped += 1
+                    if stepped <= resume_at:
                         rows = fed.count_samples(fed.batch)
                         run.counts.count_batch(fed.pass_number, rows, fed.padding, fed.received)
-                        if ends_window and ends_epoch:
+                        if ends_epoch:
                             run.finish(had_more_own_data=False)
                         continue
                     batch = run.hand_out(fed, plan.padding_weight(step))
-                    if ends_window and ends_epoch:
+                    if ends_epoch:
                         yield from last_batch(run, batch, lambda: False)
                         return
                     yield batch
+                self.windows.popleft()
                 if plan.last:
-                    if plan.steps == 0:  # no rank had a batch
-                        run.finish(had_more_own_data=False)
                     return
-                if plan.steps == 0:
-                    self.start_offer(counts_ahead=True)
         except GeneratorExit:
             self.stop()
             raise
         finally:
             self.close()
 
-    def start_offer(self, counts_ahead: bool) -> None:
-        """Read ahead for the next window and start its agreement (and its counts' sum)."""
+    def plan_ahead(self) -> None:
+        """Settle the offers in flight until the window after the one to hand out next is
+        planned (or the epoch's last is), starting offers as needed."""
+        while self.offer is not None:
+            plan = self.settle_offer()
+            self.last_planned = plan.last
+            if plan.steps:
+                self.windows.append(self.exchange(plan))
+            if not plan.last and len(self.windows) < 2:
+                self.start_offer()
+
+    def start_offer(self) -> None:
+        """Read ahead for the next window and start its agreement."""
         run, feed = self.run, self.run.feed
         window = run.settings.window(run.steps_done)
         assert window is not None
         targets = fill_targets(self.ended, window)
         feed.fill(targets[self.rank])
-        report = run.report(feed.buffered, feed.buffered, shard_is_empty=False, most=max(targets))
-        pending = run.agreer.start(report)
-        self.offer = (report, pending, self.start_counts() if counts_ahead else None)
-
-    def start_counts(self) -> Pending[list[int]]:
-        counts = [0] * (2 * self.world_size)
-        counts[2 * self.rank] = self.run.feed.buffered
-        counts[2 * self.rank + 1] = int(self.run.feed.own_ended)
-        return self.run.agreer.start_sum(counts)
+        self.expected = [
+            left if ended else max(left, target)
+            for left, ended, target in zip(self.left, self.ended, targets, strict=True)
+        ]
+        unexpected = (feed.buffered, feed.own_ended) != (
+            self.expected[self.rank],
+            self.ended[self.rank],
+        )
+        # The report's second count is 1 where this rank's counts are not what every rank
+        # expects: the agreement's maximum of it then tells every rank to add the counts up.
+        report = run.report(feed.buffered, int(unexpected), shard_is_empty=False, most=max(targets))
+        self.offer = (report, run.agreer.start(report))
 
     def settle_offer(self) -> WindowPlan:
         """Wait for the offer in flight (raising on every rank what it found) and plan the
         window from every rank's counts."""
         assert self.offer is not None
-        report, pending, counts = self.offer
+        report, pending = self.offer
         self.offer = None
-        self.run.check(report, pending.wait())
-        summed = (counts or self.start_counts()).wait()
-        buffered, ended = summed[0::2], [bool(flag) for flag in summed[1::2]]
-        self.ended = ended
-        window = self.run.settings.window(self.run.steps_done)
+        run = self.run
+        agreement = run.check(report, pending.wait())
+        buffered, ended = self.expected, self.ended
+        if agreement.max_own_available:
+            counts = [0] * (2 * self.world_size)
+            counts[2 * self.rank] = run.feed.buffered
+            counts[2 * self.rank + 1] = int(run.feed.own_ended)
+            summed = run.agreer.start_sum(counts).wait()
+            buffered, ended = summed[0::2], [bool(flag) for flag in summed[1::2]]
+        window = run.settings.window(run.steps_done)
         assert window is not None
-        return plan_window(buffered, ended, self.run.steps_done > 0, window)
+        plan = plan_window(buffered, ended, run.steps_done > 0, window)
+        run.steps_done += plan.steps
+        self.ended = ended
+        self.left = [held - used for held, used in zip(buffered, plan.used, strict=True)]
+        return plan
 
-    def send_extras(self, plan: WindowPlan) -> list[FedBatch[BatchT]]:
+    def exchange(self, plan: WindowPlan) -> _Window[BatchT]:
         """Take the batches the window uses out of the buffer, send the others' to them, and
-        return this rank's (by their index in the buffer)."""
-        # The previous window's batches were all taken (each rank started this window's
-        # agreement after its last step), so this returns at once and lets them go: the
-        # Handover holds what it sent until finish(), a whole epoch's worth otherwise.
-        self.handover.finish()
+        start receiving this rank's from the others."""
         feed, counts = self.run.feed, self.run.counts
         sends = plan.sends(self.rank)
         taken = max([plan.used[self.rank]] + [index + 1 for _, index, _ in sends])
@@ -153,18 +195,21 @@ class _SharedWindows(Generic[BatchT]):
             self.handover.send(fed.batch, receiver)
             if not padding:
                 counts.count_sent(fed.count_samples(fed.batch))
-        self.expected = _expected_from(plan, self.rank)
-        return kept
+        incoming = {
+            step: self.handover.expect(slot.giver)
+            for step, slot in enumerate(plan.slots[self.rank])
+            if slot.giver != self.rank
+        }
+        return _Window(plan, kept, incoming)
 
-    def take(self, slot: Slot, kept: Sequence[FedBatch[BatchT]]) -> FedBatch[BatchT]:
+    def take(self, window: _Window[BatchT], step: int, slot: Slot) -> FedBatch[BatchT]:
         """The batch this rank hands out at a step of the window: its own, one another rank
         sent, or padding."""
         if slot.giver == self.rank:
-            fed = self.last if slot.index < 0 else kept[slot.index]
+            fed = self.last if slot.index < 0 else window.kept[slot.index]
             assert fed is not None
         else:
-            self.expected[slot.giver] -= 1
-            batch = self.handover.receive(slot.giver)
+            batch = self.handover.collect(window.incoming.pop(step))
             fed = FedBatch(batch, 1, self.run.feed.count_samples, received=True)
         if slot.padding:
             fed = fed._replace(padding=True)
@@ -174,25 +219,13 @@ class _SharedWindows(Generic[BatchT]):
     def stop(self) -> None:
         """The consumer stopped early, on every rank: take the batches sent to this rank and
         not handed out, and wait until this rank's have arrived."""
-        for giver, count in self.expected.items():
-            for _ in range(count):
-                self.handover.receive(giver)
+        for window in self.windows:
+            for incoming in window.incoming.values():
+                self.handover.collect(incoming)
         self.handover.finish()
 
     def close(self) -> None:
         """Whatever ends the epoch: complete the offer every rank started, close the feed."""
         if self.offer is not None:
-            _, pending, counts = self.offer
-            pending.finish_started()
-            if counts is not None:
-                counts.finish_started()
+            self.offer[1].finish_started()
         self.run.close()
-
-
-def _expected_from(plan: WindowPlan, rank: int) -> dict[int, int]:
-    """How many batches each other rank sends this one in the window."""
-    expected: dict[int, int] = {}
-    for slot in plan.slots[rank]:
-        if slot.giver != rank:
-            expected[slot.giver] = expected.get(slot.giver, 0) + 1
-    return expected
