@@ -35,11 +35,13 @@ DatasetLocation = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 StorageOptions = Mapping[str, Any]
 
 _BUCKET_SCHEMES = ("s3", "s3a", "s3n", "gs", "gcs", "abfs", "abfss", "az")
-# s3fs's (and boto3's) names for pyarrow's S3FileSystem parameters; pyarrow refuses the rest.
+# s3fs's (boto3's, botocore's Config's) names for pyarrow's S3FileSystem parameters; pyarrow
+# refuses the rest, and names them.
 _S3FS_NAMES = {
     **{"key": "access_key", "secret": "secret_key", "token": "session_token", "anon": "anonymous"},
     **{"aws_access_key_id": "access_key", "aws_secret_access_key": "secret_key"},
     **{"aws_session_token": "session_token", "region_name": "region"},
+    **{"read_timeout": "request_timeout"},
 }
 # google-cloud-cpp retries transient errors for 15 minutes by default: an unreachable endpoint
 # would look like a hang. Seconds; storage_options retry_time_limit overrides it.
@@ -167,44 +169,47 @@ def _given(filesystem: Any) -> tuple[pafs.FileSystem, FailureHints]:
 def _build_filesystem(
     url: str, scheme: str, options: dict[str, Any]
 ) -> tuple[pafs.FileSystem, FailureHints]:
-    if scheme in ("s3", "s3a", "s3n"):
-        return _s3(options, url)
-    if scheme in ("gs", "gcs"):
-        return _gcs(options, url)
-    if scheme not in ("hdfs", "viewfs"):
+    if scheme in ("hdfs", "viewfs"):
+        # pyarrow takes user, kerb_ticket, replication, ... from the URI's query; other keys
+        # (and extra_conf's) are Hadoop settings.
+        query = urlencode({**options, **options.pop("extra_conf", {})})
+        try:
+            filesystem, _ = pafs.FileSystem.from_uri(urlparse(url)._replace(query=query).geturl())
+        except (OSError, ValueError) as error:
+            raise DatasetError(
+                f"{url}: cannot open HDFS ({textwrap.shorten(str(error), 200)}): it needs "
+                "Hadoop's libhdfs and Java (HADOOP_HOME, JAVA_HOME, CLASSPATH=$(hadoop classpath "
+                "--glob)) and a namenode at the URL's host and port"
+            ) from error
+        return filesystem, _hints("HDFS's namenode in the URL (or fs.defaultFS)")
+    if scheme not in ("s3", "s3a", "s3n", "gs", "gcs"):
         return _wrap_fsspec(_fsspec(url, scheme, options))
-    # pyarrow takes user, kerb_ticket, replication, ... from the URI's query; other keys (and
-    # extra_conf's) are Hadoop settings.
-    query = urlencode({**options, **options.pop("extra_conf", {})})
+    s3 = scheme.startswith("s3")
+    kind = pafs.S3FileSystem if s3 else pafs.GcsFileSystem
+    kwargs, hints = _s3(options) if s3 else _gcs(options, url)
     try:
-        filesystem, _ = pafs.FileSystem.from_uri(urlparse(url)._replace(query=query).geturl())
-    except (OSError, ValueError) as error:
+        return kind(**kwargs), hints
+    except (TypeError, ValueError, OSError) as error:  # pyarrow's message names the option
         raise DatasetError(
-            f"{url}: cannot open HDFS ({textwrap.shorten(str(error), 200)}): it needs Hadoop's "
-            "libhdfs and Java (HADOOP_HOME, JAVA_HOME, CLASSPATH=$(hadoop classpath --glob)) "
-            "and a namenode at the URL's host and port"
+            f"{url}: the storage options do not build a pyarrow.fs.{kind.__name__} ({error}): "
+            "use its parameter names or s3fs's / gcsfs's, or pass filesystem= one you built"
         ) from error
-    return filesystem, _hints("HDFS's namenode in the URL (or fs.defaultFS)")
 
 
-def _s3(options: dict[str, Any], url: str) -> tuple[pafs.FileSystem, FailureHints]:
-    client = options.pop("client_kwargs", None) or {}
-    config = dict(options.pop("config_kwargs", None) or {})
-    kwargs = {_S3FS_NAMES.get(key, key): value for key, value in {**options, **client}.items()}
+def _s3(options: dict[str, Any]) -> tuple[dict[str, Any], FailureHints]:
+    """s3fs's options (botocore's ``client_kwargs`` and ``config_kwargs`` among them) as
+    pyarrow's S3FileSystem parameters, and what to check when a request fails."""
+    client, config = options.pop("client_kwargs", None), options.pop("config_kwargs", None)
+    given = {**options, **(client or {}), **(config or {})}
+    kwargs = {_S3FS_NAMES.get(key, key): value for key, value in given.items()}
     endpoint, endpoint_source = _endpoint(kwargs, "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
-    if kwargs.get("use_ssl") is not None:
-        kwargs.setdefault("scheme", "https" if kwargs["use_ssl"] else "http")
-    kwargs.pop("use_ssl", None)
-    # botocore's Config, as s3fs takes it: timeouts and attempts bound an unreachable endpoint.
-    for name, parameter in (("connect_timeout",) * 2, ("read_timeout", "request_timeout")):
-        if name in config:
-            kwargs[parameter] = config.pop(name)
-    retries = config.pop("retries", None)
+    use_ssl = kwargs.pop("use_ssl", None)
+    if use_ssl is not None:
+        kwargs.setdefault("scheme", "https" if use_ssl else "http")
+    retries = kwargs.pop("retries", None)  # botocore's: only the attempts bound a request
     if isinstance(retries, Mapping) and "max_attempts" in retries:
         attempts = int(retries["max_attempts"])
         kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=attempts)
-    if config:  # pyarrow refuses it, and its message names it
-        kwargs["config_kwargs"] = config
     for variable in ("AWS_REGION", "AWS_DEFAULT_REGION"):  # pyarrow 14 reads neither itself
         if "region" not in kwargs and os.environ.get(variable):
             kwargs["region"] = os.environ[variable]
@@ -215,10 +220,10 @@ def _s3(options: dict[str, Any], url: str) -> tuple[pafs.FileSystem, FailureHint
         f"the S3 endpoint {endpoint} set by {endpoint_source}" if endpoint else default,
         "AWS_ENDPOINT_URL or storage_options endpoint_url",
     )
-    return _construct(pafs.S3FileSystem, kwargs, url), hints
+    return kwargs, hints
 
 
-def _gcs(kwargs: dict[str, Any], url: str) -> tuple[pafs.FileSystem, FailureHints]:
+def _gcs(kwargs: dict[str, Any], url: str) -> tuple[dict[str, Any], FailureHints]:
     endpoint, endpoint_source = _endpoint(kwargs, "STORAGE_EMULATOR_HOST")
     if "project" in kwargs:
         kwargs["project_id"] = kwargs.pop("project")
@@ -251,7 +256,7 @@ def _gcs(kwargs: dict[str, Any], url: str) -> tuple[pafs.FileSystem, FailureHint
         f"the GCS endpoint {endpoint} set by {endpoint_source}" if endpoint else "Google Cloud",
         "STORAGE_EMULATOR_HOST or storage_options endpoint_url",
     )
-    return _construct(pafs.GcsFileSystem, kwargs, url), hints
+    return kwargs, hints
 
 
 def _metadata_server_answers() -> bool:
@@ -318,16 +323,6 @@ def _endpoint(kwargs: dict[str, Any], *variables: str) -> tuple[str | None, str]
         kwargs["endpoint_override"] = parsed.netloc + parsed.path.rstrip("/")
         kwargs.setdefault("scheme", parsed.scheme)
     return endpoint, source
-
-
-def _construct(kind: Any, kwargs: dict[str, Any], url: str) -> Any:
-    try:
-        return kind(**kwargs)
-    except (TypeError, ValueError, OSError) as error:  # pyarrow's message names the option
-        raise DatasetError(
-            f"{url}: the storage options do not build a pyarrow.fs.{kind.__name__} ({error}): "
-            "use its parameter names or s3fs's / gcsfs's, or pass filesystem= one you built"
-        ) from error
 
 
 def _split(text: str) -> tuple[str, str, str]:
