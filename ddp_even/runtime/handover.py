@@ -76,9 +76,11 @@ class Handover:
             self._group = self._agreer.handover_group()
             self._channel = channel_for(self._group)
             self._global_ranks = self._agreer.global_ranks
-        # By group rank: the batches sent there not yet seen received, each waited for in a
-        # waiter thread (a gloo point-to-point work tells it completed only once waited for).
-        self._sending: dict[int, list[_InThread]] = {}
+        # The sends not yet waited for (a gloo point-to-point work tells it completed only once
+        # waited for), holding their messages until then: those before the last call of
+        # release_received, and those since.
+        self._sent_before: list[_Sent] = []
+        self._sent: list[_Sent] = []
         # By group rank: the last batch asked for from there (the next one is received after it).
         self._receiving: dict[int, _InThread] = {}
 
@@ -110,11 +112,16 @@ class Handover:
                 raise
             self._channel.track(work)
             works.append(work)
-        # The messages are kept alive by the wait until they are received; what was received
-        # already is let go here, so that an epoch's sends are not all held.
-        sending = [sent for sent in self._sending.get(to_rank, []) if not sent.is_completed()]
-        sending.append(_InThread(functools.partial(_wait_all, works, messages)))
-        self._sending[to_rank] = sending
+        self._sent.append(_Sent(to_rank, works, messages))
+
+    def release_received(self) -> None:
+        """Let go of the batches sent before the previous call, which the caller knows have
+        been received (in share: every rank took them before it started the agreement that
+        planned the window now sent), so that an epoch's sends are not all held. Their waits
+        return at once, in this thread: no waiter thread is needed for them."""
+        for sent in self._sent_before:
+            _wait_all(sent.works)
+        self._sent_before, self._sent = self._sent, []
 
     def receive(self, from_rank: int) -> Any:
         """The next batch ``from_rank`` sent to this rank (FIFO per pair of ranks); blocks until
@@ -146,12 +153,12 @@ class Handover:
     def finish(self) -> None:
         """Wait until every batch this rank started sending has been received (called at the
         end of the epoch, and when the epoch stops early)."""
-        while self._sending:
-            # Taken off first: after a failure, a second finish does not wait for it again.
-            to_rank, sending = self._sending.popitem()
+        sending, self._sent_before, self._sent = [*self._sent_before, *self._sent], [], []
+        # Taken off first: after a failure, a second finish does not wait for them again.
+        for sent in sending:
             assert self._agreer is not None  # only a collective agreer sent anything
-            for sent in sending:
-                self._agreer.await_peer(sent, to_rank)
+            waiting = _InThread(functools.partial(_wait_all, sent.works))
+            self._agreer.await_peer(waiting, sent.to_rank)
 
     def _peer_check(self, rank: int) -> CollectiveAgreer:
         if not 0 <= rank < self._world_size or rank == self._rank or self._agreer is None:
@@ -192,6 +199,16 @@ class Handover:
             for tensor, spec in zip(tensors, specs, strict=True)
         ]
         return body, arrays
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """A batch's sends to group rank ``to_rank``, and the messages they send (alive until the
+    sends are waited for)."""
+
+    to_rank: int
+    works: list[Any]
+    messages: list[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -365,9 +382,8 @@ class _InThread:
         return self._done.is_set()
 
 
-def _wait_all(works: list[Any], messages: object = None) -> None:
-    """Wait for ``works`` (``messages``: what they send, held until then), without a timeout:
-    see the module's docstring."""
+def _wait_all(works: list[Any]) -> None:
+    # Without a timeout: see the module's docstring.
     for work in works:
         work.wait()
 

@@ -187,6 +187,9 @@ class _SharedWindows(Generic[BatchT]):
         """Take the batches the window uses out of the buffer, send the others' to them, and
         start receiving this rank's from the others."""
         feed, counts = self.run.feed, self.run.counts
+        # Every rank took the batches of the window two plans before this one before it started
+        # the agreement that planned this one.
+        self.handover.release_received()
         sends = plan.sends(self.rank)
         taken = max([plan.used[self.rank]] + [index + 1 for _, index, _ in sends])
         kept = [feed.take() for _ in range(taken)]
