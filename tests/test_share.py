@@ -48,10 +48,13 @@ def _train(rank: int, world_size: int, counts: list[int], sync_every: int | None
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    from tests.helpers.scenarios import control_collectives_issued
+
     loader = EvenLoader(_shard(rank, counts), mode="share", sync_every=sync_every, timeout=60)
     epochs = []
     for _ in range(2):
         seen = []
+        collectives_before = control_collectives_issued()
         for batch in loader:
             assert isinstance(batch["label"], np.ndarray) and batch["label"].dtype == np.float32
             assert batch["name"] == f"batch {int(batch['id'][0]) // ROWS_PER_BATCH}"
@@ -61,7 +64,9 @@ def _train(rank: int, world_size: int, counts: list[int], sync_every: int | None
             (loss * loader.batch_weight).backward()
             optimizer.step()
             seen.append((batch["id"].tolist(), loader.padding, loader.batch_weight))
-        epochs.append((seen, loader.stats.as_dict()))
+        epochs.append(
+            (seen, loader.stats.as_dict(), control_collectives_issued() - collectives_before)
+        )
     return epochs, [parameter.detach().clone() for parameter in model.parameters()]
 
 
@@ -110,6 +115,12 @@ def test_every_batch_once_in_equal_steps(counts: list[int], sync_every: int | No
             assert stats["sent_rows"][rank] == sent * ROWS_PER_BATCH
             assert stats["received_rows"][rank] == stats["received_batches"][rank] * 3
         assert sum(stats["sent_batches"]) == sum(stats["received_batches"])
+        # One agreement a window, no sum beside it: per rank at most one sum of the counts and
+        # one window of no steps (where its shard ended), the opening agreement's long form and
+        # the statistics' gather.
+        windows = math.ceil(steps / (sync_every or 1))
+        most = windows + 2 * world_size + 2
+        assert all(epochs[epoch][2] <= most for epochs, _ in results), (most, results)
     first, *others = [final for _, final in results]
     for other in others:
         assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True)), "DDP diverged"
