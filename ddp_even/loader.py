@@ -219,10 +219,10 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         from ddp_even.arrow.passes import make_shard_factory
 
         if not isinstance(dataset, str | os.PathLike | Sequence):
-            from ddp_even.petastorm.spark_converter import parquet_dataset
+            from ddp_even.petastorm.spark_converter import converter_files, is_spark_converter
 
-            # A Spark converter: its files, in petastorm's order.
-            dataset = parquet_dataset(dataset)
+            if is_spark_converter(dataset):  # its files, in petastorm's order
+                dataset = converter_files(dataset)
         if engine not in (None, "arrow"):
             raise ValueError(
                 f"engine={engine!r}: from_parquet reads every plan with pyarrow (leave engine "

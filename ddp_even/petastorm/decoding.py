@@ -62,7 +62,7 @@ def read_unischema(resolved: ResolvedDataset) -> Any:
 
 class PetastormDecoding(Decoding):
     """Rows decoded by a Unischema (``schema``; None: plain Parquet, ``make_batch_reader``'s
-    values) and transformed by ``transform_spec`` (or None)."""
+    values) and transformed by ``transform_spec`` (None only with a ``schema``)."""
 
     def __init__(self, schema: Any, transform_spec: Any) -> None:
         self._schema = schema
@@ -72,9 +72,7 @@ class PetastormDecoding(Decoding):
 
     def columns(self, table: pa.Table) -> Columns:
         if self._schema is None:
-            if self._transform is not None:
-                table = self._transformed_frame(table)
-            return to_columns(table, self.with_nulls)
+            return to_columns(self._transformed_frame(table), self.with_nulls)
         if self._transform is None:
             return {
                 name: self._decoded_column(name, table.column(name)) for name in table.column_names

@@ -24,9 +24,10 @@ class ArrowLegacyFileSystem(LegacyFileSystem):  # type: ignore[misc]  # pyarrow 
     """A ``pyarrow.fs`` ``filesystem`` as the legacy ``pyarrow.filesystem`` object petastorm
     0.12.1 reads through.
 
-    It answers what pyarrow 14's legacy ``ParquetDataset`` calls, listing and opening files
-    with the ``pyarrow.fs`` filesystem planning used. It pickles (for petastorm's process pool)
-    when ``filesystem`` does.
+    It answers what pyarrow 14's legacy ``ParquetDataset`` and petastorm's readers call
+    (``isdir``, ``isfile``, ``walk``, ``open`` to read), listing and opening files with the
+    ``pyarrow.fs`` filesystem planning used. It pickles (for petastorm's process pool) when
+    ``filesystem`` does.
 
     Example:
         >>> import pyarrow.fs
@@ -34,8 +35,6 @@ class ArrowLegacyFileSystem(LegacyFileSystem):  # type: ignore[misc]  # pyarrow 
         >>> legacy.isdir("/tmp"), legacy.pathsep
         (True, '/')
     """
-
-    pathsep = "/"
 
     def __init__(self, filesystem: pafs.FileSystem) -> None:
         self.filesystem = filesystem
@@ -48,15 +47,6 @@ class ArrowLegacyFileSystem(LegacyFileSystem):  # type: ignore[misc]  # pyarrow 
 
     def isfile(self, path: str) -> bool:
         return bool(self._type(path) == pafs.FileType.File)
-
-    def exists(self, path: str) -> bool:
-        return bool(self._type(path) != pafs.FileType.NotFound)
-
-    def _isfilestore(self) -> bool:
-        return bool(self.filesystem.type_name == "local")
-
-    def ls(self, path: str) -> list[str]:
-        return [info.path for info in self.filesystem.get_file_info(pafs.FileSelector(path))]
 
     def walk(self, path: str) -> Iterator[tuple[str, list[str], list[str]]]:
         # Lazily, level by level: pyarrow's manifest takes only the first level of each.

@@ -39,13 +39,9 @@ _ROW_GROUP_INDEX_KEY = b"dataset-toolkit.rowgroups_index.v1"
 _ROW_GROUPS, _TRANSFORM_SPEC, _FILTERS, _SHUFFLE_ROWS, _SEED = 4, 6, 8, 9, 10
 
 
-def row_groups_read_by(reader: Reader) -> frozenset[int] | None:
-    """The global row-group indices ``reader`` reads, or None if petastorm hides them."""
-    try:
-        items = _ventilated_items(reader)
-        return frozenset(int(item["piece_index"]) for item in items)
-    except (AttributeError, KeyError, TypeError):
-        return None
+def row_groups_read_by(reader: Reader) -> frozenset[int]:
+    """The global row-group indices ``reader`` reads."""
+    return frozenset(int(item["piece_index"]) for item in _ventilated_items(reader))
 
 
 def _ventilated_items(reader: Reader) -> list[dict[str, Any]]:
@@ -242,13 +238,8 @@ def _footer_plan(
 
 
 def _why_rows_unknown(reader: Reader) -> str | None:
-    try:
-        items = _ventilated_items(reader)
-        # _fs: the public .fs of pyarrow 14's legacy ParquetDataset warns (FutureWarning).
-        local = isinstance(reader.dataset._fs, pyarrow.filesystem.LocalFileSystem)
-        worker = _a_worker(reader)
-    except AttributeError as error:  # another petastorm version: no guess
-        return f"its internals are not petastorm 0.12's ({error})"
+    items = _ventilated_items(reader)
+    worker = _a_worker(reader)
     if reader.num_epochs != 1:
         return "it reads more than one epoch per pass"
     if reader.ngram is not None:
@@ -259,6 +250,7 @@ def _why_rows_unknown(reader: Reader) -> str | None:
         return "its worker pool (a process pool) does not show whether a transform_spec is set"
     if getattr(worker, "_transform_spec", None) is not None:
         return "a transform_spec may drop rows"
-    if not local:
+    # _fs: the public .fs of pyarrow 14's legacy ParquetDataset warns (FutureWarning).
+    if not isinstance(reader.dataset._fs, pyarrow.filesystem.LocalFileSystem):
         return "the dataset is not on the local disk"
     return None

@@ -54,15 +54,11 @@ def _stop_running_readers() -> None:
 
 
 def source_for(obj: Any, *, owned: bool) -> ShardSource[Any]:
-    """Wrap a petastorm ``DataLoader``/``BatchedDataLoader`` or ``Reader``."""
+    """Wrap a petastorm ``DataLoader``/``BatchedDataLoader`` or ``Reader`` (the kinds registered
+    for this module in :mod:`ddp_even.sources.base`)."""
     if isinstance(obj, LoaderBase):
         return PetastormSource(obj.reader, owned=owned, loader=obj)
-    if isinstance(obj, Reader):
-        return PetastormSource(obj, owned=owned)
-    raise TypeError(
-        f"unsupported petastorm object {type(obj).__name__}: pass a petastorm.pytorch "
-        "DataLoader or BatchedDataLoader, or a reader from make_reader / make_batch_reader"
-    )
+    return PetastormSource(obj, owned=owned)
 
 
 def _stop(reader: Reader) -> None:
@@ -87,7 +83,7 @@ class PetastormSource(ShardSource[Any]):
     ``petastorm.pytorch.DataLoader`` or ``BatchedDataLoader`` (``loader``) around it."""
 
     def __init__(self, reader: Reader, *, owned: bool, loader: LoaderBase | None = None) -> None:
-        close_end_of_results_race(getattr(reader, "_workers_pool", None))
+        close_end_of_results_race(reader._workers_pool)
         _READERS.add(reader)
         self._reader = reader
         self._loader = loader
@@ -116,9 +112,6 @@ class PetastormSource(ShardSource[Any]):
             _read_to_end(self._reader)
         self._passes_opened += 1
 
-    def _closer(self) -> Any:
-        return (lambda: _stop(self._reader)) if self._owned else None
-
     def open_pass(self) -> ShardPass[Any]:
         reading = self._reading()
         count_samples = self._count_samples()
@@ -128,7 +121,7 @@ class PetastormSource(ShardSource[Any]):
             if not self.continues:
                 return ShardPass(
                     batches,
-                    on_close=self._closer(),
+                    on_close=(lambda: _stop(self._reader)) if self._owned else None,
                     count_samples=count_samples,
                     endless=self.endless,
                     reading=reading,
@@ -137,12 +130,9 @@ class PetastormSource(ShardSource[Any]):
         # An endless reader: every epoch continues the one stream.
         return self._stream.resume(count_samples=count_samples, endless=True, reading=reading)
 
-    def _reading(self) -> ReaderReading | None:
-        """What a pass reads, or None where petastorm hides the reader's row groups."""
-        row_groups = row_groups_read_by(self._reader)
-        if row_groups is None:
-            return None
-        return ReaderReading(self._reader, row_groups, self._loader)
+    def _reading(self) -> ReaderReading:
+        """What a pass reads."""
+        return ReaderReading(self._reader, row_groups_read_by(self._reader), self._loader)
 
     def _fresh_pass(self) -> Iterator[Any]:
         """The batches of a new pass (``_begin_pass`` has run)."""

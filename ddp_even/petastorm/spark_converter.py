@@ -34,8 +34,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from ddp_even.checks import check_positive_int
 from ddp_even.errors import (
     ConverterDeletedError,
@@ -43,7 +41,7 @@ from ddp_even.errors import (
     TooFewRowGroupsError,
     TooFewTaskSlotsError,
 )
-from ddp_even.process_group import group_is_up
+from ddp_even.process_group import group_is_up, rank_and_world_size
 from ddp_even.sources import open_context_pass
 from ddp_even.sources.base import ShardPass, ShardSource
 
@@ -55,14 +53,12 @@ __all__ = [
     "check_distributor",
     "converter_files",
     "is_spark_converter",
-    "parquet_dataset",
     "source_for",
 ]
 
 logger = logging.getLogger("ddp_even")
 
 _CONVERTER = "petastorm.spark.spark_dataset_converter.SparkDatasetConverter"
-_TORCH_CONTEXT = "petastorm.spark.spark_dataset_converter.TorchDatasetContextManager"
 _DISTRIBUTOR = "pyspark.ml.torch.distributor.TorchDistributor"
 
 # make_torch_dataloader's keyword arguments that ConverterSource sets itself, with the reason.
@@ -294,8 +290,7 @@ class ConverterSource(ShardSource[Any]):
     def _rank_and_world_size(self) -> tuple[int, int]:
         if self._shard is None and group_is_up():
             # The loader was built before the process group: the world's shard.
-            self._check_enough_row_groups(dist.get_world_size())
-            self._shard = (dist.get_rank(), dist.get_world_size())
+            self.check_shard(*rank_and_world_size())
         return self._shard or (0, 1)
 
     def _check_enough_row_groups(self, world_size: int) -> None:
@@ -318,62 +313,32 @@ class _ContextPassSource(ShardSource[Any]):
     def open_pass(self) -> ShardPass[Any]:
         from petastorm.errors import NoDataAvailableError
 
-        # petastorm 0.12.1's attributes; without them, petastorm's own checks apply.
-        files = [str(url) for url in getattr(self._context, "parquet_file_url_list", ())]
+        files = [str(url) for url in self._context.parquet_file_url_list]
         cache_dir = files[0].rsplit("/", 1)[0] if files else "the converter's cache"
         _raise_if_deleted(cache_dir, files)
         try:
             return open_context_pass(self._context)
         except NoDataAvailableError as error:
-            reader_kwargs = getattr(self._context, "petastorm_reader_kwargs", {})
-            shard_count = int(reader_kwargs.get("shard_count") or 1)
+            shard_count = int(self._context.petastorm_reader_kwargs.get("shard_count") or 1)
             planned = _planned(files, 1)
             raise TooFewRowGroupsError(
                 len(planned.row_groups) if planned is not None else 0, shard_count, cache_dir
             ) from error
 
 
-def parquet_dataset(dataset: Any) -> Any:
-    """What ``EvenLoader.from_parquet`` plans and reads for ``dataset``.
-
-    A petastorm Spark converter (``make_spark_converter(df)``) stands for its Parquet files in
-    the order petastorm reads them (:func:`converter_files`); anything else is a dataset URL,
-    path or list of files, returned as it is (told by class name: a URL imports no Spark).
-
-    Example::
-
-        >>> parquet_dataset("file:///data/train")
-        'file:///data/train'
-    """
-    return converter_files(dataset) if is_spark_converter(dataset) else dataset
-
-
 def source_for(obj: Any, *, owned: bool) -> ShardSource[Any]:
-    """A converter (petastorm's defaults), or a ``make_torch_dataloader`` context a factory made.
-
-    Example::
-
-        >>> source_for([1, 2], owned=False)
-        Traceback (most recent call last):
-        ...
-        TypeError: unsupported petastorm Spark object list: ...
-    """
-    names = _class_names(obj)
-    if _CONVERTER in names:
+    """A converter (petastorm's defaults), or a ``make_torch_dataloader`` context a factory made
+    (the two kinds registered for this module in :mod:`ddp_even.sources.base`)."""
+    if is_spark_converter(obj):
         return ConverterSource(obj)
-    if _TORCH_CONTEXT in names:
-        if not owned:
-            raise TypeError(
-                "converter.make_torch_dataloader(...) serves one pass; pass the converter "
-                "(EvenLoader(ConverterSource(converter, batch_size=64))) or a factory that makes "
-                "a fresh one per pass (lambda: converter.make_torch_dataloader(batch_size=64, "
-                "num_epochs=1, cur_shard=rank, shard_count=world_size))"
-            )
-        return _ContextPassSource(obj)
-    raise TypeError(
-        f"unsupported petastorm Spark object {type(obj).__name__}: pass a SparkDatasetConverter "
-        "or a factory returning converter.make_torch_dataloader(...)"
-    )
+    if not owned:
+        raise TypeError(
+            "converter.make_torch_dataloader(...) serves one pass; pass the converter "
+            "(EvenLoader(ConverterSource(converter, batch_size=64))) or a factory that makes "
+            "a fresh one per pass (lambda: converter.make_torch_dataloader(batch_size=64, "
+            "num_epochs=1, cur_shard=rank, shard_count=world_size))"
+        )
+    return _ContextPassSource(obj)
 
 
 def _check_loader_kwargs(loader_kwargs: dict[str, Any]) -> None:
