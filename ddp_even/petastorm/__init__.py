@@ -1,14 +1,5 @@
-"""Everything that knows petastorm: the only package of ddp_even that imports it.
-
-* ``sources.py``: petastorm's loaders and readers as shard sources, stopped at exit;
-* ``reading.py``: what a reader reads (its row groups, what it was built from), and the plan of
-  the usual ``cur_shard``/``shard_count`` loop from its footers;
-* ``spark_converter.py``: petastorm's Spark converter as a source (:class:`ConverterSource`);
-* ``decoding.py``: a Unischema's codecs and a ``TransformSpec`` on top of the pyarrow reader
-  (``from_parquet(..., reader="row")``);
-* ``pools.py``: petastorm's thread, process and dummy pools without their end-of-results race;
-* ``legacy_filesystem.py``: the legacy ``pyarrow.filesystem`` petastorm's own readers need on
-  remote storage.
+"""Everything that knows petastorm: the only package of ddp_even that imports it (its
+modules, one job each, are listed with the others in docs/design.md).
 
 Nothing here is imported by ``import ddp_even``: the sources register by class name
 (:mod:`ddp_even.sources.base`) and the rest is imported when used.

@@ -121,9 +121,11 @@ class PetastormDecoding(Decoding):
         return [{k: v for k, v in row.items() if k not in removed} for row in rows]
 
     def _transformed_frame(self, table: pa.Table) -> pa.Table:
-        # A column with nulls somewhere is float in every row group's frame, as in a batch.
+        # A column with nulls somewhere is float in every row group's frame, as in a batch; a
+        # dictionary's is not (pandas makes it a categorical, its values as they are).
         for index, field in enumerate(table.schema):
-            if field.name in self.with_nulls and _integer_or_boolean(field.type):
+            integer_or_boolean = pa.types.is_integer(field.type) or pa.types.is_boolean(field.type)
+            if field.name in self.with_nulls and integer_or_boolean:
                 kind = pa.float32() if pa.types.is_boolean(field.type) else pa.float64()
                 table = table.set_column(
                     index, pa.field(field.name, kind), table.column(index).cast(kind, safe=False)
@@ -134,12 +136,6 @@ class PetastormDecoding(Decoding):
         for name in set(frame.columns) & set(self._transform.removed_fields):
             del frame[name]
         return pa.Table.from_pandas(frame, preserve_index=False)
-
-
-def _integer_or_boolean(kind: pa.DataType) -> bool:
-    if pa.types.is_dictionary(kind):
-        return False  # pandas makes it a categorical, its values as they are
-    return bool(pa.types.is_integer(kind) or pa.types.is_boolean(kind))
 
 
 def _collated(rows: list[dict[str, Any]]) -> Columns:

@@ -49,15 +49,13 @@ class ArrowLegacyFileSystem(LegacyFileSystem):  # type: ignore[misc]  # pyarrow 
         return bool(self._type(path) == pafs.FileType.File)
 
     def walk(self, path: str) -> Iterator[tuple[str, list[str], list[str]]]:
-        # Lazily, level by level: pyarrow's manifest takes only the first level of each.
-        pending = [path]
-        while pending:
-            directory = pending.pop(0)
-            infos = self.filesystem.get_file_info(pafs.FileSelector(directory))
-            names = [info.base_name for info in infos if info.type == pafs.FileType.Directory]
-            files = [info.base_name for info in infos if info.type != pafs.FileType.Directory]
-            yield directory, names, files
-            pending.extend(posixpath.join(directory, name) for name in names)
+        # Lazily, top down as os.walk: pyarrow's manifest takes only the first level of each.
+        infos = self.filesystem.get_file_info(pafs.FileSelector(path))
+        names = [info.base_name for info in infos if info.type == pafs.FileType.Directory]
+        files = [info.base_name for info in infos if info.type != pafs.FileType.Directory]
+        yield path, names, files
+        for name in names:
+            yield from self.walk(posixpath.join(path, name))
 
     def open(self, path: str, mode: str = "rb") -> Any:
         if mode != "rb":

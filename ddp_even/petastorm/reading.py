@@ -232,9 +232,7 @@ def _footer_plan(
     that would compete with the reader's at every epoch's start."""
     from ddp_even.parquet.dataset_plan import plan_dataset
 
-    return plan_dataset(
-        paths if isinstance(paths, str) else list(paths), world_size, batch_size
-    ).plan
+    return plan_dataset(paths, world_size, batch_size).plan
 
 
 def _why_rows_unknown(reader: Reader) -> str | None:

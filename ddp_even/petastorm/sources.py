@@ -105,18 +105,10 @@ class PetastormSource(ShardSource[Any]):
     def continues(self) -> bool:
         return self.endless and not self._owned
 
-    def _begin_pass(self) -> None:
-        if self._passes_opened > 0:
-            if self._owned:
-                raise RuntimeError("a reader made by a factory serves a single pass")
-            _read_to_end(self._reader)
-        self._passes_opened += 1
-
     def open_pass(self) -> ShardPass[Any]:
-        reading = self._reading()
+        reading = ReaderReading(self._reader, row_groups_read_by(self._reader), self._loader)
         count_samples = self._count_samples()
         if self._stream is None:
-            self._begin_pass()
             batches = self._fresh_pass()
             if not self.continues:
                 return ShardPass(
@@ -130,12 +122,13 @@ class PetastormSource(ShardSource[Any]):
         # An endless reader: every epoch continues the one stream.
         return self._stream.resume(count_samples=count_samples, endless=True, reading=reading)
 
-    def _reading(self) -> ReaderReading:
-        """What a pass reads."""
-        return ReaderReading(self._reader, row_groups_read_by(self._reader), self._loader)
-
     def _fresh_pass(self) -> Iterator[Any]:
-        """The batches of a new pass (``_begin_pass`` has run)."""
+        """The batches of a new pass."""
+        if self._passes_opened > 0:
+            if self._owned:
+                raise RuntimeError("a reader made by a factory serves a single pass")
+            _read_to_end(self._reader)
+        self._passes_opened += 1
         if self._loader is not None:
             # DataLoader would emit the previous pass's short last batch again (see module doc).
             self._loader._batch_acc = []

@@ -186,12 +186,9 @@ def check_distributor(distributor: Any, *converters: Any, wait_for_slots_s: floa
         if slots is None or slots >= tasks:
             return
         if time.monotonic() >= deadline:
+            cpus_per_task = int(spark.conf.get("spark.task.cpus", "1"))
             raise TooFewTaskSlotsError(
-                tasks,
-                slots,
-                master,
-                int(spark.conf.get("spark.task.cpus", "1")),
-                time.monotonic() - started,
+                tasks, slots, master, cpus_per_task, time.monotonic() - started
             )
         time.sleep(1.0)
 
