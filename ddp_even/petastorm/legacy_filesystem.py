@@ -25,9 +25,8 @@ class ArrowLegacyFileSystem(LegacyFileSystem):  # type: ignore[misc]  # pyarrow 
     0.12.1 reads through.
 
     It answers what pyarrow 14's legacy ``ParquetDataset`` and petastorm's readers call
-    (``isdir``, ``isfile``, ``walk``, ``open`` to read), listing and opening files with the
-    ``pyarrow.fs`` filesystem planning used. It pickles (for petastorm's process pool) when
-    ``filesystem`` does.
+    (``isdir``, ``isfile``, ``walk``, ``open`` to read) through ``filesystem``, and pickles
+    (for petastorm's process pool) when ``filesystem`` does.
 
     Example:
         >>> import pyarrow.fs

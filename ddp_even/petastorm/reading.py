@@ -147,13 +147,12 @@ class ReaderReading(PassReading):
 
         pieces = self._pieces
         paths = list(dict.fromkeys(str(piece.path) for piece in pieces))
-        filesystem = self._reader.dataset._fs
         digest = hashlib.sha256()
         for piece in pieces:
             digest.update(f"{piece.path}#{piece.row_group}\n".encode())
         try:
             for path in paths:
-                with filesystem.open(path, "rb") as file:
+                with self._reader.dataset._fs.open(path, "rb") as file:
                     digest.update(footer_digest(pq.read_metadata(file)))
         except Exception as error:  # any filesystem's failure: what cannot be read is untold
             return Untold(f"its footers could not be read again ({error})")

@@ -107,7 +107,10 @@ class PetastormSource(ShardSource[Any]):
 
     def open_pass(self) -> ShardPass[Any]:
         reading = ReaderReading(self._reader, row_groups_read_by(self._reader), self._loader)
-        count_samples = self._count_samples()
+        if self._loader is not None:
+            count_samples: Callable[[Any], int | None] = _rows_of_columns
+        else:
+            count_samples = count_rows if self._reader.batched_output else _one_row
         if self._stream is None:
             batches = self._fresh_pass()
             if not self.continues:
@@ -136,11 +139,6 @@ class PetastormSource(ShardSource[Any]):
         if self._passes_opened > 1:
             self._reader.reset()
         return _items(self._reader)
-
-    def _count_samples(self) -> Callable[[Any], int | None]:
-        if self._loader is not None:
-            return _rows_of_columns
-        return count_rows if self._reader.batched_output else _one_row
 
 
 def _items(reader: Reader) -> Iterator[Any]:

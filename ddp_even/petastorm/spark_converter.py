@@ -7,22 +7,20 @@ whose ``__enter__`` opens ``make_batch_reader(converter.file_urls, ...)`` and a 
 0.12.1, pyspark 4.3, measured):
 
 * ``converter.file_urls`` is in the order of Spark's ``inputFiles`` (a hash set: not sorted,
-  different for every write). petastorm numbers row groups in that list's order and shards
-  by that number, so plans of a converter use the list, not the cache directory (whose files
-  petastorm would read in sorted order).
+  different for every write), and petastorm numbers and shards row groups in that order
+  (:func:`converter_files`).
 * A converter is a plain object (``cache_dir_url``, ``file_urls``, ``dataset_size``): it
   pickles to spawned ranks, which read it without a Spark session (they import pyspark's
   Python package, not its JVM).
-* ``make_torch_dataloader`` waits 30 s for missing files, then raises ``RuntimeError``; a
-  deleted converter is told at once here (:class:`ConverterDeletedError`).
+* ``make_torch_dataloader`` waits 30 s for missing files, then raises ``RuntimeError``
+  (here :class:`ConverterDeletedError`, at once).
 * With fewer row groups than ``shard_count`` petastorm raises ``NoDataAvailableError`` on
-  every rank; here :class:`TooFewRowGroupsError` says what to do.
+  every rank (here :class:`TooFewRowGroupsError`, saying what to do).
 * The process that called ``make_spark_converter`` deletes the cache when it exits (atexit).
 * Under ``pyspark.ml.torch.distributor.TorchDistributor`` each rank is a ``torchrun`` worker
   (``RANK``/``WORLD_SIZE`` set; ``local_mode=False`` runs one Spark barrier task per rank):
-  the process group made from that environment gives the shard. Too few task slots for the
-  barrier tasks stall Spark before any rank runs: :func:`check_distributor` tells it on the
-  driver, with deleted converter files.
+  the process group made from that environment gives the shard (:func:`check_distributor`
+  refuses on the driver what would stall Spark or fail every rank).
 
 petastorm and pyspark are imported only when a converter is seen, never by importing this module.
 """
@@ -117,16 +115,9 @@ def converter_files(converter: Any) -> list[str]:
 
     Plan with this list, not with ``converter.cache_dir_url``: petastorm numbers a converter's
     row groups in this (unsorted) order, and a directory would be read in sorted order.
-    ``EvenLoader.from_parquet(converter, ...)`` uses it; so can ``plan_for_dataset`` and the
-    CLI (``ddp-even plan FILE FILE ...`` keeps the order given). Raises
+    ``EvenLoader.from_parquet(converter, ...)`` uses it; so can ``plan_for_dataset`` (as in
+    docs/spark.md) and the CLI (``ddp-even plan FILE FILE ...`` keeps the order given). Raises
     :class:`ConverterDeletedError` when the files are gone.
-
-    Example, in the process that made the converter::
-
-        from ddp_even.parquet import plan_for_dataset
-
-        row_groups, plan = plan_for_dataset(converter_files(converter), world_size=4,
-                                            batch_size=64)
     """
     if not is_spark_converter(converter):
         raise TypeError(
@@ -250,8 +241,6 @@ class ConverterSource(ShardSource[Any]):
         self._converter = converter
         self._batch_size = batch_size
         self._loader_kwargs = loader_kwargs
-        # Rows per row group in petastorm's order, or None when ddp_even cannot read the
-        # footers (storage it cannot reach): then nothing is checked or counted up front.
         self._planned = _planned(self._files, batch_size)
         self._counts_exact = set(loader_kwargs) <= _COUNT_PRESERVING
         self._shard: tuple[int, int] | None = None
@@ -383,7 +372,8 @@ def _raise_if_deleted(cache_dir_url: str, files: Sequence[str]) -> None:
 
 def _planned(files: Sequence[str], batch_size: int) -> DatasetPlan | None:
     """The converter's files planned for one rank (their row groups in petastorm's order), or
-    None if the footers cannot be read here."""
+    None if the footers cannot be read here (storage ddp_even cannot reach): then nothing is
+    checked or counted up front."""
     from ddp_even.parquet.dataset_plan import plan_dataset
 
     try:
