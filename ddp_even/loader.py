@@ -327,6 +327,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             steps_per_epoch=self._steps_per_epoch,
             planned=self._passes,
             strict=strict,
+            sync_every=self._sync_every,
         )
 
     def set_epoch(self, epoch: int) -> None:

@@ -29,10 +29,11 @@ Example::
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Slot", "WindowPlan", "fill_targets", "plan_window"]
+__all__ = ["Slot", "WindowPlan", "fill_targets", "handed_out_in", "plan_window"]
 
 
 @dataclass(frozen=True)
@@ -164,3 +165,44 @@ def _padding_for(
         return Slot(rank, -1, padding=True)
     donor = next(giver for giver, count in enumerate(buffered) if count)
     return Slot(donor, 0, padding=True)
+
+
+def handed_out_in(batches: Sequence[int], window: int, steps: int) -> list[list[int]]:
+    """Which batches of each rank's shard (their indices in it, sorted) an epoch of share hands
+    out, not as padding, in its first ``steps`` steps, where rank ``r``'s shard yields
+    ``batches[r]`` batches (a plan's lengths): the windows the runtime plans, reading as it
+    reads (up to each window's :func:`fill_targets`, learning that a shard ended only when a
+    read finds nothing more), without reading.
+
+    Example::
+
+        >>> handed_out_in([4, 1], window=1, steps=2)
+        [[0, 1, 2], [0]]
+    """
+    world_size = len(batches)
+    read = [0] * world_size
+    ended = [False] * world_size
+    held: list[deque[int]] = [deque() for _ in range(world_size)]
+    handed: list[list[int]] = [[] for _ in range(world_size)]
+    planned = 0
+    while planned < steps:
+        for rank, target in enumerate(fill_targets(ended, window)):
+            while len(held[rank]) < target and not ended[rank]:
+                if read[rank] == batches[rank]:
+                    ended[rank] = True
+                else:
+                    held[rank].append(read[rank])
+                    read[rank] += 1
+        plan = plan_window([len(mine) for mine in held], ended, planned > 0, window)
+        for slots in plan.slots:
+            for slot in slots[: steps - planned]:
+                if not slot.padding:
+                    handed[slot.giver].append(held[slot.giver][slot.index])
+        for rank in range(world_size):
+            sent = [index + 1 for _, index, _ in plan.sends(rank)]
+            for _ in range(max([plan.used[rank], *sent])):
+                held[rank].popleft()
+        planned += plan.steps
+        if plan.last:
+            break
+    return [sorted(mine) for mine in handed]

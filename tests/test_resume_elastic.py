@@ -131,8 +131,14 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
     ("mode", "sharding"),
-    # Pad over petastorm's round robin: rank 3's 4 batches end before the stop, it pads.
-    [("truncate", "rows"), ("join", "row_groups"), ("pad", "round_robin")],
+    # Pad over petastorm's round robin: rank 3's 4 batches end before the stop, it pads. Share
+    # over it (17/6/12/4 batches): rank 3 has run out and receives rank 0's by then.
+    [
+        ("truncate", "rows"),
+        ("join", "row_groups"),
+        ("pad", "round_robin"),
+        ("share", "round_robin"),
+    ],
     ids=str,
 )
 def test_an_epoch_stopped_on_4_ranks_finishes_on_3(url: str, mode: str, sharding: str) -> None:
@@ -148,7 +154,7 @@ def test_an_epoch_stopped_on_4_ranks_finishes_on_3(url: str, mode: str, sharding
     assert max(trained.values()) == 1, "no row trained on twice"
     dropped = sum(stats["dropped_rows"])
     assert sum(trained.values()) + dropped == TOTAL, "the rest: trained, or dropped and counted"
-    if mode in ("join", "pad"):
+    if mode in ("join", "pad", "share"):
         assert dropped == 0 and sorted(trained) == list(range(TOTAL)), "every row once"
     else:
         assert max(stats["dropped_batches"]) <= 1
@@ -159,6 +165,25 @@ def test_an_epoch_stopped_on_4_ranks_finishes_on_3(url: str, mode: str, sharding
     next_epoch = Counter(row for run in second for row in run["next_epoch_ids"])
     assert max(next_epoch.values()) == 1
     assert sum(next_epoch.values()) + sum(second[0]["next_stats"]["dropped_rows"]) == TOTAL
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(420)
+def test_share_cut_mid_hand_over_resumes_exactly_on_as_many_ranks(url: str) -> None:
+    options = (url, "share", "round_robin")
+    uninterrupted = run_ranks(train, 4, *options, None, None, timeout=200)
+    first = run_ranks(train, 4, *options, None, timeout=200)
+    resumed = run_ranks(train, 4, *options, [run["state"] for run in first], timeout=200)
+    plan = plan_shards(flat_sizes(SIZES), 4, BATCH, sharding="round_robin")
+    assert plan.batches_per_rank[3] < STOP_AT, "rank 3 ran out before the cut"
+    assert len(first[3]["ids"]) > plan.rows_per_rank[3], "and trained on another rank's rows"
+    for rank in range(4):
+        # The same batches and statistics as the uninterrupted run's.
+        assert first[rank]["ids"] + resumed[rank]["ids"] == uninterrupted[rank]["ids"]
+        assert resumed[rank]["stats"] == {
+            **uninterrupted[rank]["stats"],
+            "resumed_at_step": STOP_AT,
+        }
 
 
 @pytest.mark.petastorm

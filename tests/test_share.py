@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ddp_even import EvenLoader, PeerSourceError
+from ddp_even.share_plan import handed_out_in
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.spawn import RankError, run_ranks
 
@@ -115,6 +116,17 @@ def test_every_batch_once_in_equal_steps(counts: list[int], sync_every: int | No
             assert stats["sent_rows"][rank] == sent * ROWS_PER_BATCH
             assert stats["received_rows"][rank] == stats["received_batches"][rank] * 3
         assert sum(stats["sent_batches"]) == sum(stats["received_batches"])
+        # What an elastic resume takes as read before each step: what was handed out then.
+        shards = [_shard(rank, counts) for rank in range(world_size)]
+        for step in range(steps + 1):
+            handed = handed_out_in(counts, sync_every or 1, step)
+            expected = sorted(
+                int(shards[r][i]["id"][0]) for r in range(world_size) for i in handed[r]
+            )
+            real = sorted(
+                ids[0] for rank_seen in seen for ids, pad, _ in rank_seen[:step] if not pad
+            )
+            assert real == expected, step
         # One agreement a window, no sum beside it: per rank at most one sum of the counts and
         # one window of no steps (where its shard ended), the opening agreement's long form and
         # the statistics' gather.

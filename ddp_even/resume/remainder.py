@@ -12,6 +12,8 @@ rank, as ``sharding="rows"`` cuts a whole epoch; a new rank may read two ranges 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ddp_even.agreement.wire import MAX_COUNT
 from ddp_even.planning.pass_order import PassOrder
 from ddp_even.planning.plans import ShardPlan
@@ -23,20 +25,48 @@ _PLAN_ORDER = PassOrder()
 
 
 def _tails(
-    plan: ShardPlan, sizes: list[int], step: int, order: PassOrder, epoch: int
+    plan: ShardPlan, sizes: list[int], read: Sequence[Sequence[int]], order: PassOrder, epoch: int
 ) -> list[list[RowRange]]:
-    """Each rank's rows not yet read after ``step`` steps, in its reading order."""
+    """Each rank's rows not yet read, in its reading order, where rank ``r`` has read the
+    batches ``read[r]`` of its pass (their indices, sorted)."""
     tails: list[list[RowRange]] = []
     for rank in range(plan.world_size):
-        consumed = min(step, plan.batches_per_rank[rank]) * plan.batch_size
+        # The positions read, in the rank's reading order, as half-open runs.
+        runs = [
+            (first * plan.batch_size, end * plan.batch_size) for first, end in _runs(read[rank])
+        ]
         tail: list[RowRange] = []
+        position = 0
         for group, start, stop in order.rows(plan, sizes, rank, epoch):
-            skipped = min(consumed, stop - start)
-            consumed -= skipped
-            if start + skipped < stop:
-                tail.append((group, start + skipped, stop))
+            end = position + stop - start
+            cursor = position
+            for first, last in runs:
+                if last <= cursor or first >= end:
+                    continue
+                if first > cursor:
+                    tail.append((group, start + cursor - position, start + first - position))
+                cursor = min(last, end)
+            if cursor < end:
+                tail.append((group, start + cursor - position, stop))
+            position = end
         tails.append(tail)
     return tails
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted indices as half-open runs of consecutive ones: [0, 1, 2, 5] -> [(0, 3), (5, 6)]."""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
+
+
+def _prefixes(plan: ShardPlan, step: int) -> list[range]:
+    """The batches each rank has read after ``step`` steps, reading its own only."""
+    return [range(min(step, batches)) for batches in plan.batches_per_rank]
 
 
 def plan_own_tails(
@@ -57,7 +87,9 @@ def plan_own_tails(
         >>> plan_own_tails(plan, [10, 10], step=2).row_ranges
         (((0, 8, 10),), ((1, 8, 10),))
     """
-    return _plan_of(_tails(plan, sizes, step, order, epoch), sizes, plan.batch_size)
+    return _plan_of(
+        _tails(plan, sizes, _prefixes(plan, step), order, epoch), sizes, plan.batch_size
+    )
 
 
 def unread_rows(
@@ -66,11 +98,14 @@ def unread_rows(
     step: int,
     order: PassOrder = _PLAN_ORDER,
     epoch: int = 0,
+    read: Sequence[Sequence[int]] | None = None,
 ) -> list[RowRange]:
     """The rows no rank had read after ``step`` steps of ``plan``'s epoch, in rank order.
 
     ``order`` and ``epoch`` say in which order the ranks read (plan order by default); a plan
     whose ranks all read every row (``"replicate"``) has no single set of unread rows.
+    ``read`` gives, per rank, the batches of its pass read by then where that is not the first
+    ``step`` (share hands some to other ranks: :func:`~ddp_even.share_plan.handed_out_in`).
 
     Example:
         >>> from ddp_even.planning import plan_shards
@@ -80,7 +115,8 @@ def unread_rows(
     """
     if SHARDINGS[plan.sharding].every_rank_reads_everything:
         raise ValueError("with sharding='replicate' every rank reads every row")
-    return [piece for tail in _tails(plan, sizes, step, order, epoch) for piece in tail]
+    read = _prefixes(plan, step) if read is None else read
+    return [piece for tail in _tails(plan, sizes, read, order, epoch) for piece in tail]
 
 
 def plan_unread_rows(

@@ -212,6 +212,9 @@ class PendingResume:
     # The plan the state was saved under, when it was saved on another number of ranks: the
     # epoch then reads the rows no rank had read, re-planned over this job's ranks.
     saved_plan: ShardPlan | None = None
+    # Per rank of the saved plan, the batches of its pass handed out before the step, where
+    # that is not the first ``step`` (share hands batches to other ranks).
+    read: tuple[tuple[int, ...], ...] | None = None
     # The state itself, while what it follows from is checked only when the epoch starts (a
     # loader whose passes tell what they read knows it once the epoch's first pass is open).
     unchecked: Mapping[str, Any] | None = None
@@ -228,6 +231,7 @@ def pending_resume(
     steps_per_epoch: int | None,
     planned: PlannedSource | None,
     strict: bool = True,
+    sync_every: int | None = None,
 ) -> tuple[int, PendingResume | None]:
     """``(next epoch, where it resumes)`` from ``state``; ``ValueError`` saying why not.
 
@@ -260,8 +264,6 @@ def pending_resume(
     plan = planned.plan
     if mode.after_own_data == "restart":
         cannot = "cycle mode repeats rows, so 'the rows not yet read' is not one set"
-    elif mode.hands_over:
-        cannot = "share mode's hand-over is planned for the ranks the epoch started on"
     elif steps_per_epoch is not None:
         cannot = "steps_per_epoch caps the epoch by steps, not rows"
     elif SHARDINGS[plan.sharding].why_not_elastic is not None:
@@ -286,8 +288,15 @@ def pending_resume(
         provenance=provenance,
         strict=strict,
     )
-    # Between epochs (step 0) the next epoch is planned for this job's ranks anyway.
-    return epoch, (PendingResume(epoch, step, saved_plan) if step > 0 else None)
+    if step == 0:  # between epochs the next epoch is planned for this job's ranks anyway
+        return epoch, None
+    read = None
+    if mode.hands_over:
+        from ddp_even.share_plan import handed_out_in
+
+        handed = handed_out_in(saved_plan.batches_per_rank, sync_every or 1, step)
+        read = tuple(tuple(batches) for batches in handed)
+    return epoch, PendingResume(epoch, step, saved_plan, read=read)
 
 
 def resumed_start(
@@ -303,7 +312,7 @@ def resumed_start(
     epoch, step, rank, world_size = pending.epoch, pending.step, agreer.rank, agreer.world_size
     if pending.saved_plan is not None:
         assert planned is not None
-        rest = _rest_of_epoch(planned, pending.saved_plan, epoch, step, world_size)
+        rest = _rest_of_epoch(planned, pending, world_size)
         if rank == 0:  # the same re-plan on every rank
             _log_rest(rest, pending.saved_plan, epoch, step)
         rest_source = as_source(functools.partial(planned, shard_plan=rest))
@@ -358,6 +367,8 @@ def _own_tails(
         or plan is None
         or planned.why_not_in_plan_order is not None
         or step > plan.batches_per_rank[rank]  # in a repeated pass
+        # Share runs the steps before the cut again, reading its shard from its start.
+        or mode.hands_over
         # Padding copies the rank's last batch: a rank past its data reads it again; and a
         # rank with an empty shard pads with another's first batch, which is read again.
         or (mode.after_own_data == "pad" and step >= plan.batches_per_rank[rank])
@@ -378,19 +389,17 @@ def _own_tails(
     return tails
 
 
-def _rest_of_epoch(
-    planned: PlannedSource, saved_plan: ShardPlan, epoch: int, step: int, world_size: int
-) -> ShardPlan:
-    """The plan of the rows not yet read in ``epoch``, saved on another number of ranks."""
+def _rest_of_epoch(planned: PlannedSource, pending: PendingResume, world_size: int) -> ShardPlan:
+    """The plan of the rows not yet read in the epoch ``pending`` resumes, saved on another
+    number of ranks."""
     from ddp_even.resume.remainder import plan_unread_rows, unread_rows
 
-    sizes = planned.row_group_sizes
-    return plan_unread_rows(
-        unread_rows(saved_plan, sizes, step, planned.order, epoch),
-        sizes,
-        world_size,
-        saved_plan.batch_size,
+    sizes, saved_plan = planned.row_group_sizes, pending.saved_plan
+    assert saved_plan is not None
+    unread = unread_rows(
+        saved_plan, sizes, pending.step, planned.order, pending.epoch, read=pending.read
     )
+    return plan_unread_rows(unread, sizes, world_size, saved_plan.batch_size)
 
 
 def _log_rest(rest: ShardPlan, saved_plan: ShardPlan, epoch: int, step: int) -> None:
