@@ -50,7 +50,11 @@ SUITES: dict[str, list[str]] = {
     "gradient-hook": ["tests/test_gradient_hook.py"],
     "planned": ["tests/test_planned_loader.py"],
     # Share's hand-over: batches sent between ranks while every rank trains, resumed mid-way.
-    "share": ["tests/test_share.py"],
+    "share": [
+        "tests/test_share.py",
+        "tests/test_resume_elastic.py::test_an_epoch_stopped_on_4_ranks_finishes_on_3[share-round_robin]",
+        "tests/test_resume_elastic.py::test_share_cut_mid_hand_over_resumes_exactly_on_as_many_ranks",
+    ],
     "resume": [
         "tests/test_resume.py::test_epochs_resumed_by_new_processes_continue_where_they_stopped"
     ],
