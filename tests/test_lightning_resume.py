@@ -12,6 +12,13 @@ uninterrupted job's batches, in order, on every rank, end with its weights, and 
 statistics. The ``parquet`` source (``EvenLoader.from_parquet`` with seeded row-group and row
 shuffles read by three threads) resumes mid second epoch.
 
+Share adds the hand-over: every rank takes 7 steps an epoch (the 14 batches over 2 ranks), and
+once rank 1 has run out of its 5 batches rank 0 hands it every other one of its own. Its
+positions fall inside that hand-over (mid first and second epoch, and its last batch), and
+right after rank 1's last own batch, where the resumed epoch replays its hand-overs and then
+goes on. Its loader knows no length (but from a plan), so Lightning reads ahead in every epoch
+of a list as of a factory.
+
 Lightning alone resumes exactly only where the loader's position at the checkpoint is the one
 Lightning resumes at; the ``recipe`` variant adds
 ``ddp_even.integrations.lightning.EvenLoaderCheckpoints``, which rewrites the saved loader
@@ -47,23 +54,25 @@ def _lightning_installed() -> None:
 
 JOB = REPO / "tests" / "helpers" / "lightning_resume_job.py"
 WORLD_SIZE = len(BATCHES)
-MODES = ("truncate", "cycle")
+MODES = ("truncate", "cycle", "share")
 # "list": the loader knows its length once an epoch has started; "factory" never does.
 SOURCES = ("list", "factory")
 # Global steps to checkpoint and stop at: mid first epoch, mid second epoch (in cycle, rank 1
 # is then in its repeated pass) and the last batch of the second epoch (5 steps an epoch in
-# truncate, 9 in cycle).
-SAVE_AT = {"truncate": (3, 7, 10), "cycle": (7, 15, 18)}
+# truncate, 9 in cycle, 7 in share). Share's fall between its epochs' two hand-overs (steps 6
+# and 13), right after rank 1's last own batch (12), and at the second epoch's last batch (14).
+SAVE_AT = {"truncate": (3, 7, 10), "cycle": (7, 15, 18), "share": (6, 12, 13, 14)}
 # The parquet source (as many batches per rank as BATCHES): mid second epoch only; in cycle
 # also right after rank 1 handed out its own shard's last batch (step 14), where a resumed
-# first pass is the shard's empty tail and must start over.
-PARQUET_SAVE_AT = {"truncate": (7,), "cycle": (14, 15)}
+# first pass is the shard's empty tail and must start over; in share the same two positions of
+# its hand-over.
+PARQUET_SAVE_AT = {"truncate": (7,), "cycle": (14, 15), "share": (12, 13)}
 WEIGHT_TOLERANCE = 1e-6
 
 READ_AHEAD = (
     "Lightning's fetcher reads one batch ahead when len(loader) is unknown as an epoch starts "
-    "(every epoch of a factory, the first of a list): the saved loader state counts that "
-    "untrained batch, and the resumed run skips it"
+    "(every epoch of a factory, the first of a list, every epoch of share without a plan): the "
+    "saved loader state counts that untrained batch, and the resumed run skips it"
 )
 OPEN_EPOCH = (
     "at the last batch of an epoch whose length Lightning knew (no read-ahead) the loader, "
@@ -73,6 +82,8 @@ OPEN_EPOCH = (
 
 
 def _steps_per_epoch(mode: str) -> int:
+    if mode == "share":
+        return -(-sum(BATCHES) // WORLD_SIZE)
     return min(BATCHES) if mode == "truncate" else max(BATCHES)
 
 
@@ -80,8 +91,10 @@ def _lightning_alone_fails(mode: str, source: str, step: int) -> str | None:
     """Why Lightning alone resumes wrongly at ``step``, or None where it resumes exactly."""
     steps = _steps_per_epoch(mode)
     saving_epoch = (step - 1) // steps
-    # A plan's length is known at once; a list's from its first epoch's agreement on.
-    length_known = source == "parquet" or (source == "list" and saving_epoch >= 1)
+    # A plan's length is known at once; a list's from its first epoch's agreement on, but in
+    # share, which agrees window by window.
+    list_length_known = mode != "share" and saving_epoch >= 1
+    length_known = source == "parquet" or (source == "list" and list_length_known)
     if step % steps == 0:  # the epoch's last batch
         return OPEN_EPOCH if length_known else None
     return None if length_known else READ_AHEAD
@@ -109,42 +122,61 @@ def _shard(rank: int) -> list[list[int]]:
     return [ids[start : start + BATCH_SIZE] for start in range(0, len(ids), BATCH_SIZE)]
 
 
+def _giver(batch: list[int]) -> int:
+    """The rank whose shard ``batch`` is from."""
+    return batch[0] // 1000
+
+
+def _epoch_ids(mode: str, rank: int) -> list[list[int]]:
+    """The sample ids of every step of an epoch on ``rank``."""
+    shard = _shard(rank)
+    if mode != "share":
+        return [shard[step % len(shard)] for step in range(_steps_per_epoch(mode))]
+    # Each rank hands out its own batches first; once rank 1 has run out, rank 0 reads two at
+    # each step, keeps the older and sends the newer (14 batches: no padding).
+    long, short = _shard(0), _shard(1)
+    rest = long[len(short) :]
+    return shard[: len(short)] + rest[rank::WORLD_SIZE]
+
+
 def _expected_ids(mode: str, rank: int) -> list[list[int]]:
     """The sample ids of every step of the whole run on ``rank``."""
-    shard = _shard(rank)
-    return [
-        shard[step % len(shard)] for _ in range(EPOCHS) for step in range(_steps_per_epoch(mode))
-    ]
+    return _epoch_ids(mode, rank) * EPOCHS
 
 
 def _expected_stats(mode: str, epoch: int) -> dict[str, Any]:
     """An uninterrupted epoch's ``EpochStats.as_dict()`` (per-rank fields as JSON lists)."""
     steps = _steps_per_epoch(mode)
-    shards = [_shard(rank) for rank in range(WORLD_SIZE)]
+    ranks = range(WORLD_SIZE)
+    shards = [_shard(rank) for rank in ranks]
+    trained = [_epoch_ids(mode, rank) for rank in ranks]
+    received = [[batch for batch in trained[rank] if _giver(batch) != rank] for rank in ranks]
+    sent = [[batch for got in received for batch in got if _giver(batch) == rank] for rank in ranks]
     own = [min(steps, len(shard)) for shard in shards]
+    repeated = [steps - own[rank] - len(received[rank]) for rank in ranks]
     return {
         "epoch": epoch,
         "mode": mode,
         "world_size": WORLD_SIZE,
         "steps": [steps] * WORLD_SIZE,
         "own_batches": own,
-        "repeated_batches": [steps - mine for mine in own],
-        "passes": [-(-steps // len(shard)) for shard in shards],
-        "samples": [sum(len(shard[i % len(shard)]) for i in range(steps)) for shard in shards],
-        "truncated": [len(shard) > steps for shard in shards],
+        "repeated_batches": repeated,
+        "passes": [-(-(own[rank] + repeated[rank]) // len(shards[rank])) for rank in ranks],
+        "samples": [sum(map(len, batches)) for batches in trained],
+        "truncated": [len(shards[rank]) > own[rank] + len(sent[rank]) for rank in ranks],
         "padded_batches": [0] * WORLD_SIZE,
         "padded_rows": [0] * WORLD_SIZE,
-        "sent_batches": [0] * WORLD_SIZE,
-        "sent_rows": [0] * WORLD_SIZE,
-        "received_batches": [0] * WORLD_SIZE,
-        "received_rows": [0] * WORLD_SIZE,
+        "sent_batches": [len(batches) for batches in sent],
+        "sent_rows": [sum(map(len, batches)) for batches in sent],
+        "received_batches": [len(batches) for batches in received],
+        "received_rows": [sum(map(len, batches)) for batches in received],
         "dropped_batches": None,
         "dropped_rows": None,
         "lost_rows": None,
         "sharding": None,
         "resumed_at_step": None,
         "resumed_from_world_size": None,
-        "oversampling": sum(steps - mine for mine in own) / sum(own),
+        "oversampling": sum(repeated) / sum(own),
     }
 
 
@@ -198,6 +230,33 @@ def test_the_uninterrupted_run(results: Path, mode: str, source: str) -> None:
         # The loader numbered its epochs as Lightning did (sampler.set_epoch).
         assert result["history"] == [_expected_stats(mode, epoch) for epoch in range(EPOCHS)]
     assert ranks[0]["weights"] == ranks[1]["weights"]
+    if mode == "share":
+        shards = [_shard(rank) for rank in range(WORLD_SIZE)]
+        _check_every_row_once(ranks, [row for shard in shards for batch in shard for row in batch])
+
+
+def _check_every_row_once(ranks: list[dict[str, Any]], rows: list[int]) -> None:
+    """Share: each epoch trains each of ``rows`` (every shard's) once over the ranks, in
+    ``ceil(B / W)`` steps on each, without padding (B = 14 batches over 2 ranks), and its
+    statistics add up: a shard's batches are those its rank handed out and those it sent, a
+    rank's steps its own batches, those it received and its padding."""
+    steps = _steps_per_epoch("share")
+    for epoch in range(EPOCHS):
+        trained = [_ids(result)[epoch * steps : (epoch + 1) * steps] for result in ranks]
+        assert [len(batches) for batches in trained] == [steps] * WORLD_SIZE
+        assert sorted(row for batches in trained for batch in batches for row in batch) == sorted(
+            rows
+        ), f"epoch {epoch}"
+        stats = ranks[0]["history"][epoch]
+        assert stats["padded_batches"] == [0] * WORLD_SIZE
+        for rank, batches in enumerate(BATCHES):
+            assert stats["own_batches"][rank] + stats["sent_batches"][rank] == batches
+            assert (
+                stats["own_batches"][rank]
+                + stats["received_batches"][rank]
+                + stats["padded_batches"][rank]
+                == steps
+            )
 
 
 @pytest.mark.timeout(250)
@@ -208,7 +267,8 @@ def test_the_uninterrupted_parquet_run(results: Path, mode: str) -> None:
     for rank, result in enumerate(ranks):
         own = set(shard_ids(PARQUET_ROW_GROUPS, WORLD_SIZE, rank))
         epochs = [_ids(result)[epoch * steps : (epoch + 1) * steps] for epoch in range(EPOCHS)]
-        for ids in epochs:
+        # Share hands rows to the other rank (checked below, over both).
+        for ids in [] if mode == "share" else epochs:
             trained = [row for batch in ids for row in batch]
             assert set(trained) <= own
             if mode == "cycle":
@@ -218,6 +278,8 @@ def test_the_uninterrupted_parquet_run(results: Path, mode: str) -> None:
         assert epochs[0] != epochs[1], "each epoch shuffles with a seed of its own"
         assert [stats["sharding"] for stats in result["history"]] == ["round_robin"] * EPOCHS
     assert ranks[0]["weights"] == ranks[1]["weights"]
+    if mode == "share":
+        _check_every_row_once(ranks, list(range(sum(PARQUET_ROW_GROUPS[0]))))
 
 
 def _check_resumed(results: Path, mode: str, source: str, step: int, variant: str) -> None:
@@ -233,7 +295,7 @@ def _check_resumed(results: Path, mode: str, source: str, step: int, variant: st
         assert stopped["checkpoint_global_step"] == step
         assert [trained["global_step"] for trained in stopped["steps"]] == list(range(step))
         # Lightning saved rank 0's loader state (only rank 0 writes the checkpoint), and every
-        # rank loaded it: the states are equal in truncate and cycle.
+        # rank loaded it: the states are equal in these modes (the epoch and the step).
         (state,) = stopped["checkpoint_loader_states"]
         assert (state["format"], state["rank"]) == ("ddp_even.EvenLoader", 0)
         # Lightning resumed where it stopped. (Not its batch_idx: resumed from the last batch

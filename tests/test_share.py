@@ -1,6 +1,7 @@
 """Share mode on several gloo ranks: every rank takes ceil(B / W) steps, every batch is handed
 out exactly once (the ranks that ran out train on the others' batches), padding only at the
-last step, weights that make that step's mean right, exact statistics, DDP replicas equal.
+last step, weights that make that step's mean right, exact statistics, DDP replicas equal; an
+epoch read only to ``len(loader)`` batches, as a trainer that knows it reads, is complete.
 
 What each rank hands out is checked against the batches' ids (every id of every shard once over
 all ranks), not against ddp_even's arithmetic. Sources: lists of mixed batches (tensors, numpy
@@ -247,3 +248,29 @@ def test_from_parquet_round_robin_every_row_once_and_nothing_called_lost(tmp_pat
     assert stats["lost_rows"] == (0, 0, 0) and stats["dropped_rows"] == (0, 0, 0)
     batches = sum(stats["own_batches"]) + sum(stats["sent_batches"])
     assert stats["steps"] == (math.ceil(batches / 3),) * 3
+
+
+def _to_its_length(rank: int, world_size: int, url: str) -> Any:
+    """Two epochs read as a trainer that knows ``len(loader)`` reads them (Lightning): that
+    many batches, then the next ``iter()``, which closes the epoch before."""
+    loader = EvenLoader.from_parquet(url, 3, mode="share", timeout=60)
+    rows = []
+    for _ in range(2):
+        epoch = iter(loader)
+        rows.append([row for _ in range(len(loader)) for row in next(epoch)["id"].tolist()])
+    del epoch
+    return rows, [stats.as_dict() for stats in loader.history]
+
+
+@pytest.mark.timeout(240)
+def test_an_epoch_read_to_its_length_is_complete(tmp_path: Any) -> None:
+    # Shards of 9 and 5 batches: rank 0 reads its last batch without finding its shard's end,
+    # so the window after the last step's is planned with no steps.
+    url = write_plain_dataset(tmp_path / "data", [[14, 8, 12, 6]])
+    results = run_ranks(_to_its_length, 2, url, timeout=200)
+    for epoch in range(2):
+        assert sorted(row for rows, _ in results for row in rows[epoch]) == list(range(40))
+    for _, history in results:
+        assert [stats["epoch"] for stats in history] == [0, 1]
+        assert [stats["steps"] for stats in history] == [(7, 7)] * 2
+        assert history == results[0][1]

@@ -100,12 +100,16 @@ class _SharedWindows(Generic[BatchT]):
                     return
                 window = self.windows[0]
                 plan = window.plan
+                # The epoch's last window is the last planned, or the one before a last plan of
+                # no steps (where a shard's end was found only after its last batch was read):
+                # either way the only one left. Its last batch completes the epoch.
+                last_window = self.last_planned and len(self.windows) == 1
                 for step, slot in enumerate(plan.slots[self.rank]):
                     fed = self.take(window, step, slot)
                     ends_window = step == plan.steps - 1
                     if ends_window and not self.last_planned:
                         self.start_offer()
-                    ends_epoch = ends_window and plan.last
+                    ends_epoch = ends_window and last_window
                     if ends_epoch:
                         self.handover.finish()
                     stepped += 1
@@ -121,7 +125,7 @@ class _SharedWindows(Generic[BatchT]):
                         return
                     yield batch
                 self.windows.popleft()
-                if plan.last:
+                if last_window:
                     return
         except GeneratorExit:
             self.stop()
