@@ -82,7 +82,7 @@ class Handover:
         self._sent_before: list[_Sent] = []
         self._sent: list[_Sent] = []
         # By group rank: the last batch asked for from there (the next one is received after it).
-        self._receiving: dict[int, _InThread] = {}
+        self._receiving: dict[int, _Outcome] = {}
 
     def send(self, batch: Any, to_rank: int) -> None:
         """Start sending ``batch`` to group rank ``to_rank`` (agreer.rank numbering); returns at
@@ -108,7 +108,7 @@ class Handover:
             try:
                 work = dist.isend(message, dst=destination, group=self._group)
             except RuntimeError as error:  # the peer's connection closed already
-                agreer.await_peer(_InThread(_raising(error)), to_rank)
+                agreer.await_peer(_in_thread(_raising(error)), to_rank)
                 raise
             self._channel.track(work)
             works.append(work)
@@ -126,17 +126,21 @@ class Handover:
     def receive(self, from_rank: int) -> Any:
         """The next batch ``from_rank`` sent to this rank (FIFO per pair of ranks); blocks until
         it is here."""
-        return self.collect(self.expect(from_rank))
+        return self.collect(self.expect(from_rank, 1)[0])
 
-    def expect(self, from_rank: int) -> Incoming:
-        """Start receiving the next batch ``from_rank`` sends to this rank (after those
-        expected from it before); returns at once. :meth:`collect` hands it out."""
+    def expect(self, from_rank: int, count: int) -> list[Incoming]:
+        """Start receiving the next ``count`` batches ``from_rank`` sends to this rank, after
+        those expected from it before, in one waiter thread; returns at once. :meth:`collect`
+        hands each out."""
         self._peer_check(from_rank)
-        source = self._global_ranks[from_rank]
-        before = self._receiving.get(from_rank)
-        receiving = _InThread(functools.partial(self._receive_after, before, source))
-        self._receiving[from_rank] = receiving
-        return Incoming(from_rank, receiving)
+        incoming = [Incoming(from_rank, _Outcome()) for _ in range(count)]
+        if incoming:
+            before = self._receiving.get(from_rank)
+            self._receiving[from_rank] = incoming[-1].receiving
+            source = self._global_ranks[from_rank]
+            outcomes = [each.receiving for each in incoming]
+            _waiters.run(functools.partial(self._receive_each, before, source, outcomes))
+        return incoming
 
     def collect(self, incoming: Incoming) -> Any:
         """The batch ``incoming`` stands for; blocks until it is here."""
@@ -157,7 +161,7 @@ class Handover:
         # Taken off first: after a failure, a second finish does not wait for them again.
         for sent in sending:
             assert self._agreer is not None  # only a collective agreer sent anything
-            waiting = _InThread(functools.partial(_wait_all, sent.works))
+            waiting = _in_thread(functools.partial(_wait_all, sent.works))
             self._agreer.await_peer(waiting, sent.to_rank)
 
     def _peer_check(self, rank: int) -> CollectiveAgreer:
@@ -168,9 +172,16 @@ class Handover:
             )
         return self._agreer
 
-    def _receive_after(self, before: _InThread | None, source: int) -> Any:
-        """One batch from global rank ``source``, once the one asked for before it from there
-        is in (in a waiter thread): the batch, or what its sender sent instead."""
+    def _receive_each(self, before: _Outcome | None, source: int, outcomes: list[_Outcome]) -> None:
+        """Receive a batch from global rank ``source`` into each of ``outcomes`` in turn, once
+        the one asked for before them from there is in (in a waiter thread)."""
+        for outcome in outcomes:
+            outcome.settle(functools.partial(self._receive_after, before, source))
+            before = outcome
+
+    def _receive_after(self, before: _Outcome | None, source: int) -> Any:
+        """One batch from global rank ``source`` once ``before`` is in (raising what it
+        raised): the batch, or what its sender sent instead."""
         if before is not None:
             before.wait_done()
         header, tensors = self._receive_now(source)
@@ -216,7 +227,7 @@ class Incoming:
     """A batch on its way to this rank from group rank ``from_rank`` (:meth:`Handover.expect`)."""
 
     from_rank: int
-    receiving: _InThread
+    receiving: _Outcome
 
 
 @dataclass(frozen=True)
@@ -348,16 +359,16 @@ _waiters = _Waiters()
 os.register_at_fork(after_in_child=_waiters.forget_threads)
 
 
-class _InThread:
-    """A blocking wait run in a waiter thread, waited for like a gloo work."""
+class _Outcome:
+    """What a blocking wait run in a waiter thread came to, waited for like a gloo work."""
 
-    def __init__(self, wait: Callable[[], Any]) -> None:
+    def __init__(self) -> None:
         self.result: Any = None
         self._error: BaseException | None = None
         self._done = threading.Event()
-        _waiters.run(functools.partial(self._run, wait))
 
-    def _run(self, wait: Callable[[], Any]) -> None:
+    def settle(self, wait: Callable[[], Any]) -> None:
+        """Run ``wait`` (in a waiter thread) and keep what it returned or raised."""
         try:
             self.result = wait()
         except BaseException as error:  # raised by the thread that waits for this one
@@ -380,6 +391,13 @@ class _InThread:
 
     def is_completed(self) -> bool:
         return self._done.is_set()
+
+
+def _in_thread(wait: Callable[[], Any]) -> _Outcome:
+    """Run ``wait`` in a waiter thread; its outcome."""
+    outcome = _Outcome()
+    _waiters.run(functools.partial(outcome.settle, wait))
+    return outcome
 
 
 def _wait_all(works: list[Any]) -> None:

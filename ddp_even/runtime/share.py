@@ -202,11 +202,14 @@ class _SharedWindows(Generic[BatchT]):
             self.handover.send(fed.batch, receiver)
             if not padding:
                 counts.count_sent(fed.count_samples(fed.batch))
-        incoming = {
-            step: self.handover.expect(slot.giver)
-            for step, slot in enumerate(plan.slots[self.rank])
-            if slot.giver != self.rank
-        }
+        # By giver, the steps whose batches it sends this rank, received in that order.
+        steps_of: dict[int, list[int]] = {}
+        for step, slot in enumerate(plan.slots[self.rank]):
+            if slot.giver != self.rank:
+                steps_of.setdefault(slot.giver, []).append(step)
+        incoming: dict[int, Incoming] = {}
+        for giver, steps in steps_of.items():
+            incoming.update(zip(steps, self.handover.expect(giver, len(steps)), strict=True))
         return _Window(plan, kept, incoming)
 
     def take(self, window: _Window[BatchT], step: int, slot: Slot) -> FedBatch[BatchT]:
