@@ -1,14 +1,15 @@
 """A planned job that is preempted on N ranks and finishes its epoch on another number.
 
-Run with ``torchrun --nproc-per-node N tests/helpers/elastic_job.py OUT URL MODE [--kill]``.
-Trains one epoch of a DDP model over ``EvenLoader.from_parquet(URL, sharding="rows")`` read
+Run with ``torchrun --nproc-per-node N tests/helpers/elastic_job.py OUT URL MODE [--kill]
+[--round-robin]``. Trains one epoch of a DDP model over ``EvenLoader.from_parquet(URL,
+sharding="rows")`` (``--round-robin``: petastorm's round robin of row groups, uneven shards) read
 with seeded row-group and row shuffles by three reader threads (an order ddp_even computes),
 checkpointing model, optimizer, loader and the ids trained so far every
 ``CHECKPOINT_EVERY`` steps into ``OUT`` (``ckpt-<step>-rank<r>.pt``). With ``--kill`` rank
 ``VICTIM`` SIGKILLs itself at step ``KILL_AT``. Started again with another number of ranks, rank
 ``r`` resumes from old rank ``r``'s checkpoint at the newest step every old rank saved, and
-writes the ids it trains on in the rest of the epoch to ``trained-<r>.json`` and the epoch's
-statistics to ``stats.json`` (rank 0).
+writes the ids it trains on in the rest of the epoch (padding left out) to ``trained-<r>.json``
+and the epoch's statistics to ``stats.json`` (rank 0).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _common_checkpoint_step(out: Path) -> int | None:
 def main() -> None:
     out, url, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     kill = "--kill" in sys.argv[4:]
+    sharding = "round_robin" if "--round-robin" in sys.argv[4:] else "rows"
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -62,7 +64,7 @@ def main() -> None:
         url,
         BATCH,
         mode,
-        sharding="rows",
+        sharding=sharding,
         joinables=[model] if mode == "join" else (),
         reader_kwargs={"seed": 3, "shuffle_rows": True},
         timeout=60,
@@ -76,7 +78,8 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        trained += [int(row) for row in batch["id"]]
+        if not loader.padding:
+            trained += [int(row) for row in batch["id"]]
         step = loader.state_dict()["step"]
         if checkpoint is None and step % CHECKPOINT_EVERY == 0:
             state = {
