@@ -49,7 +49,8 @@ class Slot:
 @dataclass(frozen=True)
 class WindowPlan:
     """A window of share: its steps, whether it ends the epoch, each rank's batch at each step
-    (``slots[rank][step]``), and how many of each rank's held batches it uses."""
+    (``slots[rank][step]``), and how many of each rank's held batches it uses: its oldest
+    ``used[rank]``, every one the window hands out or sends (a padding donor's too)."""
 
     steps: int
     last: bool
@@ -198,9 +199,8 @@ def handed_out_in(batches: Sequence[int], window: int, steps: int) -> list[list[
             for slot in slots[: steps - planned]:
                 if not slot.padding:
                     handed[slot.giver].append(held[slot.giver][slot.index])
-        for rank in range(world_size):
-            sent = [index + 1 for _, index, _ in plan.sends(rank)]
-            for _ in range(max([plan.used[rank], *sent])):
+        for rank, used in enumerate(plan.used):
+            for _ in range(used):
                 held[rank].popleft()
         planned += plan.steps
         if plan.last:

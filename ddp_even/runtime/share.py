@@ -194,10 +194,8 @@ class _SharedWindows(Generic[BatchT]):
         # Every rank took the batches of the window two plans before this one before it started
         # the agreement that planned this one.
         self.handover.release_received()
-        sends = plan.sends(self.rank)
-        taken = max([plan.used[self.rank]] + [index + 1 for _, index, _ in sends])
-        kept = [feed.take() for _ in range(taken)]
-        for receiver, index, padding in sends:
+        kept = [feed.take() for _ in range(plan.used[self.rank])]
+        for receiver, index, padding in plan.sends(self.rank):
             fed = kept[index]
             self.handover.send(fed.batch, receiver)
             if not padding:
