@@ -139,6 +139,17 @@ def test_every_batch_once_in_equal_steps(counts: list[int], sync_every: int | No
         assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True)), "DDP diverged"
 
 
+# Row groups of 40, 30, 1, 17, 3, 5, 6, ... (one file per list): petastorm's round robin gives
+# the ranks shards of very different sizes.
+UNEVEN_ROW_GROUPS = [[40, 3], [30, 5], [1, 6, 4, 2], [17]]
+
+
+def _assert_every_row_once(batches_per_rank: list[list[list[int]]]) -> None:
+    """Every row of UNEVEN_ROW_GROUPS in exactly one batch handed out (not as padding)."""
+    rows = sorted(row for batches in batches_per_rank for batch in batches for row in batch)
+    assert rows == list(range(sum(map(sum, UNEVEN_ROW_GROUPS))))
+
+
 def _petastorm_rows(rank: int, world_size: int, url: str) -> list[list[int]]:
     from petastorm import make_batch_reader
     from petastorm.pytorch import BatchedDataLoader
@@ -158,13 +169,9 @@ def _petastorm_rows(rank: int, world_size: int, url: str) -> list[list[int]]:
 @pytest.mark.petastorm
 @pytest.mark.timeout(240)
 def test_petastorm_sharded_by_row_group_on_4_ranks(tmp_path: Any) -> None:
-    # Row groups of 40, 30, 1, 17, 3, 5, 6, ...: petastorm's round robin gives the 4 ranks
-    # shards of very different sizes.
-    sizes = [[40, 3], [30, 5], [1, 6, 4, 2], [17]]
-    url = write_plain_dataset(tmp_path / "data", sizes)
+    url = write_plain_dataset(tmp_path / "data", UNEVEN_ROW_GROUPS)
     results = run_ranks(_petastorm_rows, 4, url, timeout=200)
-    rows = sorted(row for ids, _ in results for batch in ids for row in batch)
-    assert rows == list(range(sum(map(sum, sizes))))
+    _assert_every_row_once([ids for ids, _ in results])
     steps = {tuple(result[1]) for result in results}
     assert len(steps) == 1 and len(set(steps.pop())) == 1
 
@@ -237,11 +244,9 @@ def _from_parquet(rank: int, world_size: int, url: str) -> Any:
 
 @pytest.mark.timeout(240)
 def test_from_parquet_round_robin_every_row_once_and_nothing_called_lost(tmp_path: Any) -> None:
-    sizes = [[40, 3], [30, 5], [1, 6, 4, 2], [17]]
-    url = write_plain_dataset(tmp_path / "data", sizes)
+    url = write_plain_dataset(tmp_path / "data", UNEVEN_ROW_GROUPS)
     results = run_ranks(_from_parquet, 3, url, timeout=200)
-    rows = sorted(row for ids, _ in results for batch in ids for row in batch)
-    assert rows == list(range(sum(map(sum, sizes))))
+    _assert_every_row_once([ids for ids, _ in results])
     stats = results[0][1]
     assert any(stats["sent_batches"]), "round robin leaves the shards uneven"
     # A shard's batches sent to other ranks are read, not lost or dropped, against its plan.
