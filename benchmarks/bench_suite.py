@@ -63,12 +63,16 @@ SHOWN_FILES = 12
 TIERS = {
     "fast": Tier("not multirank and not spark and not benchmark", target_s=30.0, warm_up=True),
     "ranks": Tier(
-        "(multirank or spark) and not timing and not benchmark", target_s=600.0, warm_up=False
+        "(multirank or spark) and not timing and not benchmark and not load",
+        target_s=600.0,
+        warm_up=False,
     ),
     "timing": Tier(
-        "timing and (multirank or spark) and not benchmark", target_s=600.0, warm_up=False
+        "timing and (multirank or spark) and not benchmark and not load",
+        target_s=600.0,
+        warm_up=False,
     ),
-    "benchmarks": Tier("benchmark", target_s=600.0, warm_up=False),
+    "benchmarks": Tier("benchmark or load", target_s=600.0, warm_up=False),
 }
 
 

@@ -11,7 +11,9 @@ import pytest
 
 from benchmarks.bench_scale import AGREEMENT_STEPS, KILL_TIMEOUT_S, available_readers, run_world
 
-pytestmark = [pytest.mark.benchmark, pytest.mark.multirank]
+# One at a time with the other test that loads the machine (tests/test_busy_at_scale.py):
+# this one bounds how soon a fault is named.
+pytestmark = [pytest.mark.benchmark, pytest.mark.multirank, pytest.mark.xdist_group("load")]
 
 
 @pytest.mark.timeout(420)

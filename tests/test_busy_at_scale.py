@@ -62,8 +62,11 @@ def run_job(world_size: int, timeout: float, hogs: int, limit_s: float) -> list[
         )
 
 
+# The load it makes is its point: never beside the timing tests, and one at a time with the
+# scale benchmark's smoke run (which bounds how soon it names a killed rank).
 @pytest.mark.multirank
-@pytest.mark.timing
+@pytest.mark.load
+@pytest.mark.xdist_group("load")
 @pytest.mark.timeout(300)
 def test_no_live_rank_is_named_at_scale_beside_a_cpu_hog() -> None:
     """16 ranks, a 2 s timeout, a busy loop beside them: every rank takes the epoch's 6 steps
