@@ -390,6 +390,19 @@ def test_local_filesystem_passed_as_filesystem(tmp_path: Path, kind: str) -> Non
         assert rows == _planned_ids(plan, rank)
 
 
+@pytest.mark.timeout(30)
+def test_a_legacy_pyarrow_filesystem_is_refused_naming_what_to_pass(tmp_path: Path) -> None:
+    # pyarrow 14's legacy S3FSWrapper (petastorm's old way to S3); pyarrow 16 removed the module.
+    legacy = pytest.importorskip("pyarrow.filesystem")
+    import fsspec
+
+    url = Layouts(SIZES).plain(tmp_path / "ds")
+    with pytest.raises(TypeError, match=r"got S3FSWrapper: .* \(S3FSWrapper's \.fs\)"):
+        read_row_groups(url, filesystem=legacy.S3FSWrapper(fsspec.filesystem("file")))
+    unwrapped = read_row_groups(url, filesystem=fsspec.filesystem("file"))
+    assert unwrapped.files == read_row_groups(url).files
+
+
 def train_from_remote(
     rank: int, world_size: int, url: str, storage_options: dict[str, Any]
 ) -> dict[str, dict[str, Any]]:

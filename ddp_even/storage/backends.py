@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from ddp_even.errors import DatasetError
 
-__all__ = ["FailureHints", "FileKind", "Storage"]
+__all__ = ["FailureHints", "FileKind", "Storage", "one_line"]
 
 #: What a path is on its storage.
 FileKind = Literal["file", "directory", "missing"]
@@ -141,7 +141,7 @@ class Storage:
         hints, text = self.hints, " ".join(str(error).split())
         if hints is None:  # the local disk: the caller's message about the file says more
             return None
-        url, reason = self.url(path), _reason(error)
+        url, reason = self.url(path), one_line(error)
         if isinstance(error, PermissionError) or _ACCESS_DENIED.search(text):
             return DatasetError(f"{url}: access denied ({reason}): check {hints.credentials}")
         if isinstance(error, ConnectionError | TimeoutError) or _UNREACHABLE.search(text):
@@ -169,7 +169,7 @@ class Storage:
             return (self.filesystem or _LOCAL).get_file_info(where)
         except OSError as error:
             raise self.explain(error, path) or DatasetError(
-                f"{self.url(path)} cannot be listed ({_reason(error)}): check the path or URL, "
+                f"{self.url(path)} cannot be listed ({one_line(error)}): check the path or URL, "
                 "its permissions and the storage options"
             ) from error
 
@@ -178,6 +178,6 @@ def _stamp(info: pafs.FileInfo) -> str:
     return f"{info.size}:{info.mtime_ns}"
 
 
-def _reason(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     """The error's type and first 200 characters, on one line (pyarrow's can run to pages)."""
     return f"{type(error).__name__}: {textwrap.shorten(str(error), 200, placeholder=' ...')}"

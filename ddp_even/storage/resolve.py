@@ -3,7 +3,7 @@
 ``filesystem=`` is used as given; else paths and ``file://`` URLs are the local disk,
 ``s3://``, ``gs://``, ``hdfs://`` pyarrow's own filesystems, other schemes fsspec's. S3 and
 GCS take pyarrow's option names or s3fs's / gcsfs's (renamed here: neither is needed) and the
-endpoint from ``AWS_ENDPOINT_URL`` / ``STORAGE_EMULATOR_HOST``, which pyarrow 14 does not read.
+endpoint from ``AWS_ENDPOINT_URL`` / ``STORAGE_EMULATOR_HOST``, which pyarrow does not read.
 Paths are petastorm 0.12.1's, so a plan names files as petastorm does: without one trailing
 slash, a ``file://`` URL's path not unquoted, a plain path absolute, ``bucket/key`` on object
 stores, what ``_strip_protocol`` gives on fsspec (the private fsspec's ``url_to_fs`` uses).
@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-import textwrap
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from urllib.parse import urlencode, urlparse
 import pyarrow.fs as pafs
 
 from ddp_even.errors import DatasetError
-from ddp_even.storage.backends import FailureHints, Storage
+from ddp_even.storage.backends import FailureHints, Storage, one_line
 
 __all__ = ["DatasetLocation", "ResolvedDataset", "StorageOptions", "resolve_dataset"]
 
@@ -49,6 +48,11 @@ _GCS_RETRY_TIME_LIMIT_S = 30.0
 # How long the GCE metadata server may take to answer the probe for default credentials
 # (google-auth waits about as long); off Google Cloud nothing answers.
 _METADATA_PROBE_S = 1.0
+_GCS_CREDENTIALS = (
+    "GOOGLE_APPLICATION_CREDENTIALS (a service-account key file) or gcloud's default credentials "
+    "('gcloud auth application-default login'), or for a public bucket storage_options "
+    "token='anon' (--storage-option token=anon)"
+)
 
 
 @dataclass(frozen=True)
@@ -148,20 +152,15 @@ def resolve_dataset(
 
 
 def _given(filesystem: Any) -> tuple[pafs.FileSystem, FailureHints]:
-    """``filesystem=`` as pyarrow's; a legacy ``pyarrow.filesystem`` ``S3FSWrapper``, which
-    petastorm users hand their readers, gives the fsspec filesystem it wraps (``.fs``)."""
-    legacy = sys.modules.get("pyarrow.filesystem")
-    if legacy is not None and isinstance(filesystem, legacy.LocalFileSystem):
-        filesystem = pafs.LocalFileSystem()
-    elif legacy is not None and isinstance(filesystem, legacy.FileSystem):
-        filesystem = getattr(filesystem, "fs", filesystem)
+    """``filesystem=``: a ``pyarrow.fs`` one as it is, an fsspec one through ``FSSpecHandler``."""
     fsspec = sys.modules.get("fsspec")
     if fsspec is not None and isinstance(filesystem, fsspec.AbstractFileSystem):
         return _wrap_fsspec(filesystem)
     if not isinstance(filesystem, pafs.FileSystem):
         raise TypeError(
             "filesystem must be a pyarrow.fs.FileSystem or an fsspec filesystem, got "
-            f"{type(filesystem).__name__}"
+            f"{type(filesystem).__name__}: for a legacy pyarrow.filesystem one pass what it "
+            "wraps (S3FSWrapper's .fs) or its pyarrow.fs equal (pyarrow.fs.LocalFileSystem())"
         )
     return filesystem, _hints(f"the {filesystem.type_name} filesystem you passed")
 
@@ -177,7 +176,7 @@ def _build_filesystem(
             filesystem, _ = pafs.FileSystem.from_uri(urlparse(url)._replace(query=query).geturl())
         except (OSError, ValueError) as error:
             raise DatasetError(
-                f"{url}: cannot open HDFS ({textwrap.shorten(str(error), 200)}): it needs "
+                f"{url}: cannot open HDFS ({one_line(error)}): it needs "
                 "Hadoop's libhdfs and Java (HADOOP_HOME, JAVA_HOME, CLASSPATH=$(hadoop classpath "
                 "--glob)) and a namenode at the URL's host and port"
             ) from error
@@ -202,29 +201,24 @@ def _s3(options: dict[str, Any]) -> tuple[dict[str, Any], FailureHints]:
     client, config = options.pop("client_kwargs", None), options.pop("config_kwargs", None)
     given = {**options, **(client or {}), **(config or {})}
     kwargs = {_S3FS_NAMES.get(key, key): value for key, value in given.items()}
-    endpoint, endpoint_source = _endpoint(kwargs, "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
-    use_ssl = kwargs.pop("use_ssl", None)
-    if use_ssl is not None:
-        kwargs.setdefault("scheme", "https" if use_ssl else "http")
+    endpoint = _endpoint(kwargs, "S3", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+    if not kwargs.pop("use_ssl", True):  # s3fs's (an endpoint's own scheme still wins)
+        kwargs.setdefault("scheme", "http")
     retries = kwargs.pop("retries", None)  # botocore's: only the attempts bound a request
     if isinstance(retries, Mapping) and "max_attempts" in retries:
         attempts = int(retries["max_attempts"])
         kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=attempts)
-    for variable in ("AWS_REGION", "AWS_DEFAULT_REGION"):  # pyarrow 14 reads neither itself
-        if "region" not in kwargs and os.environ.get(variable):
-            kwargs["region"] = os.environ[variable]
-    default = f"AWS S3 in region {kwargs.get('region', 'us-east-1')}"
     hints = FailureHints(
         "the credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) or "
         "AWS_PROFILE in the environment, or storage_options key / secret / token",
-        f"the S3 endpoint {endpoint} set by {endpoint_source}" if endpoint else default,
+        endpoint or "AWS S3",
         "AWS_ENDPOINT_URL or storage_options endpoint_url",
     )
     return kwargs, hints
 
 
 def _gcs(kwargs: dict[str, Any], url: str) -> tuple[dict[str, Any], FailureHints]:
-    endpoint, endpoint_source = _endpoint(kwargs, "STORAGE_EMULATOR_HOST")
+    endpoint = _endpoint(kwargs, "GCS", "STORAGE_EMULATOR_HOST")
     if "project" in kwargs:
         kwargs["project_id"] = kwargs.pop("project")
     if kwargs.get("token") in ("anon", "google_default"):  # other tokens: pyarrow refuses them
@@ -245,15 +239,12 @@ def _gcs(kwargs: dict[str, Any], url: str) -> tuple[dict[str, Any], FailureHints
         or _metadata_server_answers()
     ):
         raise DatasetError(
-            f"{url}: no Google Cloud credentials found: set GOOGLE_APPLICATION_CREDENTIALS to a "
-            "service-account key file or run 'gcloud auth application-default login'; for a "
-            "public bucket pass storage_options token='anon' (--storage-option token=anon), "
-            "for an emulator set STORAGE_EMULATOR_HOST"
+            f"{url}: no Google Cloud credentials found: use {_GCS_CREDENTIALS}; for an emulator "
+            "set STORAGE_EMULATOR_HOST"
         )
     hints = FailureHints(
-        "GOOGLE_APPLICATION_CREDENTIALS (a service-account key file) or the default gcloud "
-        "credentials, or storage_options token='anon' for a public bucket",
-        f"the GCS endpoint {endpoint} set by {endpoint_source}" if endpoint else "Google Cloud",
+        f"the credentials: {_GCS_CREDENTIALS}",
+        endpoint or "Google Cloud",
         "STORAGE_EMULATOR_HOST or storage_options endpoint_url",
     )
     return kwargs, hints
@@ -311,18 +302,20 @@ def _hints(filesystem: str) -> FailureHints:
     return FailureHints(f"the credentials of {filesystem}", filesystem, "the URL and options")
 
 
-def _endpoint(kwargs: dict[str, Any], *variables: str) -> tuple[str | None, str]:
-    """``endpoint_url`` or else the first of ``variables`` set, and what set it; put into
-    ``kwargs`` as pyarrow's ``endpoint_override`` and ``scheme``."""
+def _endpoint(kwargs: dict[str, Any], store: str, *variables: str) -> str | None:
+    """``endpoint_url`` or else the first of ``variables`` set, put into ``kwargs`` as pyarrow's
+    ``endpoint_override`` and ``scheme``; the endpoint and what set it, for people."""
     endpoint, source = kwargs.pop("endpoint_url", None), "storage_options endpoint_url"
     for variable in variables:
         if endpoint is None and os.environ.get(variable):
             endpoint, source = os.environ[variable], variable
-    if endpoint is not None and "endpoint_override" not in kwargs:
+    if endpoint is None:
+        return None
+    if "endpoint_override" not in kwargs:
         parsed = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
         kwargs["endpoint_override"] = parsed.netloc + parsed.path.rstrip("/")
         kwargs.setdefault("scheme", parsed.scheme)
-    return endpoint, source
+    return f"the {store} endpoint {endpoint} set by {source}"
 
 
 def _split(text: str) -> tuple[str, str, str]:
