@@ -89,13 +89,3 @@ def test_skewed_sizes_land_on_the_lower_bound() -> None:
 @pytest.mark.timeout(30)
 def test_round_robin_is_petastorms_modulo() -> None:
     assert round_robin_assignment(7, 3).tolist() == [0, 1, 2, 0, 1, 2, 0]
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize(
-    ("world_size", "error", "words"),
-    [(0, ValueError, ">= 1"), (1.5, TypeError, "an int"), (True, TypeError, "an int")],
-)
-def test_bad_world_size(world_size: object, error: type, words: str) -> None:
-    with pytest.raises(error, match=words):
-        balanced_assignment([1, 2], world_size)  # type: ignore[arg-type]

@@ -184,6 +184,7 @@ def test_to_dict_is_json_ready() -> None:
     [
         ({"world_size": 0}, ValueError, "world_size must be at least 1"),
         ({"world_size": 2.0}, TypeError, "world_size must be a positive int"),
+        ({"world_size": True}, TypeError, "world_size must be a positive int"),
         ({"batch_size": 0}, ValueError, "batch_size must be at least 1"),
         ({"balanced": "yes"}, TypeError, "balanced must be True or False"),
         ({"row_groups": []}, ValueError, "no row groups"),

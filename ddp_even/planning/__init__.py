@@ -9,13 +9,6 @@ The names users need::
     from ddp_even.parquet import plan_for_dataset, read_row_groups
 """
 
-from ddp_even.modes import ModeStats
 from ddp_even.planning.plans import ShardPlan, plan_shards
-from ddp_even.planning.row_groups import RowGroups
 
-__all__ = [
-    "ModeStats",
-    "RowGroups",
-    "ShardPlan",
-    "plan_shards",
-]
+__all__ = ["ShardPlan", "plan_shards"]

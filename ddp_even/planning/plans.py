@@ -23,7 +23,7 @@ from ddp_even.agreement.wire import MAX_COUNT
 from ddp_even.checks import check_positive_int
 from ddp_even.modes import MODES, ModeStats, mode_named
 from ddp_even.planning.row_groups import RowGroups
-from ddp_even.planning.sharding import SHARDINGS, RowRange, Sharding, shard_rows, sharding_from
+from ddp_even.planning.sharding import SHARDINGS, RowRange, Sharding, sharding_from
 
 __all__ = [
     "ShardPlan",
@@ -70,16 +70,6 @@ class ShardPlan:
             raise ValueError(
                 "shards, rows_per_rank and batches_per_rank must have one entry per rank"
             )
-
-    @property
-    def balanced(self) -> bool:
-        """True unless the shards are petastorm's round robin (kept from 0.1's ``balanced``).
-
-        Example:
-            >>> plan_shards([5, 5, 5], world_size=2, batch_size=4, sharding="rows").balanced
-            True
-        """
-        return not SHARDINGS[self.sharding].is_petastorms
 
     def row_ranges_of(self, rank: int) -> tuple[RowRange, ...]:
         """The split row groups ``rank`` reads part of: ``(row group, start, stop)`` each.
@@ -295,7 +285,7 @@ def plan_shards(
     sizes = row_groups.num_rows if isinstance(row_groups, RowGroups) else _sizes(row_groups)
     if len(sizes) == 0:
         raise ValueError("there are no row groups to plan: check the dataset")
-    shards = shard_rows(sizes, world_size, sharding)
+    shards = SHARDINGS[sharding].cut(sizes, world_size)
     batches = -(-shards.rows_per_rank // batch_size)
     if int(batches.max()) > MAX_COUNT:
         raise ValueError(
@@ -342,19 +332,3 @@ def _check_rank(rank: int, world_size: int) -> None:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
 
-
-def scan_plan(row_groups: RowGroups | Sequence[int], indices: Sequence[int]) -> ShardPlan:
-    """The plan of one reader reading the row groups ``indices`` whole, in petastorm's order (a
-    scan of some row groups, as a predicate's rows are counted through a reader).
-
-    Example:
-        >>> scan_plan([4, 5, 6], [2, 0]).shards
-        ((0, 2),)
-    """
-    sizes = row_groups.num_rows if isinstance(row_groups, RowGroups) else row_groups
-    wanted = set(indices)
-    return dataclasses.replace(
-        plan_shards(row_groups, 1, max(int(np.sum(sizes)), 1)),
-        sharding="row_groups",
-        shards=(tuple(index for index in range(len(sizes)) if index in wanted),),
-    )

@@ -38,7 +38,6 @@ __all__ = [
     "Sharding",
     "ShardingPolicy",
     "Shards",
-    "shard_rows",
     "sharding_from",
 ]
 
@@ -179,17 +178,6 @@ def sharding_from(sharding: object, balanced: bool | None) -> Sharding:
             f"balanced={balanced} contradicts sharding={checked!r}: pass only sharding"
         )
     return from_flag
-
-
-def shard_rows(sizes: npt.NDArray[np.int64], world_size: int, sharding: Sharding) -> Shards:
-    """Shard row groups of ``sizes`` rows over ``world_size`` ranks.
-
-    Example:
-        >>> shards = shard_rows(np.array([12, 3, 7]), world_size=2, sharding="rows")
-        >>> shards.row_groups, shards.row_ranges, shards.rows_per_rank.tolist()
-        (((0,), (0, 1, 2)), (((0, 0, 11),), ((0, 11, 12),)), [11, 11])
-    """
-    return SHARDINGS[sharding].cut(sizes, world_size)
 
 
 def _whole(sizes: npt.NDArray[np.int64], ranks: npt.NDArray[np.int64], world_size: int) -> Shards:
