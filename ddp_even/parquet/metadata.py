@@ -37,11 +37,7 @@ from ddp_even.errors import DatasetError
 from ddp_even.parquet.layout import DirectoryLayout, check_one_schema, petastorm_too
 from ddp_even.parquet.nulls import NullColumns
 from ddp_even.parquet.row_group_list import build, footer_digest, footer_sizes, from_summary
-from ddp_even.planning.row_groups import (
-    ROW_GROUPS_PER_FILE_KEY,
-    Progress,
-    RowGroups,
-)
+from ddp_even.planning.row_groups import ROW_GROUPS_PER_FILE_KEY, Progress, RowGroups
 from ddp_even.storage import (
     DatasetLocation,
     ResolvedDataset,

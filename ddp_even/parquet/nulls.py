@@ -60,36 +60,18 @@ class NullColumns:
 
 def _nullable_leaves(footer: pq.FileMetaData) -> tuple[dict[int, str], set[str]]:
     """The column chunk index (Parquet's leaf column) of each top-level integer or boolean
-    column that may hold a null, and the names of any such column not placed."""
-    leaves: dict[int, str] = {}
-    leaf = 0
+    column that may hold a null, and the names of any such column not placed: such a column is
+    flat, one leaf whose path is its name."""
+    wanted: set[str] = set()
     for field in footer.schema.to_arrow_schema():
         kind = field.type
         if pa.types.is_dictionary(kind):
             kind = kind.value_type
         if field.nullable and (pa.types.is_integer(kind) or pa.types.is_boolean(kind)):
-            leaves[leaf] = field.name
-        leaf += _leaf_count(field.type)
-    if leaf == footer.num_columns:
-        return leaves, set()
-    # A type stored in other leaves than counted: a top-level column is the leaf of its name.
-    wanted = set(leaves.values())
+            wanted.add(field.name)
     placed = {
         index: path
         for index in range(footer.num_columns)
         if (path := footer.schema.column(index).path) in wanted
     }
     return placed, wanted - set(placed.values())
-
-
-def _leaf_count(kind: pa.DataType) -> int:
-    """How many Parquet leaf columns (column chunks) a column of type ``kind`` is stored in."""
-    if isinstance(kind, pa.ExtensionType):
-        return _leaf_count(kind.storage_type)
-    if pa.types.is_struct(kind):
-        return sum(_leaf_count(kind.field(index).type) for index in range(kind.num_fields))
-    if pa.types.is_map(kind):
-        return _leaf_count(kind.key_type) + _leaf_count(kind.item_type)
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        return _leaf_count(kind.value_type)
-    return 1

@@ -44,13 +44,7 @@ from ddp_even.planning.provenance import code_identity
 from ddp_even.planning.row_groups import RowGroups
 from ddp_even.storage import ResolvedDataset
 
-__all__ = [
-    "KeptRows",
-    "Share",
-    "cache_directory",
-    "count_in_columns",
-    "matching_rows",
-]
+__all__ = ["KeptRows", "Share", "cache_directory", "count_in_columns", "matching_rows"]
 
 logger = logging.getLogger("ddp_even")
 

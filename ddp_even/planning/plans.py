@@ -25,10 +25,7 @@ from ddp_even.modes import MODES, ModeStats, mode_named
 from ddp_even.planning.row_groups import RowGroups
 from ddp_even.planning.sharding import SHARDINGS, RowRange, Sharding, sharding_from
 
-__all__ = [
-    "ShardPlan",
-    "plan_shards",
-]
+__all__ = ["ShardPlan", "plan_shards"]
 
 
 @dataclass(frozen=True)
@@ -331,4 +328,3 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise TypeError(f"rank must be an int, got {type(rank).__name__}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-

@@ -15,11 +15,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-__all__ = [
-    "Progress",
-    "RowGroup",
-    "RowGroups",
-]
+__all__ = ["Progress", "RowGroup", "RowGroups"]
 
 #: Where the row-group list came from.
 MetadataSource = Literal["footers", "_metadata", "_common_metadata"]

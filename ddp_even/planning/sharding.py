@@ -32,14 +32,7 @@ import numpy.typing as npt
 from ddp_even.names import Sharding
 from ddp_even.planning.balance import balanced_assignment, round_robin_assignment
 
-__all__ = [
-    "SHARDINGS",
-    "RowRange",
-    "Sharding",
-    "ShardingPolicy",
-    "Shards",
-    "sharding_from",
-]
+__all__ = ["SHARDINGS", "RowRange", "Sharding", "ShardingPolicy", "Shards", "sharding_from"]
 
 #: Part of a split row group a rank reads: ``(global row-group index, start, stop)``, rows
 #: counted from the row group's first row, ``stop`` excluded.

@@ -27,13 +27,7 @@ from ddp_even.sources.base import (
     registered_source,
 )
 
-__all__ = [
-    "PlannedSource",
-    "ShardPass",
-    "ShardSource",
-    "as_source",
-    "count_rows",
-]
+__all__ = ["PlannedSource", "ShardPass", "ShardSource", "as_source", "count_rows"]
 
 BatchT = TypeVar("BatchT")
 
