@@ -143,7 +143,7 @@ class ReaderReading(PassReading):
     def _data_identity(self) -> bytes | Untold:
         """The files, their row groups and their footers, read through the reader's own
         filesystem: another dataset, or this one rewritten, has another."""
-        from ddp_even.parquet.row_group_list import footer_digest
+        from ddp_even.parquet.metadata import footer_digest
 
         pieces = self._pieces
         paths = list(dict.fromkeys(str(piece.path) for piece in pieces))

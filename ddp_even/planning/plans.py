@@ -185,15 +185,14 @@ class ShardPlan:
             np.array(self.batches_per_rank, dtype=np.int64),
             self.batch_size,
         )
-        runnable, note = self._outcome(chosen.name, outcome.steps)
-        return dataclasses.replace(outcome, runnable=runnable, note=note)
-
-    def _outcome(self, mode: str, steps: int) -> tuple[bool, str]:
         # From the shards alone (as from_parquet reads them): petastorm's own reader, which
         # refuses a round robin with an empty shard, says so through petastorm_error.
-        if not self.empty_ranks:
-            return True, MODES[mode].summary
-        return MODES[mode].note_with_empty_ranks(_rank_list(self.empty_ranks), steps)
+        runnable, note = (
+            chosen.note_with_empty_ranks(_rank_list(self.empty_ranks), outcome.steps)
+            if self.empty_ranks
+            else (True, chosen.summary)
+        )
+        return dataclasses.replace(outcome, runnable=runnable, note=note)
 
     def describe_too_many_ranks(self) -> str | None:
         """When there are more ranks than row groups, what happens in each mode; else None.
@@ -294,8 +293,8 @@ def plan_shards(
         batch_size=batch_size,
         sharding=sharding,
         shards=shards.row_groups,
-        rows_per_rank=_as_tuple(shards.rows_per_rank),
-        batches_per_rank=_as_tuple(batches),
+        rows_per_rank=tuple(shards.rows_per_rank.tolist()),
+        batches_per_rank=tuple(batches.tolist()),
         num_row_groups=len(sizes),
         total_rows=int(sizes.sum()),
         largest_row_group=int(sizes.max()),
@@ -311,10 +310,6 @@ def _sizes(row_groups: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:
     if (sizes < 0).any():
         raise ValueError("row counts must be >= 0")
     return sizes
-
-
-def _as_tuple(values: npt.NDArray[np.int64]) -> tuple[int, ...]:
-    return tuple(int(v) for v in values.tolist())
 
 
 def _rank_list(ranks: tuple[int, ...]) -> str:

@@ -65,15 +65,12 @@ class ShardingPolicy(ABC):
     every_rank_reads_everything: ClassVar[bool] = False
     #: Whole row groups per rank: "at least the largest row group" bounds the rows per rank.
     keeps_row_groups_whole: ClassVar[bool] = True
+    #: Why a state saved mid-epoch cannot resume on another number of ranks, or None.
+    why_not_elastic: ClassVar[str | None] = None
 
     @abstractmethod
     def cut(self, sizes: npt.NDArray[np.int64], world_size: int) -> Shards:
         """Every rank's shard of row groups of ``sizes`` rows."""
-
-    @property
-    def why_not_elastic(self) -> str | None:
-        """Why a state saved mid-epoch cannot resume on another number of ranks, or None."""
-        return None
 
 
 class RoundRobin(ShardingPolicy):
@@ -116,6 +113,10 @@ class Replicate(ShardingPolicy):
     label = "replicated"
     every_rank_reads_everything = True
     keeps_row_groups_whole = False
+    why_not_elastic = (
+        "with sharding='replicate' every rank reads every row, each in its own order, so "
+        "'the rows not yet read' is not one set"
+    )
 
     def cut(self, sizes: npt.NDArray[np.int64], world_size: int) -> Shards:
         everything = tuple(range(len(sizes)))
@@ -123,13 +124,6 @@ class Replicate(ShardingPolicy):
             row_groups=(everything,) * world_size,
             row_ranges=((),) * world_size,
             rows_per_rank=np.full(world_size, int(sizes.sum()), dtype=np.int64),
-        )
-
-    @property
-    def why_not_elastic(self) -> str:
-        return (
-            "with sharding='replicate' every rank reads every row, each in its own order, so "
-            "'the rows not yet read' is not one set"
         )
 
 
