@@ -37,7 +37,7 @@ from ddp_even.parquet.metadata import read_row_groups
 from ddp_even.planning.plans import ShardPlan
 from ddp_even.storage import resolve_dataset
 from tests.helpers.datasets import flat_sizes
-from tests.helpers.gcs_server import GcsServer, start_gcs_server
+from tests.helpers.gcs_server import GcsServer, metadata_server, start_gcs_server
 from tests.helpers.s3_server import S3Server, free_port, upload_directory
 from tests.helpers.shard_reads import Layouts, collect
 from tests.helpers.spawn import run_ranks
@@ -517,6 +517,30 @@ def test_every_rank_reads_its_planned_rows_from_gcs(
     for rank, rows in enumerate(shards):
         assert rows == _planned_ids(plan, rank), f"rank {rank}"
     assert sorted(row for rows in shards for row in rows) == list(range(sum(flat_sizes(SIZES))))
+
+
+@pytest.mark.timeout(60)
+def test_gcs_credentials_of_a_google_cloud_vm_come_from_its_metadata_server(
+    gcs: tuple[GcsServer, dict[str, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Many VMs have no key file and no gcloud login: only the metadata server's service account.
+    # The look for credentials before the first request must find those, and pyarrow use them.
+    server, urls = gcs
+    for name in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST", "GCE_METADATA_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+    options = {"endpoint_url": server.endpoint}  # no token='anon': the VM's credentials
+    with metadata_server() as metadata:
+        monkeypatch.setenv("GCE_METADATA_ROOT", metadata.host)
+        groups = read_row_groups(urls["plain"], storage_options=options)
+        assert groups.num_rows.tolist() == flat_sizes(SIZES)
+        assert any(path.endswith("/token") for path in metadata.paths), metadata.paths
+    # The same VM without its metadata server: no credentials anywhere, said at once.
+    started = time.monotonic()
+    with pytest.raises(DatasetError, match="no Google Cloud credentials found"):
+        read_row_groups(urls["plain"], storage_options=options)
+    assert time.monotonic() - started < 5
 
 
 @pytest.mark.timeout(60)

@@ -5,18 +5,26 @@ answers and creates a bucket. The returned :class:`GcsServer` gives the ``storag
 that point ddp_even's ``gs://`` filesystem (pyarrow's ``GcsFileSystem``) at it, and a pyarrow
 filesystem for writing test data. The emulator checks no credentials: the tests read it
 anonymously (``token="anon"``), the way a public bucket is read.
+
+``metadata_server()`` stands in for a Google Cloud VM's metadata server, the only source of
+credentials on many VMs: it answers the probe for one and hands out an access token, on
+127.0.0.1, to whoever honours ``GCE_METADATA_ROOT`` (google-cloud-cpp and google-auth do).
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +32,7 @@ import pyarrow.fs as pafs
 
 from tests.helpers.s3_server import free_port
 
-__all__ = ["GcsServer", "start_gcs_server"]
+__all__ = ["GcsServer", "MetadataServer", "metadata_server", "start_gcs_server"]
 
 _START_TIMEOUT_S = 60.0
 
@@ -107,3 +115,59 @@ def _create_bucket_when_up(server: GcsServer) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"GCS emulator not up after {_START_TIMEOUT_S:g}s") from None
             time.sleep(0.1)
+
+
+@dataclass
+class MetadataServer:
+    """A running stand-in for a VM's metadata server, and the paths asked of it."""
+
+    host: str
+    paths: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def metadata_server() -> Iterator[MetadataServer]:
+    """A metadata server answering as Google Cloud's does, with the VM's service account and a
+    token for it, while the block runs."""
+    answers = {
+        "/computeMetadata/v1/": {},
+        "/computeMetadata/v1/instance/service-accounts/default/": {
+            "email": "vm@ddp-even.iam.gserviceaccount.com",
+            "scopes": ["https://www.googleapis.com/auth/cloud-platform"],
+            "aliases": ["default"],
+        },
+        "/computeMetadata/v1/instance/service-accounts/vm@ddp-even.iam.gserviceaccount.com/token": {
+            "access_token": "the-vm-token",
+            "expires_in": 3600,
+            "token_type": "Bearer",
+        },
+    }
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            served.paths.append(path)
+            if self.headers.get("Metadata-Flavor") != "Google" or path not in answers:
+                self.send_error(404)
+                return
+            body = json.dumps(answers[path]).encode()
+            self.send_response(200)
+            self.send_header("Metadata-Flavor", "Google")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    served = MetadataServer(f"127.0.0.1:{httpd.server_address[1]}")
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield served
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
