@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Slot", "WindowPlan", "fill_targets", "handed_out_in", "plan_window"]
+__all__ = ["Slot", "WindowPlan", "fill_targets", "handed_out_in", "plan_window", "planned_windows"]
 
 
 @dataclass(frozen=True)
@@ -168,25 +168,28 @@ def _padding_for(
     return Slot(donor, 0, padding=True)
 
 
-def handed_out_in(batches: Sequence[int], window: int, steps: int) -> list[list[int]]:
-    """Which batches of each rank's shard (their indices in it, sorted) an epoch of share hands
-    out, not as padding, in its first ``steps`` steps, where rank ``r``'s shard yields
-    ``batches[r]`` batches (a plan's lengths): the windows the runtime plans, reading as it
-    reads (up to each window's :func:`fill_targets`, learning that a shard ended only when a
-    read finds nothing more), without reading.
+def planned_windows(
+    batches: Sequence[int], window: int, ends_known: bool
+) -> Iterator[tuple[WindowPlan, list[list[int]]]]:
+    """The windows an epoch of share plans where rank ``r``'s shard yields ``batches[r]``
+    batches, each with the indices in its shard of the batches every rank held when it was
+    planned: every rank reads as the runtime does (up to each window's :func:`fill_targets`)
+    without reading. ``ends_known``: a shard ends with its last batch (its length is known), not
+    when a read finds nothing more.
 
     Example::
 
-        >>> handed_out_in([4, 1], window=1, steps=2)
-        [[0, 1, 2], [0]]
+        >>> [plan.steps for plan, _ in planned_windows([4, 1], window=1, ends_known=True)]
+        [1, 1, 1]
+        >>> [held for _, held in planned_windows([4, 1], window=1, ends_known=False)][:2]
+        [[[0], [0]], [[1], []]]
     """
     world_size = len(batches)
     read = [0] * world_size
     ended = [False] * world_size
     held: list[deque[int]] = [deque() for _ in range(world_size)]
-    handed: list[list[int]] = [[] for _ in range(world_size)]
-    planned = 0
-    while planned < steps:
+    handed_out_before = False
+    while True:
         for rank, target in enumerate(fill_targets(ended, window)):
             while len(held[rank]) < target and not ended[rank]:
                 if read[rank] == batches[rank]:
@@ -194,15 +197,36 @@ def handed_out_in(batches: Sequence[int], window: int, steps: int) -> list[list[
                 else:
                     held[rank].append(read[rank])
                     read[rank] += 1
-        plan = plan_window([len(mine) for mine in held], ended, planned > 0, window)
+            ended[rank] = ended[rank] or (ends_known and read[rank] == batches[rank])
+        plan = plan_window([len(mine) for mine in held], ended, handed_out_before, window)
+        yield plan, [list(mine) for mine in held]
+        if plan.last:
+            return
+        for rank, used in enumerate(plan.used):
+            for _ in range(used):
+                held[rank].popleft()
+        handed_out_before = handed_out_before or plan.steps > 0
+
+
+def handed_out_in(
+    batches: Sequence[int], window: int, steps: int, ends_known: bool
+) -> list[list[int]]:
+    """Which batches of each rank's shard (their indices in it, sorted) an epoch of share hands
+    out, not as padding, in its first ``steps`` steps (:func:`planned_windows`).
+
+    Example::
+
+        >>> handed_out_in([4, 1], window=1, steps=2, ends_known=False)
+        [[0, 1, 2], [0]]
+    """
+    handed: list[list[int]] = [[] for _ in batches]
+    planned = 0
+    for plan, held in planned_windows(batches, window, ends_known):
+        if planned >= steps:
+            break
         for slots in plan.slots:
             for slot in slots[: steps - planned]:
                 if not slot.padding:
                     handed[slot.giver].append(held[slot.giver][slot.index])
-        for rank, used in enumerate(plan.used):
-            for _ in range(used):
-                held[rank].popleft()
         planned += plan.steps
-        if plan.last:
-            break
     return [sorted(mine) for mine in handed]

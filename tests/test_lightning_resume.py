@@ -71,7 +71,7 @@ WEIGHT_TOLERANCE = 1e-6
 
 READ_AHEAD = (
     "Lightning's fetcher reads one batch ahead when len(loader) is unknown as an epoch starts "
-    "(every epoch of a factory, the first of a list, every epoch of share without a plan): the "
+    "(every epoch of a factory, the first of a list): the "
     "saved loader state counts that untrained batch, and the resumed run skips it"
 )
 OPEN_EPOCH = (
@@ -91,9 +91,8 @@ def _lightning_alone_fails(mode: str, source: str, step: int) -> str | None:
     """Why Lightning alone resumes wrongly at ``step``, or None where it resumes exactly."""
     steps = _steps_per_epoch(mode)
     saving_epoch = (step - 1) // steps
-    # A plan's length is known at once; a list's from its first epoch's agreement on, but in
-    # share, which agrees window by window.
-    list_length_known = mode != "share" and saving_epoch >= 1
+    # A plan's length is known at once; a list's from its first epoch's agreement on.
+    list_length_known = saving_epoch >= 1
     length_known = source == "parquet" or (source == "list" and list_length_known)
     if step % steps == 0:  # the epoch's last batch
         return OPEN_EPOCH if length_known else None

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ddp_even import EvenLoader, PeerSourceError
+from ddp_even.runtime.settings import CHECK_EVERY
 from ddp_even.share_plan import handed_out_in
 from tests.helpers.datasets import write_plain_dataset
 from tests.helpers.spawn import RankError, run_ranks
@@ -120,7 +121,7 @@ def test_every_batch_once_in_equal_steps(counts: list[int], sync_every: int | No
         # What an elastic resume takes as read before each step: what was handed out then.
         shards = [_shard(rank, counts) for rank in range(world_size)]
         for step in range(steps + 1):
-            handed = handed_out_in(counts, sync_every or 1, step)
+            handed = handed_out_in(counts, sync_every or 1, step, ends_known=sync_every is None)
             expected = sorted(
                 int(shards[r][i]["id"][0]) for r in range(world_size) for i in handed[r]
             )
@@ -133,6 +134,11 @@ def test_every_batch_once_in_equal_steps(counts: list[int], sync_every: int | No
         # the statistics' gather.
         windows = math.ceil(steps / (sync_every or 1))
         most = windows + 2 * world_size + 2
+        if sync_every is None:
+            # Known lengths, the hand-over planned before the first step: the opening
+            # agreement's long form, the sum of the counts, a check every CHECK_EVERY steps
+            # and at the last, the statistics' gather.
+            most = 2 + 1 + (steps // CHECK_EVERY + 1) + 1
         assert all(epochs[epoch][2] <= most for epochs, _ in results), (most, results)
     first, *others = [final for _, final in results]
     for other in others:
@@ -176,32 +182,52 @@ def test_petastorm_sharded_by_row_group_on_4_ranks(tmp_path: Any) -> None:
     assert len(steps) == 1 and len(set(steps.pop())) == 1
 
 
-def _failing(rank: int, world_size: int) -> Any:
+class _CorruptAfterFour(torch.utils.data.Dataset[list[int]]):
+    """Rank 0's six batches, the fifth of which cannot be read."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> list[int]:
+        if index == 4:
+            raise OSError("corrupt row group after 4 batches")
+        return [index]
+
+
+def _failing(rank: int, world_size: int, length_known: bool) -> Any:
     def batches() -> Any:
         for index in range(6 if rank == 0 else 2):
             if rank == 0 and index == 4:
                 raise OSError("corrupt row group after 4 batches")
             yield [index]
 
-    loader = EvenLoader(batches, mode="share", timeout=30)
+    # A map-style DataLoader has a length: the hand-over is planned before the first step.
+    source: Any = batches
+    if length_known:
+        dataset = _CorruptAfterFour() if rank == 0 else [[0], [1]]
+        source = torch.utils.data.DataLoader(dataset, batch_size=None)
+    loader = EvenLoader(source, mode="share", timeout=30)
     return len(list(loader))
 
 
 @pytest.mark.timeout(120)
-def test_a_failing_source_is_the_same_error_on_every_rank() -> None:
-    outcomes = run_ranks(_failing, 2, timeout=100, capture_exceptions=True)
+@pytest.mark.parametrize("length_known", [False, True], ids=["agreed as it goes", "planned"])
+def test_a_failing_source_is_the_same_error_on_every_rank(length_known: bool) -> None:
+    outcomes = run_ranks(_failing, 2, length_known, timeout=100, capture_exceptions=True)
     assert isinstance(outcomes[0], RankError) and "corrupt row group" in outcomes[0].message
     assert isinstance(outcomes[1], RankError) and outcomes[1].type_name == PeerSourceError.__name__
     assert "rank 0" in outcomes[1].message
 
 
-def _resumed(rank: int, world_size: int, counts: list[int], stop: int) -> Any:
+def _resumed(
+    rank: int, world_size: int, counts: list[int], stop: int, sync_every: int | None
+) -> Any:
     """The whole epoch, and the same epoch stopped after ``stop`` steps and resumed from the
-    loader state saved there (a window of 3 steps whose hand-over the cut falls in)."""
+    loader state saved there (in the middle of a hand-over)."""
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
 
     def make() -> EvenLoader[Any]:
-        return EvenLoader(_shard(rank, counts), mode="share", sync_every=3, timeout=60)
+        return EvenLoader(_shard(rank, counts), mode="share", sync_every=sync_every, timeout=60)
 
     def ids(loader: Any, start: int) -> list[tuple[list[int], bool]]:
         seen = []
@@ -225,11 +251,15 @@ def _resumed(rank: int, world_size: int, counts: list[int], stop: int) -> Any:
 
 
 @pytest.mark.timeout(240)
-def test_a_resume_cut_in_the_middle_of_a_hand_over_is_the_uninterrupted_epoch() -> None:
-    # Rank 0's 2 batches end in the first window; in the second (steps 2 to 4) rank 1 hands
-    # it 3 of its batches; the cut falls after step 3, between two of them.
+@pytest.mark.parametrize("sync_every", [3, None], ids=["windows of 3", "planned"])
+def test_a_resume_cut_in_the_middle_of_a_hand_over_is_the_uninterrupted_epoch(
+    sync_every: int | None,
+) -> None:
+    # Rank 0's 2 batches end at step 2; from there rank 1 hands it one of its batches a step
+    # (in windows of 3: steps 2 to 4 in the second); the cut falls after step 3, between two.
     counts, stop = [2, 11], 3
-    for expected, got, whole, resumed in run_ranks(_resumed, 2, counts, stop, timeout=200):
+    outcomes = run_ranks(_resumed, 2, counts, stop, sync_every, timeout=200)
+    for expected, got, whole, resumed in outcomes:
         assert got == expected
         assert resumed.pop("resumed_at_step") == stop and whole.pop("resumed_at_step") is None
         assert resumed == whole

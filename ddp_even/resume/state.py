@@ -294,7 +294,10 @@ def pending_resume(
     if mode.hands_over:
         from ddp_even.share_plan import handed_out_in
 
-        handed = handed_out_in(saved_plan.batches_per_rank, sync_every or 1, step)
+        # Without sync_every the saved epoch planned its hand-over from the plan's lengths.
+        handed = handed_out_in(
+            saved_plan.batches_per_rank, sync_every or 1, step, ends_known=sync_every is None
+        )
         read = tuple(tuple(batches) for batches in handed)
     return epoch, PendingResume(epoch, step, saved_plan, read=read)
 

@@ -283,8 +283,12 @@ def settle_epoch(
     rank, counts = agreer.rank, RankCounts()
     known_batches = start.source.known_batches()
     fixed_steps = mode.fixes_steps(steps_per_epoch)
+    # Share plans its whole hand-over from known lengths on several ranks (one rank has no one
+    # to hand batches to, and agrees as it goes).
     agrees_as_it_goes = (
-        configured.sync_every is not None or not mode.shares_steps or mode.hands_over
+        configured.sync_every is not None
+        or not mode.shares_steps
+        or (mode.hands_over and agreer.world_size == 1)
     )
     wants_plan = not (agrees_as_it_goes or fixed_steps)
     # Sources whose passes tell what they read (petastorm's) are checked every epoch.
@@ -329,16 +333,17 @@ def settle_epoch(
 def run_epoch(
     run: EpochRun[BatchT], joinables: Sequence[Joinable]
 ) -> Generator[BatchT, None, None]:
-    """The epoch in its shape: known lengths (no window), join (several ranks), or windows."""
-    if run.settings.sync_every is None:
-        return run.known_lengths()
+    """The epoch in its shape: share (several ranks), known lengths (no window), join (several
+    ranks), or windows."""
     several_ranks = run.agreer.world_size > 1
-    if not run.settings.mode.shares_steps and several_ranks:
-        from ddp_even.runtime.join import run_join
-
-        return run_join(run, joinables)
     if run.settings.mode.hands_over and several_ranks:
         from ddp_even.runtime.share import run_share
 
         return run_share(run)
+    if run.settings.sync_every is None:
+        return run.known_lengths()
+    if not run.settings.mode.shares_steps and several_ranks:
+        from ddp_even.runtime.join import run_join
+
+        return run_join(run, joinables)
     return run.windows()

@@ -1,14 +1,21 @@
 """The share shape of an epoch: ranks that still have data hand batches to those that ran out.
 
-Before each window of ``sync_every`` steps every rank reads ahead (:func:`~ddp_even.share_plan.
-fill_targets`: a window while every shard goes on, more on the ranks still reading once others
-ran out) and agrees with the others as every mode does. From the last plan every rank knows
-what every other rank holds after reading (its target, or what it had left where that is more)
-unless the rank's shard ended: a rank whose counts differ from that says so in the agreement,
-and only then do the ranks add up every rank's (held batches, shard ended) in an
-``all_reduce(SUM)`` after it, a blocking collective at most once per rank and epoch. From those
-counts every rank plans the same window (:func:`~ddp_even.share_plan.plan_window`): who hands
-out whose batch at each step.
+Where every rank's batch count is known (a plan, the footers, a length) and ``sync_every``
+is not set, the whole hand-over is planned before the first step: one agreement, then every
+rank works out every window from the counts (:func:`~ddp_even.share_plan.planned_windows`),
+and only spaced-out checks of the sources follow (as in the other modes with known lengths; a
+rank whose source fails or runs short hands out its last batch again until the check that
+tells every rank).
+
+Otherwise, before each window of ``sync_every`` steps every rank reads ahead
+(:func:`~ddp_even.share_plan.fill_targets`: a window while every shard goes on, more on the
+ranks still reading once others ran out) and agrees with the others as every mode does. From
+the last plan every rank knows what every other rank holds after reading (its target, or what
+it had left where that is more) unless the rank's shard ended: a rank whose counts differ from
+that says so in the agreement, and only then do the ranks add up every rank's (held batches,
+shard ended) in an ``all_reduce(SUM)`` after it, a blocking collective at most once per rank
+and epoch. From those counts every rank plans the same window
+(:func:`~ddp_even.share_plan.plan_window`): who hands out whose batch at each step.
 
 Windows are planned one ahead of the one handed out: a rank sends the batches of a window
 (:class:`~ddp_even.runtime.handover.Handover`) and its receivers start receiving them while the
@@ -23,14 +30,16 @@ batches at that step weigh ``W / real batches`` so that the averaged gradient is
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from ddp_even.runtime.epochs import last_batch
 from ddp_even.runtime.feed import FedBatch
-from ddp_even.share_plan import Slot, WindowPlan, fill_targets, plan_window
+from ddp_even.runtime.settings import CheckSchedule
+from ddp_even.share_plan import Slot, WindowPlan, fill_targets, plan_window, planned_windows
 
 if TYPE_CHECKING:
     from ddp_even.agreement.pending import PendingAgreement
@@ -75,8 +84,11 @@ class _SharedWindows(Generic[BatchT]):
         self.left = [0] * self.world_size
         # The batches every rank is expected to hold for the offer in flight.
         self.expected = [0] * self.world_size
-        # The offer in flight: this rank's report and its agreement.
-        self.offer: tuple[Report, PendingAgreement] | None = None
+        # The offer in flight: this rank's report and its agreement, or, where the lengths are
+        # known, the next window's plan.
+        self.offer: tuple[Report, PendingAgreement] | WindowPlan | None = None
+        # Known lengths: the epoch's windows, with the batches every rank holds for each.
+        self.known: Iterator[tuple[WindowPlan, list[list[int]]]] | None = None
         self.last_planned = False
         # The windows planned and not handed out, the one being handed out first.
         self.windows: deque[_Window[BatchT]] = deque()
@@ -91,7 +103,11 @@ class _SharedWindows(Generic[BatchT]):
         run = self.run
         resume_at, run.steps_done = run.steps_done, 0
         stepped = 0
+        schedule: CheckSchedule | None = None
         try:
+            if run.known_batches is not None:
+                self.plan_epoch()
+                schedule = CheckSchedule.after(resume_at, run.settings.check_spacing)
             self.start_offer()
             while True:
                 self.plan_ahead()
@@ -119,9 +135,14 @@ class _SharedWindows(Generic[BatchT]):
                         if ends_epoch:
                             run.finish(had_more_own_data=False)
                         continue
+                    if schedule is not None and stepped in (schedule.next_step, run.agreed_steps):
+                        # Every rank settles the previous check and starts the next at this step.
+                        agreed = run.settle_check()
+                        run.start_check(schedule.proposal(stepped))
+                        schedule.checked(stepped, agreed)
                     batch = run.hand_out(fed, plan.padding_weight(step))
                     if ends_epoch:
-                        yield from last_batch(run, batch, lambda: False)
+                        yield from last_batch(run, batch, run.feed.had_more_own_data)
                         return
                     yield batch
                 self.windows.popleft()
@@ -144,9 +165,40 @@ class _SharedWindows(Generic[BatchT]):
             if not plan.last and len(self.windows) < 2:
                 self.start_offer()
 
-    def start_offer(self) -> None:
-        """Read ahead for the next window and start its agreement."""
+    def plan_epoch(self) -> None:
+        """Known lengths: agree once (the first batch read before, so that a source that fails
+        or has nothing is reported to every rank before the first step), learn every rank's
+        batch count (the plan's, or summed), and plan the epoch's windows from them."""
         run, feed = self.run, self.run.feed
+        own_batches = run.known_batches
+        assert own_batches is not None
+        if own_batches:
+            feed.fill(1)
+        report = run.report(own_batches, 0, shard_is_empty=False)
+        run.check(report, run.agreer.start(report).wait())
+        if run.settings.plan is not None:
+            batches = list(run.settings.plan.batches_per_rank)
+        else:
+            mine = [own_batches if rank == self.rank else 0 for rank in range(self.world_size)]
+            batches = run.agreer.start_sum(mine).wait()
+        run.agreed_steps = math.ceil(sum(batches) / self.world_size)
+        self.known = planned_windows(batches, run.settings.sync_every or 1, ends_known=True)
+        logger.debug(
+            "epoch %d: share planned for the whole epoch: %d steps, batches per rank %s",
+            run.epoch,
+            run.agreed_steps,
+            "/".join(map(str, batches)),
+        )
+
+    def start_offer(self) -> None:
+        """Read ahead for the next window and start its agreement (known lengths: read what the
+        window's plan counts on)."""
+        run, feed = self.run, self.run.feed
+        if self.known is not None:
+            plan, held = next(self.known)
+            feed.fill(len(held[self.rank]))
+            self.offer = plan
+            return
         window = run.settings.window(run.steps_done)
         assert window is not None
         targets = fill_targets(self.ended, window)
@@ -168,9 +220,12 @@ class _SharedWindows(Generic[BatchT]):
         """Wait for the offer in flight (raising on every rank what it found) and plan the
         window from every rank's counts."""
         assert self.offer is not None
-        report, pending = self.offer
-        self.offer = None
+        offer, self.offer = self.offer, None
         run = self.run
+        if isinstance(offer, WindowPlan):
+            run.steps_done += offer.steps
+            return offer
+        report, pending = offer
         agreement = run.check(report, pending.wait())
         buffered, ended = self.expected, self.ended
         if agreement.max_own_available:
@@ -194,7 +249,7 @@ class _SharedWindows(Generic[BatchT]):
         # Every rank took the batches of the window two plans before this one before it started
         # the agreement that planned this one.
         self.handover.release_received()
-        kept = [feed.take() for _ in range(plan.used[self.rank])]
+        kept = [feed.take_or_repeat() for _ in range(plan.used[self.rank])]
         for receiver, index, padding in plan.sends(self.rank):
             fed = kept[index]
             self.handover.send(fed.batch, receiver)
@@ -233,7 +288,11 @@ class _SharedWindows(Generic[BatchT]):
         self.handover.finish()
 
     def close(self) -> None:
-        """Whatever ends the epoch: complete the offer every rank started, close the feed."""
-        if self.offer is not None:
+        """Whatever ends the epoch: complete the offer and the check every rank started, close
+        the feed."""
+        if isinstance(self.offer, tuple):
             self.offer[1].finish_started()
+        if self.run.pending_check is not None:
+            self.run.pending_check[1].finish_started()
+            self.run.pending_check = None
         self.run.close()

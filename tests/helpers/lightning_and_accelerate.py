@@ -54,9 +54,9 @@ def source_runs(modes: Sequence[str]) -> list[Any]:
 
 def planned(mode: str, source: str) -> bool:
     """Whether a run's statistics know what each rank dropped: ``from_parquet`` plans, and a
-    petastorm factory sharded with cur_shard/shard_count has footer-known lengths too, except
-    in join mode and in share (which plans its hand-over window by window)."""
-    return source != "factory" or mode not in ("join", "share")
+    petastorm factory sharded with cur_shard/shard_count has footer-known lengths too (share
+    plans its hand-over from them), except in join mode."""
+    return source != "factory" or mode != "join"
 
 
 def skip_without(trainer: str) -> None:
