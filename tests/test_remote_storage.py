@@ -230,6 +230,7 @@ def _unknown_key(s3: S3Server) -> dict[str, Any]:
         (f"s3://{BUCKET}/plain", _unknown_key, "access denied ("),
         (f"s3://{BUCKET}/plain", {"profile": "x"}, "do not build a pyarrow.fs.S3FileSystem ("),
         ("foo://bucket/train", None, "no filesystem knows foo:// URLs"),
+        ("reference://train", {"target": "x"}, "do not build the reference:// filesystem ("),
     ],
 )
 def test_bad_inputs_say_what_to_check(
@@ -244,8 +245,11 @@ def test_bad_inputs_say_what_to_check(
     assert "\n" not in message
     if "access denied" in words:
         assert "AWS_ACCESS_KEY_ID" in message and "storage_options key / secret" in message
-    if "do not build" in words:  # pyarrow's own words name the option it refused
-        assert "'profile'" in message and "s3fs's" in message
+    if "do not build" in words:  # the filesystem's own words name the option it refused
+        assert ("'profile'" if "S3FileSystem" in words else "'fo'") in message
+        assert "filesystem= one you built" in message
+    if "S3FileSystem" in words:
+        assert "s3fs's" in message
 
 
 @pytest.mark.timeout(30)

@@ -284,10 +284,10 @@ def _fsspec(url: str, scheme: str, options: Mapping[str, Any]) -> Any:
             "abfs://, a file:// URL or a local path, or pass filesystem= (a pyarrow.fs or "
             "fsspec filesystem)"
         ) from error
-    except TypeError as error:
+    except TypeError as error:  # the filesystem's message names the option
         raise DatasetError(
-            f"{url}: storage_options {sorted(options)} do not fit the {scheme}:// filesystem "
-            f"({error}): check their names"
+            f"{url}: the storage options do not build the {scheme}:// filesystem ({error}): "
+            "use its parameter names, or pass filesystem= one you built"
         ) from error
 
 
