@@ -125,6 +125,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("s3"))
         if "spark" in fixtures:
             item.add_marker(pytest.mark.xdist_group("spark"))
+    # pytest-xdist hands out the tests outside a group in this order: a long one handed out
+    # last would end the run alone while the other workers wait. Stable: each part keeps the
+    # order of its files.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 @pytest.fixture(scope="session")

@@ -333,6 +333,7 @@ def test_cycle_over_an_empty_shard_of_known_length_raises_on_every_rank(
         assert result["seen"] == []
 
 
+@pytest.mark.long
 @pytest.mark.timeout(150)
 def test_a_break_on_one_rank_only_never_hangs() -> None:
     """Not safe, but loud: what a `break` on rank 0 alone does (documented in the README).

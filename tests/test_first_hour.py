@@ -88,6 +88,7 @@ def venv_with_these_packages(tree: Path) -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_demo_script_keeps_its_dataset_and_ends_with_what_to_try(tmp_path: Path) -> None:
     tree = copy_of_this_tree(tmp_path / "clone")

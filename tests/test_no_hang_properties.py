@@ -335,6 +335,7 @@ def test_world_size_1_without_a_process_group() -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.long
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_no_hang_and_nothing_lost(world_size: int) -> None:

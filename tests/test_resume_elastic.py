@@ -258,6 +258,7 @@ def _torchrun(
 
 @pytest.mark.petastorm
 @pytest.mark.multirank
+@pytest.mark.long
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
     ("mode", "sharding"),

@@ -45,6 +45,7 @@ def _torchrun(out: Path, *extra: str, max_restarts: int) -> subprocess.Completed
     )
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_a_killed_rank_resumes_every_mode_without_losing_or_repeating_data(
     tmp_path: Path,

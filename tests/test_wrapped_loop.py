@@ -229,6 +229,7 @@ def _process_pool_worker(rank: int, world_size: int, url: str) -> dict[str, Any]
     return outcomes
 
 
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_process_pool_readers_train_in_every_mode_and_their_resume_is_refused(
     tmp_path: Path,
