@@ -4,8 +4,8 @@ build petastorm readers themselves on remote data (docs/remote-storage.md), the 
 pyarrow 14 takes its legacy dataset path, the one petastorm's ``validate_schema=`` needs, only
 for a legacy filesystem; :class:`ArrowLegacyFileSystem` gives it one over a ``pyarrow.fs``
 filesystem (``resolve_dataset(url, storage_options=...).storage.filesystem``), so petastorm
-names its files exactly as a plan of the same URL does.
-(:mod:`ddp_even.storage.resolve` goes the other way for a legacy filesystem a user passes.)
+names its files exactly as a plan of the same URL does. It goes one way only: ddp_even's own
+``filesystem=`` refuses a legacy filesystem, naming the ``pyarrow.fs`` or fsspec one to pass.
 """
 
 from __future__ import annotations
