@@ -134,43 +134,28 @@ def plan_dataset(
     )
     row_groups = footers
     if counting is not None:
-        row_groups = _counted(resolved, footers, partitions, counting, rank, world_size, share)
+        predicate = counting.predicate
+        fields = check_predicate_fields(predicate, resolved, footers, partitions)
+        alone = share is None or world_size == 1  # this rank counts every row group
+        row_groups = matching_rows(
+            footers,
+            predicate,
+            key_parts=[counting.kind],
+            count_share=functools.partial(
+                count_in_columns,
+                resolved,
+                footers,
+                predicate=predicate,
+                fields=fields,
+                partitions=partitions,
+                kept=counting.kept,
+            ),
+            rank=0 if alone else rank,
+            world_size=1 if alone else world_size,
+            share=_alone if alone or share is None else share,
+        )
     plan = plan_shards(row_groups, world_size, batch_size, sharding=sharding)
     return DatasetPlan(resolved, footers, row_groups, plan, partitions, nulls.names)
-
-
-def _counted(
-    resolved: ResolvedDataset,
-    footers: RowGroups,
-    partitions: PartitionKeys,
-    counting: PredicateCounting,
-    rank: int,
-    world_size: int,
-    share: Share | None,
-) -> RowGroups:
-    """``footers`` with the rows the predicate keeps in each row group."""
-    predicate = counting.predicate
-    fields = check_predicate_fields(predicate, resolved, footers, partitions)
-    count_share = functools.partial(
-        count_in_columns,
-        resolved,
-        footers,
-        predicate=predicate,
-        fields=fields,
-        partitions=partitions,
-        kept=counting.kept,
-    )
-    if share is None or world_size == 1:  # this rank counts every row group
-        rank, world_size, share = 0, 1, _alone
-    return matching_rows(
-        footers,
-        predicate,
-        key_parts=[counting.kind],
-        count_share=count_share,
-        rank=rank,
-        world_size=world_size,
-        share=share,
-    )
 
 
 def _alone(values: list[int]) -> list[list[int]]:

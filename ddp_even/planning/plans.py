@@ -62,12 +62,6 @@ class ShardPlan:
     #: ``(row group, start, stop)``; empty otherwise.
     row_ranges: tuple[tuple[RowRange, ...], ...] = ()
 
-    def __post_init__(self) -> None:
-        if not (len(self.shards) == len(self.rows_per_rank) == len(self.batches_per_rank)):
-            raise ValueError(
-                "shards, rows_per_rank and batches_per_rank must have one entry per rank"
-            )
-
     def row_ranges_of(self, rank: int) -> tuple[RowRange, ...]:
         """The split row groups ``rank`` reads part of: ``(row group, start, stop)`` each.
 

@@ -135,21 +135,8 @@ class FactorySource(ShardSource[BatchT]):
         options: dict[str, int] = {"epoch": self._epoch} if self._takes_epoch else {}
         if self._start_batch is not None:
             options["start_batch"], self._start_batch = self._start_batch, None
-        made = self._factory(**options)
         # The factory made it, so the pass owns it and stops it when closed.
-        registered = registered_source(made, owned=True)
-        if registered is not None:
-            opened: ShardPass[Any] = registered.open_pass()
-            return opened
-        if not isinstance(made, Iterable) and is_context_manager(made):
-            return open_context_pass(made)
-        if not isinstance(made, Iterable):
-            raise TypeError(
-                f"the source factory returned {type(made).__name__}, which is not iterable; "
-                "it must return a fresh loader, reader or iterable for one pass (or a context "
-                "manager yielding one)"
-            )
-        return ShardPass(iter(made))
+        return _pass_over(self._factory(**options), "the source factory returned", owned=True)
 
 
 def is_context_manager(obj: object) -> bool:
@@ -192,17 +179,9 @@ def open_context_pass(context: AbstractContextManager[Any]) -> ShardPass[Any]:
     entered = context.__enter__()
     try:
         # What the context yields is the context's to stop (its __exit__ does): not owned here.
-        registered = registered_source(entered, owned=False)
-        if registered is not None:
-            inner: ShardPass[Any] = registered.open_pass()
-        elif isinstance(entered, Iterable):
-            inner = ShardPass(iter(entered))
-        else:
-            raise TypeError(
-                f"the context manager the source factory returned yielded "
-                f"{type(entered).__name__}, which is not iterable; it must yield a loader, "
-                "reader or iterable for one pass"
-            )
+        inner = _pass_over(
+            entered, "the context manager the source factory returned yielded", owned=False
+        )
     except BaseException:
         # Nothing is left open; the error is raised even if the context would suppress it,
         # since a pass that failed to start must not pass for an empty shard.
@@ -220,6 +199,24 @@ def open_context_pass(context: AbstractContextManager[Any]) -> ShardPass[Any]:
         give_back=inner.give_back,
         endless=inner.endless,
         reading=inner.reading,
+    )
+
+
+def _pass_over(made: Any, said: str, *, owned: bool) -> ShardPass[Any]:
+    """A pass over ``made``: a registered kind, an iterable, or (made by a factory, ``owned``)
+    a context manager yielding one; ``TypeError`` naming what ``said`` it is otherwise."""
+    registered = registered_source(made, owned=owned)
+    if registered is not None:
+        opened: ShardPass[Any] = registered.open_pass()
+        return opened
+    if isinstance(made, Iterable):
+        return ShardPass(iter(made))
+    if owned and is_context_manager(made):
+        return open_context_pass(made)
+    raise TypeError(
+        f"{said} {type(made).__name__}, which is not iterable; it must be a fresh loader, "
+        "reader or iterable for one pass"
+        + (" (or a context manager yielding one)" if owned else "")
     )
 
 
