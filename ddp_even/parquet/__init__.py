@@ -14,6 +14,6 @@ Example:
 
 from ddp_even.errors import DatasetError
 from ddp_even.parquet.dataset_plan import plan_for_dataset
-from ddp_even.parquet.metadata import changed_row_groups, read_row_groups
+from ddp_even.parquet.metadata import read_row_groups
 
-__all__ = ["DatasetError", "changed_row_groups", "plan_for_dataset", "read_row_groups"]
+__all__ = ["DatasetError", "plan_for_dataset", "read_row_groups"]

@@ -1,7 +1,6 @@
 """What pyarrow 14's legacy ``ParquetManifest`` (which petastorm 0.12.1 uses) finds under a
 dataset directory: its data files in petastorm's order, and its summary files; whether the
-files share one set of columns (as the legacy ``ParquetDataset`` validated them), and whether
-the directory still holds the files planned.
+files share one set of columns (as the legacy ``ParquetDataset`` validated them).
 
 A directory is walked level by level (every directory of a level listed at once: partitions
 are siblings): names starting with ``_`` or ``.``, ``*.crc`` and ``_SUCCESS`` are skipped,
@@ -115,22 +114,6 @@ class DirectoryLayout:
             common_metadata_path=common_paths[0] if common_paths else None,
             stamps=stamps,
         )
-
-    def changed_since(
-        self, planned: Sequence[str], url: Callable[[str], str], has_rows: Callable[[str], bool]
-    ) -> str | None:
-        """A sentence naming a planned data file that is gone, or one added that
-        ``has_rows`` (planning skips a file without row groups); None when neither."""
-        listed, planned_files = set(self.data_files), set(planned)
-        gone = [path for path in planned if path not in listed]
-        if gone:
-            return f"{url(gone[0])} is gone from the dataset since it was planned"
-        added = [path for path in self.data_files if path not in planned_files]
-        added = [path for path in added if has_rows(path)]
-        if not added:
-            return None
-        count = f"{len(added)} new file{'s' if len(added) > 1 else ''}"
-        return f"{url(added[0])} was added to the dataset after it was planned ({count})"
 
 
 def check_one_schema(

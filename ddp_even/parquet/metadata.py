@@ -29,7 +29,7 @@ import hashlib
 import json
 import posixpath
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 import numpy as np
@@ -187,7 +187,16 @@ def changed_files(resolved: ResolvedDataset, planned: RowGroups) -> str | None:
     layout = DirectoryLayout.scan(
         resolved.paths[0], storage, functools.partial(reader.map, report=False)
     )
-    return layout.changed_since(planned.files, storage.url, functools.partial(_has_rows, reader))
+    listed, planned_files = set(layout.data_files), set(planned.files)
+    gone = [path for path in planned.files if path not in listed]
+    if gone:
+        return f"{storage.url(gone[0])} is gone from the dataset since it was planned"
+    added = [path for path in layout.data_files if path not in planned_files]
+    added = [path for path in added if _has_rows(reader, path)]
+    if not added:
+        return None
+    count = f"{len(added)} new file{'s' if len(added) > 1 else ''}"
+    return f"{storage.url(added[0])} was added to the dataset after it was planned ({count})"
 
 
 def _has_rows(reader: MetadataReader, path: str) -> bool:
@@ -254,7 +263,12 @@ class MetadataReader:
                 # Reporting, it looks every 0.1 s; else it waits until all are done or one fails.
                 timeout = None if progress is None else 0.1
                 done, pending = wait(pending, timeout=timeout, return_when=FIRST_EXCEPTION)
-                _raise_first_failure(futures, done)
+                failed = [future for future in futures if future in done and future.exception()]
+                if failed:
+                    for future in futures:
+                        future.cancel()
+                    # The earliest in input order: the same dataset gives the same error.
+                    failed[0].result()
             if progress is not None:
                 progress(total, total)
             return [future.result() for future in futures]
@@ -325,47 +339,27 @@ class MetadataReader:
                 f"{petastorm_too('or regenerate it with petastorm-generate-metadata.py')}"
             )
         counts: dict[str, int] = json.loads(key_values[ROW_GROUPS_PER_FILE_KEY].decode())
-        files_and_counts = []
+        relative = {path: posixpath.relpath(path, root) for path in data_files}
         for path in data_files:
-            relative = posixpath.relpath(path, root)
-            if relative not in counts:
+            if relative[path] not in counts:
                 raise DatasetError(
                     f"{url(path)} is missing from the row-group counts in {url(common_path)}"
                     f"{petastorm_too('petastorm fails with KeyError')}: delete "
                     f"{url(common_path)} (the footers then give the row groups)"
                     f"{petastorm_too('or regenerate it with petastorm-generate-metadata.py')}"
                 )
-            files_and_counts.append((path, counts[relative]))
-        footers = self.read_footers([path for path, _ in files_and_counts], listed=False)
+        footers = self.read_footers(data_files, listed=False)
         sizes = []
-        for (path, count), footer in zip(files_and_counts, footers, strict=True):
+        for path, footer in zip(data_files, footers, strict=True):
+            count = counts[relative[path]]
             if count > footer.num_row_groups:
                 raise DatasetError(
                     f"{url(common_path)} says {url(path)} has {count} row groups but its footer "
                     f"has {footer.num_row_groups}: regenerate the metadata"
                 )
             sizes.append(_footer_sizes(footer)[:count])
-        check_one_schema([path for path, _ in files_and_counts], footers, url)
-        return _build(
-            [path for path, _ in files_and_counts],
-            sizes,
-            "_common_metadata",
-            self.storage,
-            footers,
-        )
-
-
-def _raise_first_failure(futures: list[Future[Any]], done: set[Future[Any]]) -> None:
-    failed = [future for future in done if future.exception() is not None]
-    if not failed:
-        return
-    for future in futures:
-        future.cancel()
-    # The earliest in input order, so that the same dataset gives the same error every time.
-    first = min(failed, key=futures.index)
-    error = first.exception()
-    assert error is not None
-    raise error
+        check_one_schema(data_files, footers, url)
+        return _build(list(data_files), sizes, "_common_metadata", self.storage, footers)
 
 
 def _footer_sizes(footer: pq.FileMetaData) -> list[int]:
