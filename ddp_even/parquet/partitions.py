@@ -27,8 +27,8 @@ class PartitionKeys:
         >>> keys = partition_keys("/d", ["/d/year=2024/a.parquet", "/d/year=2025/b.parquet"])
         >>> keys.names, keys.schema.field("year").type
         (('year',), DataType(int32))
-        >>> keys.table(1, 2).to_pydict()
-        {'year': [2025, 2025]}
+        >>> keys.added_to(pa.table({"x": [7, 8]}), 1, ["x", "year"]).to_pydict()
+        {'x': [7, 8], 'year': [2025, 2025]}
     """
 
     names: tuple[str, ...]
@@ -36,29 +36,22 @@ class PartitionKeys:
     # Per key, per file: the file's value (a typed array of one value per file).
     values: dict[str, pa.Array]
 
-    def table(self, file_index: int, rows: int, names: Sequence[str] | None = None) -> pa.Table:
-        """The keys ``names`` (default: all) for ``rows`` rows of file ``file_index``."""
-        chosen = self.names if names is None else [n for n in names if n in self.names]
-        return pa.table(
-            {name: pa.repeat(self.values[name][file_index], rows) for name in chosen},
-            schema=pa.schema([self.schema.field(name) for name in chosen]),
-        )
-
     def added_to(
         self, table: pa.Table, file_index: int, names: Sequence[str], rows: int | None = None
     ) -> pa.Table:
         """``table`` (rows of file ``file_index``; ``rows`` of them where it has no column)
         with the keys among ``names`` that it lacks, as columns."""
-        missing = [name for name in names if name in self.names and name not in table.column_names]
-        if not missing:
-            return table
         if table.num_columns or rows is None:
             rows = table.num_rows
-        keys = self.table(file_index, rows, missing)
+        keys = {
+            name: pa.repeat(self.values[name][file_index], rows)
+            for name in names
+            if name in self.names and name not in table.column_names
+        }
         if not table.num_columns:
-            return keys
-        for name in missing:
-            table = table.append_column(keys.schema.field(name), keys.column(name))
+            return pa.table(keys) if keys else table
+        for name, column in keys.items():
+            table = table.append_column(name, column)
         return table
 
 

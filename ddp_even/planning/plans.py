@@ -23,9 +23,9 @@ from ddp_even.agreement.wire import MAX_COUNT
 from ddp_even.checks import check_positive_int
 from ddp_even.modes import MODES, ModeStats, mode_named
 from ddp_even.planning.row_groups import RowGroups
-from ddp_even.planning.sharding import SHARDINGS, RowRange, Sharding, sharding_from
+from ddp_even.planning.sharding import SHARDINGS, RowRange, Sharding, Shards, sharding_from
 
-__all__ = ["ShardPlan", "plan_shards"]
+__all__ = ["ShardPlan", "plan_from_shards", "plan_shards"]
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,7 @@ class ShardPlan:
 
     world_size: int
     batch_size: int
-    #: How rows are shared out: ``"round_robin"`` (petastorm's), ``"row_groups"`` (whole row
-    #: groups, balanced), ``"rows"`` (equal shards, a few row groups split) or
-    #: ``"replicate"`` (every rank reads everything); see :mod:`ddp_even.planning.sharding`.
+    #: How rows are shared out (:mod:`ddp_even.planning.sharding`).
     sharding: Sharding
     #: Global row-group indices rank ``r`` reads (whole or in part), in the order petastorm
     #: reads them unshuffled.
@@ -253,11 +251,8 @@ def plan_shards(
     """Plan ``world_size`` shards of row groups whose sizes are known.
 
     ``row_groups`` is a :class:`~ddp_even.planning.row_groups.RowGroups` or the row counts in
-    petastorm's global order. ``sharding`` chooses who reads what (see
-    :mod:`ddp_even.planning.sharding`): ``"round_robin"`` (petastorm's ``i % world_size``),
-    ``"row_groups"`` (whole row groups, balanced), ``"rows"`` (``floor(N / W)`` or
-    ``ceil(N / W)`` rows per rank, a few row groups split) or ``"replicate"`` (every rank
-    reads every row group). ``balanced=True`` is the deprecated spelling of
+    petastorm's global order. ``sharding`` chooses who reads what (one of the four in
+    :mod:`ddp_even.planning.sharding`); ``balanced=True`` is the deprecated spelling of
     ``sharding="row_groups"``. Planning is vectorised: 100,000 row groups over 1,024 ranks
     take well under a second.
 
@@ -275,7 +270,17 @@ def plan_shards(
     sizes = row_groups.num_rows if isinstance(row_groups, RowGroups) else _sizes(row_groups)
     if len(sizes) == 0:
         raise ValueError("there are no row groups to plan: check the dataset")
-    shards = SHARDINGS[sharding].cut(sizes, world_size)
+    return plan_from_shards(SHARDINGS[sharding].cut(sizes, world_size), sizes, batch_size, sharding)
+
+
+def plan_from_shards(
+    shards: Shards,
+    sizes: Sequence[int] | npt.NDArray[np.int64],
+    batch_size: int,
+    sharding: Sharding,
+) -> ShardPlan:
+    """The plan in which rank ``r`` reads ``shards``' row groups (and ranges) ``r``, in batches
+    of ``batch_size`` rows, of a dataset whose row groups have ``sizes`` rows."""
     batches = -(-shards.rows_per_rank // batch_size)
     if int(batches.max()) > MAX_COUNT:
         raise ValueError(
@@ -283,15 +288,15 @@ def plan_shards(
             f"{MAX_COUNT:,} ddp_even can agree on: use a larger batch_size or more ranks"
         )
     return ShardPlan(
-        world_size=world_size,
+        world_size=len(shards.row_groups),
         batch_size=batch_size,
         sharding=sharding,
         shards=shards.row_groups,
         rows_per_rank=tuple(shards.rows_per_rank.tolist()),
         batches_per_rank=tuple(batches.tolist()),
         num_row_groups=len(sizes),
-        total_rows=int(sizes.sum()),
-        largest_row_group=int(sizes.max()),
+        total_rows=int(np.sum(sizes)),
+        largest_row_group=int(np.max(sizes)),
         row_ranges=shards.row_ranges if SHARDINGS[sharding].splits_row_groups else (),
     )
 

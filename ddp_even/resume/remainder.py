@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ddp_even.agreement.wire import MAX_COUNT
+import numpy as np
+
 from ddp_even.planning.pass_order import PassOrder
-from ddp_even.planning.plans import ShardPlan
-from ddp_even.planning.sharding import SHARDINGS, RowRange
+from ddp_even.planning.plans import ShardPlan, plan_from_shards
+from ddp_even.planning.sharding import SHARDINGS, RowRange, Shards
 
 __all__ = ["plan_own_tails", "plan_unread_rows", "unread_rows"]
 
@@ -148,22 +149,13 @@ def plan_unread_rows(
 
 def _plan_of(pieces: list[list[RowRange]], sizes: list[int], batch_size: int) -> ShardPlan:
     """The plan in which rank ``r`` reads ``pieces[r]``, every piece listed in its ``row_ranges``
-    in reading order (its ``shards`` are sorted, as in every plan)."""
-    rows = tuple(sum(stop - start for _, start, stop in mine) for mine in pieces)
-    batches = tuple(-(-count // batch_size) for count in rows)
-    if max(batches) > MAX_COUNT:
-        raise ValueError("too many batches per rank to agree on: use a larger batch_size")
-    return ShardPlan(
-        world_size=len(pieces),
-        batch_size=batch_size,
-        sharding="rows",
+    in reading order."""
+    rows = [sum(stop - start for _, start, stop in mine) for mine in pieces]
+    shards = Shards(
         # In reading order (a row group read in two pieces counts where it first appears), so
         # that a pass over this plan reads the pieces as listed.
-        shards=tuple(tuple(dict.fromkeys(group for group, _, _ in mine)) for mine in pieces),
-        rows_per_rank=rows,
-        batches_per_rank=batches,
-        num_row_groups=len(sizes),
-        total_rows=sum(rows),
-        largest_row_group=max(sizes) if sizes else 0,
+        row_groups=tuple(tuple(dict.fromkeys(group for group, _, _ in mine)) for mine in pieces),
         row_ranges=tuple(tuple(mine) for mine in pieces),
+        rows_per_rank=np.array(rows, dtype=np.int64),
     )
+    return plan_from_shards(shards, sizes, batch_size, "rows")

@@ -413,7 +413,7 @@ def _log_rest(rest: ShardPlan, saved_plan: ShardPlan, epoch: int, step: int) -> 
         step,
         saved_plan.world_size,
         rest.world_size,
-        rest.total_rows,
+        sum(rest.rows_per_rank),
         "/".join(map(str, rest.rows_per_rank)),
     )
 
