@@ -2,14 +2,6 @@
 data), whether they changed, how a dataset directory is laid out, and how many rows a row
 predicate keeps in each row group (counted once, cached). Storage is :mod:`ddp_even.storage`'s;
 what is done with the counts is :mod:`ddp_even.planning`'s.
-
-Example:
-    >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-    >>> from ddp_even.parquet import read_row_groups
-    >>> root = tempfile.mkdtemp()
-    >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
-    >>> read_row_groups(root).num_rows.tolist()
-    [4, 4, 2]
 """
 
 from ddp_even.errors import DatasetError

@@ -87,10 +87,7 @@ class RowGroups:
     file_stamps: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        columns = (self.file_of, self.index_in_file, self.num_rows)
-        if len({len(column) for column in columns}) != 1:
-            raise ValueError("file_of, index_in_file and num_rows must have the same length")
-        for column in columns:
+        for column in (self.file_of, self.index_in_file, self.num_rows):
             column.setflags(write=False)
 
     def __len__(self) -> int:
