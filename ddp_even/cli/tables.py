@@ -239,7 +239,7 @@ def _rank_cells(plan: ShardPlan, rank: int) -> tuple[str, ...]:
     """A rank's cells under :data:`_RANK_COLUMNS`."""
     return (
         str(rank),
-        f"{plan.row_group_counts[rank]:,}",
+        f"{len(plan.shards[rank]):,}",
         f"{plan.rows_per_rank[rank]:,}",
         f"{plan.batches_per_rank[rank]:,}",
     )

@@ -182,7 +182,6 @@ def check_predicate_fields(
 
     Every rank reads the same footer, so every rank raises the same error.
     """
-    check_predicate(predicate)
     schema = dataset_schema(resolved, row_groups, partitions)
     fields = predicate_fields(predicate, schema)
     if not fields:

@@ -91,16 +91,6 @@ class ShardPlan:
         return self.shards[rank]
 
     @property
-    def row_group_counts(self) -> tuple[int, ...]:
-        """Number of row groups per rank.
-
-        Example:
-            >>> plan_shards([5, 5, 5], world_size=2, batch_size=4).row_group_counts
-            (2, 1)
-        """
-        return tuple(len(shard) for shard in self.shards)
-
-    @property
     def lower_bound_rows(self) -> int:
         """The fewest rows any assignment of whole row groups can give its fullest rank.
 
