@@ -10,7 +10,9 @@ Face ``datasets`` streaming six Parquet files split by node over 2 ranks, and
 ``torch.utils.data.DataLoader`` over an ``IterableDataset`` yielding that many batches of
 ``batch_size`` rows (``id``, ``x``, ``y``): no length, as a streaming source has none, so
 ddp_even agrees every window (``--sync-every``: 1 batch by default, as ``EvenLoader``'s; a
-larger window shows what of an epoch's cost is the agreement and what the hand-over). Every
+larger window shows what of an epoch's cost is the agreement and what the hand-over).
+``--known-lengths`` makes the shards map-style datasets, whose lengths ddp_even reads: share
+then plans the whole hand-over before the first step. Every
 rank trains a real DDP model (an MLP ``features`` -> ``hidden`` -> ``hidden`` -> 10, SGD; at
 the defaults 256 -> 512 -> 512 -> 10, 0.4 M parameters: forward, backward and step take about
 2 ms of one core on batch 64 on the 2-core machine the project is developed on, and a step of
@@ -61,7 +63,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from benchmarks.ranks import COLLECTIVE_TIMEOUT_S, in_turn, run_on_ranks
 from benchmarks.report import warn_if_loaded, write_results
@@ -100,24 +102,38 @@ class BenchConfig:
     hidden: int = 512
     outputs: int = 10
     sync_every: int | None = None
+    known_lengths: bool = False
 
 
-class Shard(IterableDataset[Batch]):
+class Shard(Dataset[Batch]):
     """``batches`` batches of ``batch_size`` rows numbered from ``first_row``; each row's ``x``
     and ``y`` drawn from its batch's first row id (the same rows whoever reads them)."""
 
     def __init__(self, first_row: int, batches: int, config: BenchConfig) -> None:
         self.first_row, self.batches, self.config = first_row, batches, config
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __len__(self) -> int:
+        return self.batches
+
+    def __getitem__(self, index: int) -> Batch:
         size = self.config.batch_size
-        for start in range(self.first_row, self.first_row + self.batches * size, size):
-            generator = torch.Generator().manual_seed(start)
-            yield {
-                "id": torch.arange(start, start + size),
-                "x": torch.randn(size, self.config.features, generator=generator),
-                "y": torch.randn(size, self.config.outputs, generator=generator),
-            }
+        start = self.first_row + index * size
+        generator = torch.Generator().manual_seed(start)
+        return {
+            "id": torch.arange(start, start + size),
+            "x": torch.randn(size, self.config.features, generator=generator),
+            "y": torch.randn(size, self.config.outputs, generator=generator),
+        }
+
+
+class Streamed(IterableDataset[Batch]):
+    """A shard read as a stream: no length, as a streaming source has none."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+
+    def __iter__(self) -> Iterator[Batch]:
+        return (self.shard[index] for index in range(len(self.shard)))
 
 
 @dataclass(frozen=True)
@@ -143,7 +159,8 @@ class Variant:
 def shard(rank: int, lengths: tuple[int, ...], config: BenchConfig) -> DataLoader[Batch]:
     """Rank ``rank``'s loader when the shards hold ``lengths`` batches, rows numbered on."""
     first_row = sum(lengths[:rank]) * config.batch_size
-    return DataLoader(Shard(first_row, lengths[rank], config), batch_size=None)
+    dataset = Shard(first_row, lengths[rank], config)
+    return DataLoader(dataset if config.known_lengths else Streamed(dataset), batch_size=None)
 
 
 def training_step(config: BenchConfig) -> Callable[[Batch, float], None]:
@@ -316,7 +333,12 @@ def results_table(result: dict[str, Any], config: BenchConfig) -> Table:
     table = Table(
         title=f"{result['world_size']} ranks (gloo, CPU), shards of {shards} batches of "
         f"{config.batch_size} rows ({result['total_rows']:,} rows; share's steps: "
-        f"ceil(B/W) = {result['share_steps']}; sync_every={config.sync_every or 1})",
+        f"ceil(B/W) = {result['share_steps']}; "
+        + (
+            "lengths known: share planned before the first step)"
+            if config.known_lengths and config.sync_every is None
+            else f"sync_every={config.sync_every or 1})"
+        ),
         title_justify="left",
     )
     table.add_column("variant")
@@ -387,6 +409,12 @@ QUICK = BenchConfig(shapes=((3, 9),), repeats=2, batch_size=16, features=32, hid
     help="The ddp_even variants' batches per agreement.  [default: EvenLoader's, 1 here]",
 )
 @click.option(
+    "--known-lengths",
+    is_flag=True,
+    help="Map-style shards, whose lengths ddp_even reads: share plans its hand-over before the "
+    "first step instead of agreeing every window.",
+)
+@click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=Path("bench-results/share.json"),
@@ -398,12 +426,13 @@ def main(
     repeats: int,
     batch_size: int,
     sync_every: int | None,
+    known_lengths: bool,
     out: Path,
     quick: bool,
 ) -> None:
     """An epoch of uneven shards in share, pad and cycle against equal shards, unwrapped."""
     config = QUICK if quick else BenchConfig(repeats=repeats, batch_size=batch_size)
-    config = dataclasses.replace(config, sync_every=sync_every)
+    config = dataclasses.replace(config, sync_every=sync_every, known_lengths=known_lengths)
     if shapes:
         config = dataclasses.replace(config, shapes=shapes)
     # Wide enough for the table when the output is not a terminal (a file, a pipe).
