@@ -16,9 +16,15 @@ pytestmark = [pytest.mark.benchmark, pytest.mark.multirank]
 CONFIG = dataclasses.replace(QUICK, repeats=1)
 
 
-@pytest.mark.parametrize("shape", [PAD_TARGET_SHAPE, (1, 2, 3, 6)], ids=["22/166", "4 ranks"])
-def test_every_variant_trains_what_its_mode_promises(shape: tuple[int, ...]) -> None:
-    result = measure_shape(shape, CONFIG)
+@pytest.mark.parametrize(
+    ("shape", "known_lengths"),
+    [(PAD_TARGET_SHAPE, False), ((1, 2, 3, 6), False), ((1, 2, 3, 6), True)],
+    ids=["22/166", "4 ranks", "4 ranks, known lengths"],
+)
+def test_every_variant_trains_what_its_mode_promises(
+    shape: tuple[int, ...], known_lengths: bool
+) -> None:
+    result = measure_shape(shape, dataclasses.replace(CONFIG, known_lengths=known_lengths))
 
     json.dumps(result)  # what the command writes
     ranks, batches = len(shape), sum(shape)
