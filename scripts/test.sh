@@ -15,6 +15,7 @@
 #                                         3 processes (on 2 cores: many tests wait on a server
 #                                         or a subprocess; benchmarks/bench_suite.py)
 #   bash scripts/test.sh ARGS             ruff, mypy, then pytest ARGS (a selection of tests)
+#   bash scripts/test.sh [--latest] --install   only the install (.ci/run: both side by side)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,6 +47,9 @@ else
     bash scripts/install.sh petastorm,dev
     python=.venv/bin/python
     lane=""
+fi
+if [[ ${1:-} == --install ]]; then
+    exit
 fi
 
 in_processes() {
