@@ -134,14 +134,22 @@ def check_one_schema(
     if not with_rows:
         return
     first_path, first_footer = with_rows[0]
-    first = (first_path, _columns(first_footer))
+    ours = _columns(first_footer)
     for path, footer in with_rows[1:]:
         if footer.schema.equals(first_footer.schema):
             continue  # the same Parquet schema: the same columns (the common case, cheap)
-        differences = _column_differences(first, (path, _columns(footer)), url)
-        if differences:
+        theirs = _columns(footer)
+        said = []
+        for name in [*ours, *(name for name in theirs if name not in ours)]:
+            if name not in theirs:
+                said.append(f"{name} only in {posixpath.basename(url(first_path))}")
+            elif name not in ours:
+                said.append(f"{name} only in {posixpath.basename(url(path))}")
+            elif ours[name] != theirs[name]:
+                said.append(f"{name} is {ours[name]} in one, {theirs[name]} in the other")
+        if said:
             raise DatasetError(
-                f"{url(first_path)} and {url(path)} have different columns ({differences}): "
+                f"{url(first_path)} and {url(path)} have different columns ({'; '.join(said)}): "
                 "batches need one set of columns; write every file of the dataset with the "
                 "same columns and types, or read the files that share them as a list"
             )
@@ -151,31 +159,9 @@ def _columns(footer: pq.FileMetaData) -> dict[str, pa.DataType]:
     return {field.name: field.type for field in footer.schema.to_arrow_schema()}
 
 
-def _column_differences(
-    first: tuple[str, dict[str, pa.DataType]],
-    other: tuple[str, dict[str, pa.DataType]],
-    url: Callable[[str], str],
-) -> str:
-    """What two files' columns differ in, column by column; empty when they do not."""
-    (first_path, ours), (other_path, theirs) = first, other
-    said = []
-    for name in [*ours, *(name for name in theirs if name not in ours)]:
-        if name not in theirs:
-            said.append(f"{name} only in {posixpath.basename(url(first_path))}")
-        elif name not in ours:
-            said.append(f"{name} only in {posixpath.basename(url(other_path))}")
-        elif ours[name] != theirs[name]:
-            said.append(f"{name} is {ours[name]} in one, {theirs[name]} in the other")
-    return "; ".join(said)
-
-
 def _silently_excluded(name: str) -> bool:
-    return (
-        name.endswith(".crc")
-        or name.endswith("_$folder$")
-        or name.startswith((".", "_"))
-        or name == "_SUCCESS"
-    )
+    # _SUCCESS starts with "_" too.
+    return name.endswith((".crc", "_$folder$")) or name.startswith((".", "_"))
 
 
 def _private_directory(name: str) -> bool:
