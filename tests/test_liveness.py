@@ -49,10 +49,7 @@ TIMEOUT = 2.0
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
-    ("shape", "ddp", "factor"),
-    # Five pauses of 10 s: long.
-    [pytest.param("known", True, 5, marks=pytest.mark.long), ("windows", False, 2)],
-    ids=str,
+    ("shape", "ddp", "factor"), [("known", True, 5), ("windows", False, 2)], ids=str
 )
 def test_a_live_rank_that_pauses_anywhere_is_waited_for(shape: str, ddp: bool, factor: int) -> None:
     seconds = factor * TIMEOUT
@@ -264,7 +261,6 @@ AGENT_LOOKS_EVERY_S = 20
 TORCHRUN_CASES = [(point, index % 2) for index, point in enumerate(POINTS)]
 
 
-@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_under_torchrun_pauses_are_waited_for(tmp_path: Path) -> None:
     acts = [
@@ -280,7 +276,6 @@ def test_under_torchrun_pauses_are_waited_for(tmp_path: Path) -> None:
         assert result["error"] is None and result["seen"] == expected_epochs(rank), result
 
 
-@pytest.mark.long
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     ("point", "doing"),
@@ -305,7 +300,6 @@ def test_under_torchrun_a_frozen_rank_is_named_stalled(
     assert survivor["at"] - began <= TIMEOUT + 2, survivor
 
 
-@pytest.mark.long
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("point", "victim"), TORCHRUN_CASES, ids=str)
 def test_under_torchrun_a_killed_rank_is_named_dead(
