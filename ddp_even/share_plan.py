@@ -170,18 +170,19 @@ def _padding_for(
 
 def planned_windows(
     batches: Sequence[int], window: int, ends_known: bool
-) -> Iterator[tuple[WindowPlan, list[list[int]]]]:
+) -> Iterator[tuple[WindowPlan, list[deque[int]]]]:
     """The windows an epoch of share plans where rank ``r``'s shard yields ``batches[r]``
     batches, each with the indices in its shard of the batches every rank held when it was
-    planned: every rank reads as the runtime does (up to each window's :func:`fill_targets`)
-    without reading. ``ends_known``: a shard ends with its last batch (its length is known), not
-    when a read finds nothing more.
+    planned (valid until the next window is asked for: not copied, since the runtime asks for
+    one a window): every rank reads as the runtime does (up to each window's
+    :func:`fill_targets`) without reading. ``ends_known``: a shard ends with its last batch
+    (its length is known), not when a read finds nothing more.
 
     Example::
 
         >>> [plan.steps for plan, _ in planned_windows([4, 1], window=1, ends_known=True)]
         [1, 1, 1]
-        >>> [held for _, held in planned_windows([4, 1], window=1, ends_known=False)][:2]
+        >>> [[list(mine) for mine in held] for _, held in planned_windows([4, 1], 1, False)][:2]
         [[[0], [0]], [[1], []]]
     """
     world_size = len(batches)
@@ -199,7 +200,7 @@ def planned_windows(
                     read[rank] += 1
             ended[rank] = ended[rank] or (ends_known and read[rank] == batches[rank])
         plan = plan_window([len(mine) for mine in held], ended, handed_out_before, window)
-        yield plan, [list(mine) for mine in held]
+        yield plan, held
         if plan.last:
             return
         for rank, used in enumerate(plan.used):

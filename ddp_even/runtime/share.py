@@ -88,7 +88,7 @@ class _SharedWindows(Generic[BatchT]):
         # known, the next window's plan.
         self.offer: tuple[Report, PendingAgreement] | WindowPlan | None = None
         # Known lengths: the epoch's windows, with the batches every rank holds for each.
-        self.known: Iterator[tuple[WindowPlan, list[list[int]]]] | None = None
+        self.known: Iterator[tuple[WindowPlan, list[deque[int]]]] | None = None
         self.last_planned = False
         # The windows planned and not handed out, the one being handed out first.
         self.windows: deque[_Window[BatchT]] = deque()
@@ -179,8 +179,7 @@ class _SharedWindows(Generic[BatchT]):
         if run.settings.plan is not None:
             batches = list(run.settings.plan.batches_per_rank)
         else:
-            mine = [own_batches if rank == self.rank else 0 for rank in range(self.world_size)]
-            batches = run.agreer.start_sum(mine).wait()
+            batches = [count for (count,) in run.agreer.gather_counts([own_batches])]
         run.agreed_steps = math.ceil(sum(batches) / self.world_size)
         self.known = planned_windows(batches, run.settings.sync_every or 1, ends_known=True)
         logger.debug(
