@@ -1,22 +1,6 @@
-"""Share mode's arithmetic: which batch every rank hands out at every step of a window.
-
-Every rank reports, before a window, the batches of its own shard it holds unread
-(``buffered``), whether its shard has ended (nothing more will come), and whether it already
-has a batch it could copy as padding. From those counts, the same on every rank, :func:`plan_window`
-works out the window: how many steps every rank takes and, for each rank and step, whose batch
-it hands out, so that every rank decides the same without another message.
-
-* A window takes ``min(window, total // W)`` full steps while some shard goes on (every rank a
-  real batch at every step), and, once every shard has ended, ``ceil(total / W)`` steps (at
-  most ``window`` at a time), the last of them padding on the ``W * steps - total`` ranks that
-  hold the fewest batches.
-* Each rank first hands out its own batches, oldest first; ranks holding more than their steps
-  (givers) hand their extra batches, oldest first, to the ranks holding fewer (receivers), in
-  rank order, so that as few batches move as the counts allow.
-* :func:`fill_targets` says how many batches each rank reads ahead for the next window: its
-  share of ``W * window`` among the ranks whose shard goes on, so that the ranks still reading
-  can feed every rank a whole window.
-
+"""Share mode's arithmetic: which batch every rank hands out at every step of a window, from
+every rank's held batches and whether its shard ended, the same on every rank, so that every
+rank decides the same without another message (docs/design.md, "When each mode stops", share).
 Nothing here imports torch.
 
 Example::

@@ -1,45 +1,14 @@
-"""The one place that decides how an epoch runs, from the mode and what is known of the shards.
+"""The one place that decides how an epoch runs, from the mode and what is known of the shards
+(:func:`settle_epoch`), and runs it (:func:`run_epoch`): nothing else reads the mode's choices to
+pick a shape, and every rank takes the same one (ranks of two shapes would wait in different
+collectives). The shapes are docs/design.md's "How an epoch runs".
 
-An epoch has one of four shapes, and every rank must take the same one (ranks of two shapes
-would wait in different collectives):
-
-* **known lengths** (:meth:`~ddp_even.runtime.epochs.EpochRun.known_lengths`): every rank's batch
-  count is known before the first step (a shard plan, the footers of the usual petastorm loop,
-  a list's length), or the mode fixes the step count (:meth:`~ddp_even.modes.Mode.fixes_steps`):
-  one agreement, then only overlapped checks of the sources;
-* **join** (:func:`~ddp_even.runtime.join.run_join`): the mode does not share steps
-  (``shares_steps`` False) and there are several ranks;
-* **share** (:func:`~ddp_even.runtime.share.run_share`): the mode hands batches over
-  (``hands_over``) and there are several ranks: windows whose batches the ranks plan together;
-* **windows** (:meth:`~ddp_even.runtime.epochs.EpochRun.windows`): otherwise, and whenever the user
-  set ``sync_every``, or the mode weighs batches without a plan (pad: each step's real rows
-  over all ranks are summed with each window's agreement).
-
-:func:`settle_epoch` decides it (after the ranks' first passes are checked and, where they
-may, agree on the plan their footers give: :func:`agreed_first_pass`, below), and
-:func:`run_epoch` runs it. Nothing else reads the mode's choices to pick a shape.
-
-Every epoch's start, with every rank, checks what the ranks' first passes read, and works out
-the batch counts their Parquet footers give.
-
-**What the ranks read.** A petastorm reader the user built reads the row groups its
-``cur_shard``/``shard_count`` give it, and nothing in petastorm checks that the ranks' shards
-fit together. Each rank opens its first pass (nothing is read yet) and describes its row groups
-as :func:`~ddp_even.planning.coverage.reading_described` does, in words every rank shares
-exactly when the ranks read the dataset once between them (or each all of it). The words ride
-in the epoch's first agreement: when every rank sent the same, nothing more is sent; otherwise
-the ranks gather their row groups and every rank raises the same
-:class:`~ddp_even.ShardCoverageError` before the first step, naming the row groups no rank
-reads or several do.
-
-**The batch counts.** A petastorm loader sharded with ``cur_shard``/``shard_count`` reads rows
-that follow from the footers when nothing drops rows
-(:func:`ddp_even.petastorm.reading.round_robin_plan` says when). Whether the epoch then runs
-with known lengths (one agreement; between steps only spaced-out checks) or agrees as it goes
-must be one decision for every rank: a rank with the plan and a rank without would wait in different
-collectives. So the same agreement compares the plans the ranks worked out: the plan is used
-when every rank has the same one, and otherwise every rank agrees as it goes. It is worked
-out again at every epoch's start, so lengths are never reused from a dataset that has changed.
+Every epoch's start, with every rank, checks what the ranks' first passes read and works out
+the batch counts their Parquet footers give (:func:`agreed_first_pass`): a reader's row groups
+(``cur_shard``/``shard_count``) that do not cover the dataset once between the ranks raise the
+same :class:`~ddp_even.ShardCoverageError` on every rank before the first step, and a footer
+plan is used only when every rank worked out the same one (docs/design.md, "What ddp_even
+trusts").
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""How one epoch runs on one rank, in each of its three shapes.
-
-* :meth:`EpochRun.windows`: truncate/cycle/pad; ranks agree once per window of ``sync_every``
-  batches. The agreement for the next window is started before the last batch of the current
-  one is handed out, so its latency hides behind the training step (in pad without a plan, with
-  the sum of the window's real rows: :mod:`ddp_even.runtime.padding`).
-* :meth:`EpochRun.known_lengths`: truncate/cycle/pad when every rank knows its batch count
-  (pad: from a plan), or cycle with a fixed ``steps_per_epoch``; one agreement at the start of
-  the epoch, then only a check now and then (:class:`~ddp_even.runtime.settings.CheckSchedule`:
-  every 16 steps, or about 50 ms of steps) that no rank's source failed or ran short, started
-  after a step's batch is taken and waited when the next one starts, so the steps between hide
-  it.
-* :func:`~ddp_even.runtime.join.run_join`: join; each rank hands out all its batches inside
-  ``torch``'s ``Join``, and the loader itself is the first joinable so that ranks that have
-  joined still take part in every window's agreement (errors and mismatches reach them too).
-
-Which shape an epoch takes is :mod:`ddp_even.runtime.epoch_shape`'s decision. Each shape is a
-generator that hands out the feed's batches straight to the loader's epoch, and whatever ends
-it closes the epoch (:meth:`EpochRun.close`).
+"""How one epoch runs on one rank: :class:`EpochRun`, its windows and its whole-epoch shape
+(docs/design.md, "How an epoch runs"; which shape an epoch takes is
+:mod:`ddp_even.runtime.epoch_shape`'s decision). Each shape is a generator that hands out the
+feed's batches straight to the loader's epoch, and whatever ends it closes the epoch
+(:meth:`EpochRun.close`).
 """
 
 from __future__ import annotations
@@ -96,7 +82,13 @@ class EpochRun(Generic[BatchT]):
 
     def close(self) -> None:
         """Whatever ends the epoch (its end, a ``break``, an error), in the shape's ``finally``:
-        close what the feed opened (a reader left running at exit aborts the process)."""
+        complete what every rank started (a check of the sources, pad's sum), and close what
+        the feed opened (a reader left running at exit aborts the process)."""
+        if self.pending_check is not None:
+            self.pending_check[1].finish_started()
+            self.pending_check = None
+        if self.pad_weights is not None:
+            self.pad_weights.finish_started()
         self.handed_out.epoch_ended()
         self.feed.close()
 
@@ -118,14 +110,13 @@ class EpochRun(Generic[BatchT]):
         self.counts.truncated = had_more_own_data
         # A rank that handed out nothing still started its source once.
         self.counts.passes = max(self.counts.passes, min(self.feed.passes_started, 1))
-        mode = self.settings.mode.name
         self.finished = True
         self.record(
             gather_epoch_stats(
                 self.agreer,
                 self.counts,
                 self.epoch,
-                mode,
+                self.settings.mode.name,
                 self.settings.sharding,
                 self.resumed_at,
                 self.resumed_from_world_size,
@@ -154,8 +145,7 @@ class EpochRun(Generic[BatchT]):
             fingerprint=self.settings.fingerprint ^ _RESUMING,
             settings=f"{self.settings.description}, resuming after step {saved_step}",
         )
-        agreement = self.agreer.start(report).wait()
-        self.check(report, agreement)
+        agreement = self.agree(report)
         step = agreement.max_own_available
         if agreement.min_available != step and self.settings.mode.shares_steps:
             raise RankMismatchError(
@@ -228,15 +218,21 @@ class EpochRun(Generic[BatchT]):
             long_form=opens_epoch or most is None or most > SHORT_MOST,
         )
 
+    def report_buffered(self, most: int | None = None) -> Report:
+        """This rank's report of the batches it has read ahead."""
+        return self.report(self.feed.buffered, self.feed.own_buffered, self.feed.empty_shard, most)
+
     def offer_buffered(self, window: int) -> tuple[Report, PendingAgreement]:
         self.feed.fill(window)
-        report = self.report(
-            self.feed.buffered, self.feed.own_buffered, self.feed.empty_shard, most=window
-        )
+        report = self.report_buffered(most=window)
         pending = self.agreer.start(report)
         if self.pad_weights is not None:
             self.pad_weights.offered(self.feed, window)
         return report, pending
+
+    def agree(self, report: Report) -> Agreement:
+        """Agree with every rank on ``report``, waited here, its problems raised (:meth:`check`)."""
+        return self.check(report, self.agreer.start(report).wait())
 
     def check(self, report: Report, agreement: Agreement) -> Agreement:
         """Raise the same error on every rank when the agreement carries a problem; in pad, give
@@ -278,6 +274,27 @@ class EpochRun(Generic[BatchT]):
         self.pending_check = None
         return self.check(report, pending.wait()).min_available
 
+    def check_sources_at(self, schedule: CheckSchedule, step: int) -> None:
+        """Settle the check of the sources started last and start the next, at ``step``: the
+        steps since have hidden the previous one's wait, and every rank checks at this step."""
+        agreed = self.settle_check()
+        self.start_check(schedule.proposal(step))
+        schedule.checked(step, agreed)
+
+    def agree_on_lengths(self) -> Agreement:
+        """Known lengths: the epoch's one agreement, on this rank's batch count (None: its
+        window's, when only the step count is fixed). The first batch is read before it, so
+        that a source that fails or has nothing is reported to every rank before the first
+        step."""
+        own_batches = self.known_batches
+        if own_batches is None or own_batches > 0:
+            self.feed.fill(1)
+        if own_batches is None:
+            report = self.report_buffered()
+        else:
+            report = self.report(own_batches, own_batches, shard_is_empty=own_batches == 0)
+        return self.agree(report)
+
     def windows(self) -> Generator[BatchT, None, None]:
         """Agree once per window of ``sync_every`` batches, the next window's agreement started
         before the current window's last batch is handed out."""
@@ -314,39 +331,22 @@ class EpochRun(Generic[BatchT]):
                     self.finish(self.feed.had_more_own_data())
                     return
         finally:
-            # Every rank started these, so they complete; waiting leaves nothing in flight when
-            # the consumer stops early on every rank.
+            # Every rank started it, so it completes; waiting leaves nothing in flight when the
+            # consumer stops early on every rank.
             if pending is not None:
                 pending.finish_started()
-            if self.pad_weights is not None:
-                self.pad_weights.finish_started()
             self.close()
 
     def known_lengths(self) -> Generator[BatchT, None, None]:
-        """One agreement, then the whole epoch, checking the sources on a :class:`CheckSchedule`.
-
-        :attr:`known_batches` is None when only the step count is fixed (cycle with
-        ``steps_per_epoch``).
-        The first batch is read before the agreement, so that a source that fails or has nothing
-        is reported to every rank before the first step. Later, a rank whose source fails or runs
-        short hands out its last batch again until the check that reports it is settled, where
-        every rank raises.
+        """One agreement (:meth:`agree_on_lengths`), then the whole epoch, checking the sources
+        on a :class:`CheckSchedule`. A rank whose source fails or runs short hands out its last
+        batch again until the check that reports it is settled, where every rank raises.
         """
         try:
             own_batches = self.known_batches
-            window = self.settings.window(0)
-            if own_batches is None or own_batches > 0:
-                self.feed.fill(1)
-            if own_batches is None:
-                report = self.report(
-                    self.feed.buffered, self.feed.own_buffered, self.feed.empty_shard
-                )
-            else:
-                report = self.report(own_batches, own_batches, shard_is_empty=own_batches == 0)
-            agreement = self.check(report, self.agreer.start(report).wait())
             # The whole epoch's steps, also when it resumes part-way.
             decision = self.settings.mode.decide(
-                agreement, window, 0, self.settings.steps_per_epoch
+                self.agree_on_lengths(), self.settings.window(0), 0, self.settings.steps_per_epoch
             )
             self.agreed_steps = decision.steps
             logger.debug(
@@ -367,21 +367,13 @@ class EpochRun(Generic[BatchT]):
                 self.steps_done += 1
                 batch = self.hand_out(self.feed.take_or_repeat())
                 if step == schedule.next_step or step == decision.steps:
-                    # The previous check has had the steps since to complete: its wait is free,
-                    # and every rank settles it at this same step.
-                    agreed = self.settle_check()
-                    self.start_check(schedule.proposal(step))
-                    schedule.checked(step, agreed)
+                    self.check_sources_at(schedule, step)
                 if step == decision.steps:
                     yield from last_batch(self, batch, had_more_own_data)
                     return
                 yield batch
             self.finish(had_more_own_data())
         finally:
-            if self.pending_check is not None:
-                # The consumer stopped early on every rank, which every rank's check completes.
-                self.pending_check[1].finish_started()
-                self.pending_check = None
             self.close()
 
 

@@ -11,25 +11,10 @@ dataclass's tensors would be pickled), and a tensor that appears twice arrives o
 referenced. A numpy array travels as the tensor ``torch.from_numpy`` makes of it and comes
 back as an array of the same dtype.
 
-Gloo delivers a pair's messages in the order they were sent, so a receiver that asks for them
-in the same order gets each sender's batches first in, first out. A receiver can ask for a batch
-before it needs it (:meth:`Handover.expect`): gloo moves a message only once its receiver has
-asked for it, so a batch asked for a window ahead travels while that window trains.
-
-**A group of its own.** Batches go on a second gloo group, made as ddp_even's control group is
-(``agreement/control_group.py``), not on the control group: a gloo group has one connection
-per pair of ranks, and a control all-reduce queued behind a batch on it waits for the whole
-batch. Measured on 2 CPU cores, 2 ranks (``benchmarks/bench_handover.py``): while 128 MB went
-from rank 0 to rank 1 on the control group, an all-reduce of one int64 on it took 59 to 150 ms
-in several runs (0.2 to 0.4 ms idle); with the batch on a second group, 2 to 11 ms, what the
-copy's share of the two cores costs any thread.
-
-**Waiting.** A point-to-point wait given a timeout that expires closes every connection of the
-gloo group ("Application timeout caused pair closure"), so each wait runs without one in a
-waiter thread (gloo's own timeout, the training group's, still applies) while the calling thread
-waits for it in slices, watching the peers' heartbeats as every wait in ddp_even does
-(``CollectiveAgreer.await_peer``): a peer that dies or freezes is named, a live one, however
-busy, is waited for.
+Gloo delivers a pair's messages in the order they were sent, so each pair of ranks is first in,
+first out. Batches go on a gloo group of their own, and each point-to-point wait runs without a
+timeout in a waiter thread while the calling thread watches the peers' heartbeats
+(docs/design.md, "Batches handed over").
 """
 
 from __future__ import annotations
@@ -401,7 +386,7 @@ def _in_thread(wait: Callable[[], Any]) -> _Outcome:
 
 
 def _wait_all(works: list[Any]) -> None:
-    # Without a timeout: see the module's docstring.
+    # Without a timeout: one that expires closes every connection of the gloo group.
     for work in works:
         work.wait()
 

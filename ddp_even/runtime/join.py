@@ -50,8 +50,9 @@ def refuse_join_inside_lightning() -> None:
         frame = frame.f_back
 
 
-class _LoaderJoinable(Joinable):
-    """The loader's place in ``Join``: first, so its per-window agreement is shadowed too."""
+class _LoaderJoinable(Joinable, JoinHook):
+    """The loader's place in ``Join``, and its join hook: first, so its per-window agreement
+    is shadowed too."""
 
     def __init__(
         self, device: torch.device, process_group: Any, shadow_step: Callable[[], None]
@@ -62,7 +63,10 @@ class _LoaderJoinable(Joinable):
         self._shadow_step = shadow_step
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        return _ShadowHook(self._shadow_step)
+        return self
+
+    def main_hook(self) -> None:
+        self._shadow_step()
 
     @property
     def join_device(self) -> torch.device:
@@ -71,14 +75,6 @@ class _LoaderJoinable(Joinable):
     @property
     def join_process_group(self) -> Any:
         return self._process_group
-
-
-class _ShadowHook(JoinHook):
-    def __init__(self, shadow_step: Callable[[], None]) -> None:
-        self._shadow_step = shadow_step
-
-    def main_hook(self) -> None:
-        self._shadow_step()
 
 
 class _KeepWarningFilters:
@@ -109,8 +105,7 @@ def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Generator[
             # This rank has joined; it still takes part in the agreements of the ranks that
             # have not, at the same steps they hold them.
             if run.steps_done % window == 0:
-                report = run.report(0, 0, run.feed.empty_shard, most=window)
-                run.check(report, run.agreer.start(report).wait())
+                run.agree(run.report(0, 0, run.feed.empty_shard, most=window))
             run.steps_done += 1
 
         loader_joinable = _LoaderJoinable(
@@ -126,10 +121,14 @@ def run_join(run: EpochRun[BatchT], joinables: Sequence[Joinable]) -> Generator[
                     if run.feed.buffered == 0 and run.feed.failure is None:
                         break
                     Join.notify_join_context(loader_joinable)
-                    report = run.report(
-                        run.feed.buffered, run.feed.own_buffered, run.feed.empty_shard, most=window
+                    run.agree(
+                        run.report(
+                            run.feed.buffered,
+                            run.feed.own_buffered,
+                            run.feed.empty_shard,
+                            most=window,
+                        )
                     )
-                    run.check(report, run.agreer.start(report).wait())
                     agreed = run.feed.buffered
                     for index in range(agreed):
                         if index > 0:

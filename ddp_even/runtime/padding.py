@@ -1,28 +1,15 @@
-"""Pad mode at run time: each step's real rows, the batch weight, and padding for an empty shard.
+"""Pad mode at run time: each step's real rows, the batch weight, and padding for an empty shard
+(docs/design.md, "Pad's real rows" and "Pad's empty shards").
 
 **The weight.** DDP averages the gradients of the ``W`` ranks. A rank whose batch at a step has
 ``n`` real rows (0 for padding), out of ``N`` real rows over all ranks at that step, multiplies
 its mean loss by ``n * W / N``; the averaged gradient is then
 ``(1 / W) * sum over ranks of (n * W / N) * (1 / n) * sum of its rows' gradients``, the gradient
 of the mean loss over the step's ``N`` real rows, as one process computing all of them would.
-Each rank needs ``N`` at every step:
-
-* with a shard plan (``from_parquet``, ``plan=``, footer-known petastorm loaders) every rank
-  works out every rank's rows at every step (:class:`PlannedRows`; batches of ``batch_size``
-  rows, a short last one): no collective;
-* otherwise the ranks agree as they go, and every window's agreement comes with an
-  ``all_reduce(SUM)`` of the window's real rows per step (:func:`rows_to_sum`), started with
-  it. It is a second collective because the agreement's ``all_reduce(MAX)`` cannot carry a
-  sum. It is started only once the epoch's first agreement has shown that every rank runs the
-  same loop (pad, the same window), so that it never pairs with another rank's other
-  collective.
-
-**An empty shard.** A rank without a single batch has nothing to pad with. Its first
-agreement reports the empty shard; every rank then gathers the reports and, instead of raising
-(cycle's :class:`~ddp_even.EmptyShardError`), the lowest rank with a batch sends a copy of its
-first one (``torch.save``, tensors mapped to the CPU) over ddp_even's gloo group
-(:func:`share_padding`). A batch that cannot be saved stops every rank with a clear error
-before the first step.
+With a shard plan every rank works out every rank's rows at every step (:class:`PlannedRows`);
+without one, each window's agreement comes with an ``all_reduce(SUM)`` of the window's real
+rows per step (:class:`PadWeights`). A rank with an empty shard pads with a copy of the lowest
+other rank's first batch (:func:`share_padding`).
 """
 
 from __future__ import annotations

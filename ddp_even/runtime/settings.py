@@ -6,26 +6,10 @@ that a state saved with other settings is refused naming each field that differs
 (:func:`differing_settings`).
 
 **When an epoch with known lengths checks its sources** (:class:`CheckSchedule`): the same
-steps on every rank. With known lengths the ranks agree once per epoch; after that they only
-check, now and then, that no rank's source failed or ran short (``runtime/epochs.py``). Each
-check is an asynchronous all-reduce waited for when the next one starts, so it is free only
-when the steps between two checks outlast it. Short steps (a small model on CPU, a loader timed
-alone) would wait for it: every :data:`CHECK_EVERY` steps, a check of a few hundred
-microseconds is 10 % of steps of half a millisecond.
-
-So checks are :data:`CHECK_EVERY` steps apart, or as many more as take about
-:data:`CHECK_PERIOD_S` at the pace of the steps so far, up to :data:`MOST_STEPS_BETWEEN_CHECKS`.
-Every rank needs the same spacing, and paces differ between ranks: each check carries every
-rank's proposal (in its report's ``available``, which a check does not otherwise use), and the
-reduction gives every rank the smallest, which spaces the check after the next one. The first
-two checks of a loader's first epoch are :data:`CHECK_EVERY` steps apart; a later epoch's start
-at the spacing its previous epoch's last check agreed, so that an epoch shorter than a few
-spacings does not wait for a check started :data:`CHECK_EVERY` short steps before. That spacing
-is part of the epoch's settings, which the ranks compare before its first step: a rank with
-another history (a loader made anew on it alone) fails there. A proposal is a power of two times
-:data:`CHECK_EVERY`, sent as its exponent (0 to 6): a check then fits the agreement's short
-form, one int64 (``agreement/wire.py``), at the price of checks up to twice as close as the
-period asks.
+steps on every rank, :data:`CHECK_EVERY` steps apart or as many more as take about
+:data:`CHECK_PERIOD_S` at the pace of the steps so far, up to :data:`MOST_STEPS_BETWEEN_CHECKS`;
+each check carries every rank's proposal for the spacing, and the smallest spaces the check
+after the next (docs/design.md, "How an epoch runs": whole epoch).
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
-"""The share shape of an epoch: ranks that still have data hand batches to those that ran out.
+"""The share shape of an epoch: ranks that still have data hand batches to those that ran out
+(docs/design.md, "When each mode stops", share).
 
-Where every rank's batch count is known (a plan, the footers, a length) and ``sync_every``
-is not set, the whole hand-over is planned before the first step: one agreement, then every
-rank works out every window from the counts (:func:`~ddp_even.share_plan.planned_windows`),
-and only spaced-out checks of the sources follow (as in the other modes with known lengths; a
-rank whose source fails or runs short hands out its last batch again until the check that
-tells every rank).
-
-Otherwise, before each window of ``sync_every`` steps every rank reads ahead
-(:func:`~ddp_even.share_plan.fill_targets`: a window while every shard goes on, more on the
-ranks still reading once others ran out) and agrees with the others as every mode does. From
-the last plan every rank knows what every other rank holds after reading (its target, or what
-it had left where that is more) unless the rank's shard ended: a rank whose counts differ from
-that says so in the agreement, and only then do the ranks add up every rank's (held batches,
-shard ended) in an ``all_reduce(SUM)`` after it, a blocking collective at most once per rank
-and epoch. From those counts every rank plans the same window
-(:func:`~ddp_even.share_plan.plan_window`): who hands out whose batch at each step.
-
-Windows are planned one ahead of the one handed out: a rank sends the batches of a window
-(:class:`~ddp_even.runtime.handover.Handover`) and its receivers start receiving them while the
-window before it trains, so that a step waits for a batch only where the transfer takes longer
-than a window's steps.
+With known lengths and no ``sync_every`` the whole hand-over is planned before the first step
+(:func:`~ddp_even.share_plan.planned_windows`), and only spaced-out checks of the sources
+follow. Otherwise every rank reads ahead (:func:`~ddp_even.share_plan.fill_targets`), agrees,
+and plans the same window from every rank's counts (:func:`~ddp_even.share_plan.plan_window`);
+the counts are summed after the agreement only where a rank's differ from what the last plan
+lets every rank expect (its shard ended: at most once a rank and epoch). Windows are planned one
+ahead of the one handed out, so that a window's batches travel
+(:class:`~ddp_even.runtime.handover.Handover`) while the window before it trains.
 
 Every batch is handed out once. The epoch's last step may hold padding on the ranks with the
 fewest batches (a copy of their last batch, ``loader.padding`` True, weight 0), and the real
@@ -136,10 +124,7 @@ class _SharedWindows(Generic[BatchT]):
                             run.finish(had_more_own_data=False)
                         continue
                     if schedule is not None and stepped in (schedule.next_step, run.agreed_steps):
-                        # Every rank settles the previous check and starts the next at this step.
-                        agreed = run.settle_check()
-                        run.start_check(schedule.proposal(stepped))
-                        schedule.checked(stepped, agreed)
+                        run.check_sources_at(schedule, stepped)
                     batch = run.hand_out(fed, plan.padding_weight(step))
                     if ends_epoch:
                         yield from last_batch(run, batch, run.feed.had_more_own_data)
@@ -169,17 +154,13 @@ class _SharedWindows(Generic[BatchT]):
         """Known lengths: agree once (the first batch read before, so that a source that fails
         or has nothing is reported to every rank before the first step), learn every rank's
         batch count (the plan's, or summed), and plan the epoch's windows from them."""
-        run, feed = self.run, self.run.feed
-        own_batches = run.known_batches
-        assert own_batches is not None
-        if own_batches:
-            feed.fill(1)
-        report = run.report(own_batches, 0, shard_is_empty=False)
-        run.check(report, run.agreer.start(report).wait())
+        run = self.run
+        assert run.known_batches is not None
+        run.agree_on_lengths()
         if run.settings.plan is not None:
             batches = list(run.settings.plan.batches_per_rank)
         else:
-            batches = [count for (count,) in run.agreer.gather_counts([own_batches])]
+            batches = [count for (count,) in run.agreer.gather_counts([run.known_batches])]
         run.agreed_steps = math.ceil(sum(batches) / self.world_size)
         self.known = planned_windows(batches, run.settings.sync_every or 1, ends_known=True)
         logger.debug(
@@ -291,7 +272,4 @@ class _SharedWindows(Generic[BatchT]):
         the feed."""
         if isinstance(self.offer, tuple):
             self.offer[1].finish_started()
-        if self.run.pending_check is not None:
-            self.run.pending_check[1].finish_started()
-            self.run.pending_check = None
         self.run.close()
