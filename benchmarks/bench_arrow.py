@@ -171,7 +171,9 @@ def variants_for(url: str, rank: int, world_size: int, config: BenchConfig) -> l
     storage = arrow_passes.dataset_plan.resolved.storage
 
     def decoded_rows(group: int, columns: list[str], footer: pq.FileMetaData) -> int:
-        with storage.open_input_file(row_groups.files[row_groups.file_of[group]]) as source:
+        with storage.filesystem.open_input_file(
+            row_groups.files[row_groups.file_of[group]]
+        ) as source:
             table = pq.ParquetFile(source, metadata=footer).read_row_group(
                 int(row_groups.index_in_file[group]), columns=columns, use_threads=False
             )

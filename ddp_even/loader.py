@@ -244,7 +244,6 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             balanced=balanced,
             predicate=predicate,
             share=None if agreer is None else agreer.gather_counts,
-            loader=loader,
             reader=reader,
             reader_kwargs=reader_kwargs,
             loader_kwargs=loader_kwargs,

@@ -22,7 +22,7 @@ from rich.console import Console
 import ddp_even
 from ddp_even.cli import main, tables
 from ddp_even.parquet import plan_for_dataset
-from ddp_even.storage.resolve import _metadata_server_answers
+from ddp_even.storage import _metadata_server_answers
 from tests.helpers.datasets import write_plain_dataset
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ddp_even import EvenLoader
-from ddp_even.arrow.decoding import Decoding
+from ddp_even.arrow.columns import Decoding
 from ddp_even.arrow.passes import make_shard_factory
 from ddp_even.arrow.reader import ArrowPass, PassRows
 from ddp_even.errors import PlanMismatchError, RowCountMismatchError
@@ -289,8 +289,9 @@ def test_what_only_petastorms_own_reader_has_is_refused_in_one_line(url: str) ->
         EvenLoader.from_parquet(url, BATCH, loader_kwargs={"shuffling_queue_capacity": 10})
     with pytest.raises(ValueError, match=r"reads every plan with pyarrow.*EvenLoader\(lambda"):
         EvenLoader.from_parquet(url, BATCH, engine="petastorm")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="loader must be 'batched_dataloader' or 'dataloader'"):
-        EvenLoader.from_parquet(url, BATCH, loader="reader")  # type: ignore[arg-type]
+    for loader in ("reader", "torch"):
+        with pytest.raises(ValueError, match="loader must be 'batched_dataloader' or 'dataloader'"):
+            EvenLoader.from_parquet(url, BATCH, loader=loader)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"schema_fields=\[\] reads no column"):
         EvenLoader.from_parquet(url, BATCH, reader_kwargs={"schema_fields": []})
     with pytest.raises(ValueError, match="not an option of from_parquet's reader"):

@@ -63,25 +63,11 @@ def read_all_ranks(
 
 PETASTORM = pytest.mark.petastorm
 SCENARIOS = [
-    pytest.param(plain, {"reader": "batch", "loader": "batched_dataloader"}, id="plain-batch"),
-    pytest.param(plain, {"reader": "batch", "loader": "dataloader"}, id="plain-dataloader"),
-    pytest.param(partitioned, {"reader": "batch", "loader": "batched_dataloader"}, id="hive"),
-    pytest.param(with_metadata, {"reader": "batch", "loader": "batched_dataloader"}, id="metadata"),
-    pytest.param(
-        unischema, {"reader": "row", "loader": "dataloader"}, id="unischema-row", marks=PETASTORM
-    ),
-    pytest.param(
-        unischema,
-        {"reader": "row", "loader": "batched_dataloader"},
-        id="unischema-row-batched",
-        marks=PETASTORM,
-    ),
-    pytest.param(
-        unischema,
-        {"reader": "batch", "loader": "batched_dataloader"},
-        id="unischema-batch",
-        marks=PETASTORM,
-    ),
+    pytest.param(plain, {"reader": "batch"}, id="plain-batch"),
+    pytest.param(partitioned, {"reader": "batch"}, id="hive"),
+    pytest.param(with_metadata, {"reader": "batch"}, id="metadata"),
+    pytest.param(unischema, {"reader": "row"}, id="unischema-row", marks=PETASTORM),
+    pytest.param(unischema, {"reader": "batch"}, id="unischema-batch", marks=PETASTORM),
 ]
 
 
@@ -190,7 +176,6 @@ def test_round_robin_row_factory_reads_what_petastorms_make_reader_reads(
             BATCH,
             sharding="round_robin",
             reader="row",
-            loader="dataloader",
             reader_kwargs=IN_ORDER,
         )
         with factory() as shard_pass:
@@ -205,9 +190,7 @@ def test_round_robin_row_factory_reads_what_petastorms_make_reader_reads(
 def test_each_factory_call_is_a_fresh_pass(tmp_path: Path) -> None:
     url = plain(tmp_path / "ds")
     # A pass's short last batch must not be carried over into the next pass.
-    plan, factory = make_shard_factory(
-        url, 0, 2, BATCH, loader="dataloader", reader_kwargs=IN_ORDER
-    )
+    plan, factory = make_shard_factory(url, 0, 2, BATCH, reader_kwargs=IN_ORDER)
     passes = []
     for _ in range(2):
         with factory() as shard_pass:
@@ -387,8 +370,6 @@ def test_petastorms_own_options_are_refused_with_the_way_to_the_same(
             {"reader_kwargs": {"schema_fields": ["i.*"]}},
             "Regular expressions need reader='row'",
         ),
-        ({"loader": "reader"}, "loader must be 'batched_dataloader' or 'dataloader'"),
-        ({"loader": "torch"}, "loader must be 'batched_dataloader' or 'dataloader'"),
         ({"reader": "rows"}, "reader must be 'batch'"),
         ({"rank": 2}, r"rank must be in \[0, 2\)"),
     ],

@@ -138,7 +138,6 @@ def test_rows_readers_read_every_row_exactly_once(
             BATCH,
             sharding="rows",
             reader=reader,
-            loader="dataloader" if reader == "row" else "batched_dataloader",
             predicate=_in_lambda() if predicate else None,
             reader_kwargs={"shuffle_rows": True, "seed": 5},
             loader_kwargs=THREADS,

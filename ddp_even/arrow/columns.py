@@ -8,20 +8,27 @@ timestamps and durations become int64 tensors in their unit, a null as :data:`NU
 every row group alike; dictionaries their values; anything else (decimals, strings, binary,
 lists, structs, maps, intervals) a Python list. A batch inside one row group is a slice of its
 tensors (a view); one across two row groups is concatenated. docs/using.md has the table of
-every type.
+every type. :class:`Decoding` is that conversion, and a predicate on the stored values; a reader
+of another format on top of Parquet (petastorm's Unischema codecs and ``TransformSpec``:
+:mod:`ddp_even.petastorm.decoding`) subclasses it. The pyarrow reader and the count of a
+predicate's rows before planning call the same object, so what was counted is what is read.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Collection, Iterator, Sequence
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import torch
 
-__all__ = ["NULL_TIME", "BatchCutter", "Columns", "concatenated", "sliced", "to_columns"]
+from ddp_even.parquet.predicates import kept_mask
+
+__all__ = ["NULL_TIME", "BatchCutter", "Columns", "Decoding", "to_columns"]
 
 #: A batch (or a row group): each column's values, a tensor or a list.
 Columns = dict[str, Any]
@@ -107,12 +114,47 @@ def _time_values(column: pa.ChunkedArray) -> np.ndarray[Any, np.dtype[np.int64]]
     return np.asarray(integers.to_numpy(), dtype=np.int64)
 
 
-def sliced(columns: Columns, start: int, stop: int) -> Columns:
+class Decoding:
+    """Plain Parquet: each column as :func:`to_columns` makes it.
+
+    Example:
+        >>> import pyarrow.compute as pc
+        >>> table = pa.table({"id": [1, 2, 3]})
+        >>> Decoding().columns(table)["id"], Decoding().kept(pc.field("id") > 1, table).tolist()
+        (tensor([1, 2, 3]), [False, True, True])
+    """
+
+    #: What the counts of a predicate's rows are cached under, beside the predicate itself.
+    kind = b"arrow"
+    #: Whether :meth:`columns` needs every column of a row group at once (a transform of whole
+    #: rows); otherwise the reader decodes a row group's columns in parts, side by side.
+    whole_row_group = False
+
+    #: The integer and boolean columns that hold a null somewhere in the dataset: float in
+    #: every row group (:mod:`ddp_even.parquet.nulls`), so that a column's dtype never changes.
+    with_nulls: frozenset[str] = frozenset()
+
+    def for_dataset(self, with_nulls: Collection[str]) -> Self:
+        """This decoding, for a dataset whose columns ``with_nulls`` hold a null somewhere."""
+        decoding = copy.copy(self)
+        decoding.with_nulls = frozenset(with_nulls)
+        return decoding
+
+    def columns(self, table: pa.Table) -> Columns:
+        """``table``'s rows as a batch's columns."""
+        return to_columns(table, self.with_nulls)
+
+    def kept(self, predicate: Any, table: pa.Table) -> npt.NDArray[np.bool_]:
+        """Which rows of ``table`` (a row group's predicate columns) ``predicate`` keeps."""
+        return kept_mask(predicate, table)
+
+
+def _sliced(columns: Columns, start: int, stop: int) -> Columns:
     """Rows ``start`` to ``stop`` of every column (views of the tensors)."""
     return {name: values[start:stop] for name, values in columns.items()}
 
 
-def concatenated(parts: Sequence[Columns]) -> Columns:
+def _concatenated(parts: Sequence[Columns]) -> Columns:
     """``parts`` (the same columns each) one after the other."""
     if len(parts) == 1:
         return parts[0]
@@ -150,11 +192,11 @@ class BatchCutter:
         start = 0
         if self._carried:
             start = min(self._batch_size - self._carried_rows, rows)
-            self._carried.append(sliced(columns, 0, start))
+            self._carried.append(_sliced(columns, 0, start))
             self._carried_rows += start
             if self._carried_rows < self._batch_size:
                 return
-            yield [concatenated(self._carried)]
+            yield [_concatenated(self._carried)]
             self._carried, self._carried_rows = [], 0
         whole_stop = start + (rows - start) // self._batch_size * self._batch_size
         for cut_start in range(start, whole_stop, _CUT_AT_ONCE * self._batch_size):
@@ -164,12 +206,12 @@ class BatchCutter:
             )
             yield [dict(zip(columns, batch, strict=True)) for batch in zip(*split, strict=True)]
         if whole_stop < rows:
-            self._carried = [sliced(columns, whole_stop, rows)]
+            self._carried = [_sliced(columns, whole_stop, rows)]
             self._carried_rows = rows - whole_stop
 
     def rest(self) -> list[list[Columns]]:
         """The pass's short last batch, if any."""
-        rest = [[concatenated(self._carried)]] if self._carried else []
+        rest = [[_concatenated(self._carried)]] if self._carried else []
         self._carried, self._carried_rows = [], 0
         return rest
 

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ddp_even.arrow.decoding import Decoding
+from ddp_even.arrow.columns import Decoding
 from ddp_even.arrow.reader import ArrowPass, PassRows
-from ddp_even.checks import check_batching_loader, check_positive_int, taken_once
+from ddp_even.checks import check_positive_int, taken_once
 from ddp_even.errors import PlanMismatchError
 from ddp_even.modes import MODES
 from ddp_even.parquet.dataset_plan import DatasetPlan, PredicateCounting, plan_dataset
@@ -65,6 +65,8 @@ _READER_OPTIONS = {
 }
 _LOADER_OPTIONS = {"prefetch", "threads", "pin_memory"}
 _THREADS_INSTEAD = "from_parquet reads with threads of its own: loader_kwargs={'threads': N}"
+_LOCAL_COPY = "petastorm's local cache; read a local copy of the dataset instead"
+_IN_THE_LOOP = "batches are dicts of tensors: transform them in the training loop"
 # Options of petastorm's own reader and loaders, and how to get the same here.
 _PETASTORM_ONLY = {
     "reader_pool_type": _THREADS_INSTEAD,
@@ -72,17 +74,12 @@ _PETASTORM_ONLY = {
     "results_queue_size": "row groups in flight: loader_kwargs={'prefetch': N}",
     "shuffle_row_drop_partitions": "shuffle rows inside row groups: shuffle_rows=True",
     "shuffling_queue_capacity": "shuffle rows inside row groups: reader_kwargs shuffle_rows=True",
-    "cache_type": "petastorm's local cache; read a local copy of the dataset instead",
-    "cache_location": "petastorm's local cache; read a local copy of the dataset instead",
-    "cache_size_limit": "petastorm's local cache; read a local copy of the dataset instead",
-    "cache_row_size_estimate": "petastorm's local cache; read a local copy of the dataset instead",
-    "cache_extra_settings": "petastorm's local cache; read a local copy of the dataset instead",
+    **dict.fromkeys(["cache_type", "cache_location", "cache_size_limit"], _LOCAL_COPY),
+    **dict.fromkeys(["cache_row_size_estimate", "cache_extra_settings"], _LOCAL_COPY),
     "hdfs_driver": "HDFS is read through pyarrow.fs: pass filesystem= or storage_options=",
     "zmq_copy_buffers": "petastorm's process pool: " + _THREADS_INSTEAD,
-    "collate_fn": "batches are dicts of tensors: transform them in the training loop",
-    "transform_fn": "batches are dicts of tensors: transform them in the training loop",
-    "cur_shard": "sharding follows the plan (sharding=)",
-    "shard_count": "sharding follows the plan (sharding=)",
+    **dict.fromkeys(["collate_fn", "transform_fn"], _IN_THE_LOOP),
+    **dict.fromkeys(["cur_shard", "shard_count"], "sharding follows the plan (sharding=)"),
     "shard_seed": "sharding follows the plan: seed= shuffles the reading order",
     "num_epochs": "each pass reads one epoch's shard; EvenLoader runs the epochs",
     "rowgroup_selector": "it changes which row groups exist: filter rows with predicate=",
@@ -105,7 +102,6 @@ def make_shard_factory(
     *,
     sharding: Sharding = "round_robin",
     balanced: bool | None = None,
-    loader: str = "batched_dataloader",
     reader: str = "batch",
     reader_kwargs: Mapping[str, Any] | None = None,
     loader_kwargs: Mapping[str, Any] | None = None,
@@ -130,7 +126,6 @@ def make_shard_factory(
         >>> rows == plan.rows_per_rank[1]
         True
     """
-    check_batching_loader(loader)
     if reader not in ("batch", "row"):
         raise ValueError(
             f"reader must be 'batch' (Parquet's values) or 'row' (a petastorm Unischema "
@@ -182,9 +177,7 @@ def make_shard_factory(
     # Integers and booleans with a null anywhere: float in every batch of every rank.
     decoding = decoding.for_dataset(planned.with_nulls)
     order = PassOrder(options.get("seed"), bool(options.get("shuffle_row_groups", True)))
-    fields: list[str] = []
-    if predicate is not None:
-        fields = predicate_fields(predicate, schema)
+    fields = [] if predicate is None else predicate_fields(predicate, schema)
     passes = ArrowPasses(
         planned,
         rank,

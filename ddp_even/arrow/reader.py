@@ -1,28 +1,20 @@
 """One pass over a rank's planned rows, read with pyarrow: row groups read ahead, batches out.
 
-A thread walks the pass's row groups in the order given (:func:`~ddp_even.planning.pass_order.
-pass_rows`), each whole and once. For each it first decides which rows the pass keeps: the
-predicate applied (:func:`~ddp_even.parquet.predicates.kept_mask`, what was counted before
-planning), the kept rows checked against the plan's count
-(:class:`~ddp_even.errors.RowCountMismatchError` otherwise), permuted by the epoch's seed when
-rows are shuffled (the same permutation on every rank, before the plan's ranges are cut, as
-petastorm's planned readers do), cut to the rank's ranges. Its other columns are then read in
-parts, one per reading thread (the predicate's, decoded to decide, are not read again), each
-keeping those rows, and converted to tensors once
-(:mod:`ddp_even.arrow.columns`). At most ``prefetch`` row groups are in flight, so reading
-overlaps the training step and memory stays bounded. The pass hands out batches of
-``batch_size`` rows (views where a batch lies in one row group), the last one short, as
-petastorm's ``BatchedDataLoader`` does. They are cut as the loop asks for them, a few at a time:
-cut ahead, a row group's hundreds of views per column would outlive Python's young
-collections, and the full collections they bring (each over every object torch holds) would
-cost more than cutting them (``benchmarks/bench_arrow.py``).
-
-Closing the pass (the end, a ``break``, an exception, an epoch let go of) stops the thread.
+A thread walks the pass's row groups in the order given, each once. For each it first decides
+which rows the pass keeps (:func:`_selection`: the predicate's rows, checked against the plan's
+count, permuted by the epoch's seed before the rank's ranges are cut, as petastorm's planned
+readers do), then reads its other columns in parts, one per reading thread, and converts them
+to tensors once (:mod:`ddp_even.arrow.columns`). At most ``prefetch`` row groups are in flight.
+Batches of ``batch_size`` rows, the last one short as petastorm's ``BatchedDataLoader`` gives
+it, are cut a few at a time as the loop asks: cut ahead, a row group's hundreds of views per
+column would outlive Python's young collections, and the full collections they bring would cost
+more than cutting them (``benchmarks/bench_arrow.py``). Closing the pass stops the thread.
 """
 
 from __future__ import annotations
 
-import logging
+import itertools
+import operator
 import queue
 import threading
 from collections import deque
@@ -36,8 +28,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ddp_even.arrow.columns import BatchCutter, Columns
-from ddp_even.arrow.decoding import Decoding
+from ddp_even.arrow.columns import BatchCutter, Columns, Decoding
 from ddp_even.errors import RowCountMismatchError
 from ddp_even.parquet.partitions import PartitionKeys
 from ddp_even.planning.row_groups import RowGroups
@@ -46,8 +37,6 @@ from ddp_even.sources.base import ShardPass, ShardSource
 from ddp_even.storage import ResolvedDataset
 
 __all__ = ["ArrowPass", "PassRows", "source_for"]
-
-logger = logging.getLogger("ddp_even")
 
 # How long the reading thread waits to put a row group in a full queue before it looks again
 # whether the pass was closed.
@@ -179,16 +168,8 @@ class ArrowPass:
 
 def _by_row_group(rows: Sequence[RowRange]) -> Iterator[tuple[int, list[tuple[int, int]]]]:
     """Consecutive ranges of one row group together (a rank may keep two ranges of one)."""
-    group: int | None = None
-    ranges: list[tuple[int, int]] = []
-    for index, start, stop in rows:
-        if index != group and group is not None:
-            yield group, ranges
-            ranges = []
-        group = index
-        ranges.append((start, stop))
-    if group is not None:
-        yield group, ranges
+    for group, ranges in itertools.groupby(rows, key=operator.itemgetter(0)):
+        yield group, [(start, stop) for _, start, stop in ranges]
 
 
 class _Footers:
@@ -202,7 +183,7 @@ class _Footers:
     def open(self, file_index: int) -> tuple[pq.ParquetFile, Any]:
         """The file (to close after), parsed with the footer read before."""
         storage = self.reading.resolved.storage
-        source = storage.open_input_file(self.reading.row_groups.files[file_index])
+        source = storage.filesystem.open_input_file(self.reading.row_groups.files[file_index])
         parquet_file = pq.ParquetFile(source, metadata=self._footers.get(file_index))
         self._footers.setdefault(file_index, parquet_file.metadata)
         return parquet_file, source

@@ -103,7 +103,7 @@ def plan_dataset(
     ``dataset`` is a URL (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...), a
     local path, or a list of Parquet files, as given to petastorm (or one already resolved);
     ``storage_options`` or ``filesystem`` reach remote storage
-    (:func:`~ddp_even.storage.resolve.resolve_dataset`), ``progress(done, total)`` follows the
+    (:func:`~ddp_even.storage.resolve_dataset`), ``progress(done, total)`` follows the
     metadata reads. With ``counting``, a row predicate's kept rows are counted first
     (:mod:`ddp_even.parquet.predicate_counts`, cached) and the plan shares those out; ``share``
     (an all-gather among the ranks, this one ``rank``) spreads that scan over the ranks, which

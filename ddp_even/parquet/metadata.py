@@ -73,7 +73,7 @@ def read_row_groups(
     (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...) or a local path to a
     directory or file, or a list of files (the order of a list is kept, as petastorm keeps it).
     ``storage_options`` / ``filesystem`` say how to reach remote storage (see
-    :func:`~ddp_even.storage.resolve.resolve_dataset`); ``progress(done, total)`` is called as
+    :func:`~ddp_even.storage.resolve_dataset`); ``progress(done, total)`` is called as
     metadata files are read; ``nulls`` is given every footer (or summary) read. Raises
     :class:`DatasetError` for a missing path or bucket, denied access, an unreachable endpoint,
     a file that is not Parquet, a layout petastorm rejects, or a dataset without row groups.

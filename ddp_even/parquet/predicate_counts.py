@@ -106,7 +106,7 @@ def count_in_columns(
         wanted = by_file[file_index]
         positions = [int(row_groups.index_in_file[index]) for index in wanted]
         kept_rows: list[int] = []
-        with storage.open_input_file(row_groups.files[file_index]) as source:
+        with storage.filesystem.open_input_file(row_groups.files[file_index]) as source:
             # pre_buffer: the column chunks of one read come in few, coalesced requests.
             parquet_file = pq.ParquetFile(source, pre_buffer=True)
             for batch in _read_batches(parquet_file, positions, stored):

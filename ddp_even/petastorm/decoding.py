@@ -24,8 +24,7 @@ import petastorm  # noqa: F401
 import pyarrow as pa
 import torch
 
-from ddp_even.arrow.columns import Columns, to_columns
-from ddp_even.arrow.decoding import Decoding
+from ddp_even.arrow.columns import Columns, Decoding, to_columns
 from ddp_even.errors import DatasetError
 from ddp_even.parquet.predicates import is_expression
 from ddp_even.storage import ResolvedDataset

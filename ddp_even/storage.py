@@ -1,4 +1,4 @@
-"""Where a dataset lives: the filesystem for a URL, as pyarrow.fs or fsspec builds it.
+"""Where a dataset lives: a URL, path or list of files resolved to the filesystem that reads it.
 
 ``filesystem=`` is used as given; else paths and ``file://`` URLs are the local disk,
 ``s3://``, ``gs://``, ``hdfs://`` pyarrow's own filesystems, other schemes fsspec's. S3 and
@@ -7,31 +7,53 @@ endpoint from ``AWS_ENDPOINT_URL`` / ``STORAGE_EMULATOR_HOST``, which pyarrow do
 Paths are petastorm 0.12.1's, so a plan names files as petastorm does: without one trailing
 slash, a ``file://`` URL's path not unquoted, a plain path absolute, ``bucket/key`` on object
 stores, what ``_strip_protocol`` gives on fsspec (the private fsspec's ``url_to_fs`` uses).
+
+Example:
+    >>> resolve_dataset(["/data/a.parquet", "/data/b.parquet"]).describe()
+    '2 files from /data/a.parquet'
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
+import textwrap
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlencode, urlparse
 
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from ddp_even.errors import DatasetError
-from ddp_even.storage.backends import FailureHints, Storage, one_line
 
-__all__ = ["DatasetLocation", "ResolvedDataset", "StorageOptions", "resolve_dataset"]
+__all__ = ["DatasetLocation", "ResolvedDataset", "Storage", "StorageOptions", "resolve_dataset"]
 
 #: A dataset: a URL or a local path (directory or file), or a list of files.
 DatasetLocation = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 #: Options for the filesystem of a URL, as given to petastorm / fsspec (``storage_options``).
 StorageOptions = Mapping[str, Any]
+
+# pyarrow raises a plain OSError for every store failure: the words of the AWS SDK's,
+# google-cloud-cpp's and fsspec's messages tell them apart.
+_ACCESS_DENIED = re.compile(
+    r"access.?denied|invalid.?(access.?key|client.?token)|signature.?does.?not|expired.?token|"
+    r"unrecognized.?client|permission.?denied|unauthenticated|authori[sz]ation.?fail|"
+    r"authentication.?fail|forbidden|OAuth2 access token|(determine|locate) credentials",
+    re.IGNORECASE,
+)
+_UNREACHABLE = re.compile(
+    r"network.?connection|request.?timeout|curlCode|couldn't (connect|resolve)|unavailable|"
+    r"connection refused|timed out|timeout was reached|deadline.?exceeded",
+    re.IGNORECASE,
+)
+_NO_BUCKET = re.compile(r"no.?such.?bucket|bucket does not exist", re.IGNORECASE)
 
 _BUCKET_SCHEMES = ("s3", "s3a", "s3n", "gs", "gcs", "abfs", "abfss", "az")
 # s3fs's (boto3's, botocore's Config's) names for pyarrow's S3FileSystem parameters; pyarrow
@@ -48,11 +70,140 @@ _GCS_RETRY_TIME_LIMIT_S = 30.0
 # How long the GCE metadata server may take to answer the probe for default credentials
 # (google-auth waits about as long); off Google Cloud nothing answers.
 _METADATA_PROBE_S = 1.0
+_S3_CREDENTIALS = (
+    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) or AWS_PROFILE in the "
+    "environment, or storage_options key / secret / token"
+)
+_S3_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 _GCS_CREDENTIALS = (
     "GOOGLE_APPLICATION_CREDENTIALS (a service-account key file) or gcloud's default credentials "
     "('gcloud auth application-default login'), or for a public bucket storage_options "
     "token='anon' (--storage-option token=anon)"
 )
+
+
+@dataclass(frozen=True)
+class FailureHints:
+    """What to tell people to check when a request fails."""
+
+    credentials: str
+    endpoint: str
+    endpoint_setting: str
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Lists directories and reads Parquet metadata where a dataset lives.
+
+    Paths are the filesystem's own (``/path`` on HDFS). A file's stamp is its size and
+    modification time. Methods raise what pyarrow raises, but :meth:`kind`,
+    :meth:`list_directory` and :meth:`stamps` a :class:`DatasetError` (:meth:`explain`).
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> root = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"x": [1, 2, 3]}), f"{root}/a.parquet", row_group_size=2)
+        >>> storage = resolve_dataset(root).storage
+        >>> storage.kind(root), storage.read_footer(f"{root}/a.parquet").num_rows
+        ('directory', 3)
+        >>> files, subdirectories = storage.list_directory(root)
+        >>> files == dict(zip(["a.parquet"], storage.stamps([f"{root}/a.parquet"]))), subdirectories
+        (True, [])
+    """
+
+    #: The pyarrow filesystem (for an fsspec one, its ``.handler.fs`` is that).
+    filesystem: pafs.FileSystem
+    #: A path as people write it: a URL for remote storage, the path for local files.
+    url: Callable[[str], str]
+    #: What to check when a request fails; None for the local disk.
+    hints: FailureHints | None
+    #: Whether a path's first part is a bucket (``bucket/key``).
+    has_buckets: bool
+
+    @property
+    def concurrency(self) -> int:
+        """How many listings or metadata reads (small requests that release the GIL) may run at
+        once: 16 on the local disk, measured fine; 24 elsewhere, where more requests in flight
+        hide latency, and pyarrow's S3 client keeps 25 connections (more would only queue)."""
+        return 16 if self.hints is None else 24
+
+    def kind(self, path: str) -> Literal["file", "directory", "missing"]:
+        """Whether ``path`` is a file, a directory, or missing."""
+        found = self._info(path, path).type
+        if found == pafs.FileType.Directory:
+            return "directory"
+        return "missing" if found == pafs.FileType.NotFound else "file"
+
+    def list_directory(self, path: str) -> tuple[dict[str, str], list[str]]:
+        """The files directly in ``path`` with their stamps, and its subdirectories' names, in
+        one listing (a symlink to a directory counts as one, as in ``os.walk``)."""
+        infos = self._info(pafs.FileSelector(path), path)
+        directory = pafs.FileType.Directory
+        files = {info.base_name: _stamp(info) for info in infos if info.type != directory}
+        return files, [info.base_name for info in infos if info.type == directory]
+
+    def stamps(self, paths: Sequence[str]) -> list[str]:
+        """Each file's stamp, as text: a file rewritten has another."""
+        return [_stamp(info) for info in self._info(list(paths), paths[0])]
+
+    def read_footer(self, path: str) -> pq.FileMetaData:
+        """A Parquet file's footer, in two requests: the object's size, then its last 64 KiB
+        (pyarrow reads more only for a larger footer)."""
+        with self.filesystem.open_input_file(path) as file:
+            return pq.read_metadata(file)
+
+    def read_summary(self, path: str) -> pq.FileMetaData:
+        """A summary file (``_metadata``, ``_common_metadata``): all metadata, read whole in one
+        request rather than a tail and then the rest."""
+        with self.filesystem.open_input_file(path) as file:
+            return pq.read_metadata(pa.BufferReader(file.read()))
+
+    def explain(self, error: BaseException, path: str) -> DatasetError | None:
+        """A one-line :class:`DatasetError` for a remote storage failure (credentials,
+        reachability, a bucket or path missing), None for others."""
+        hints, text = self.hints, " ".join(str(error).split())
+        if hints is None:  # the local disk: the caller's message about the file says more
+            return None
+        url, reason = self.url(path), one_line(error)
+        if isinstance(error, PermissionError) or _ACCESS_DENIED.search(text):
+            return DatasetError(f"{url}: access denied ({reason}): check {hints.credentials}")
+        if isinstance(error, ConnectionError | TimeoutError) or _UNREACHABLE.search(text):
+            return DatasetError(
+                f"{url}: cannot reach {hints.endpoint} ({reason}): check "
+                f"{hints.endpoint_setting} and the network"
+            )
+        no_bucket = self.has_buckets and _NO_BUCKET.search(text)
+        return self.missing(path) if no_bucket or isinstance(error, FileNotFoundError) else None
+
+    def missing(self, path: str) -> DatasetError:
+        """The error for a ``path`` that does not exist (on an object store: or its bucket)."""
+        bucket = path.split("/", 1)[0]
+        if self.has_buckets and (bucket == path or self.kind(bucket) == "missing"):
+            return DatasetError(
+                f"{self.url(path)}: bucket {bucket!r} does not exist: check the bucket name in "
+                f"the URL (and that {self.hints.endpoint if self.hints else 'it'} is the right "
+                "endpoint)"
+            )
+        return DatasetError(f"{self.url(path)} does not exist: check the path or URL")
+
+    def _info(self, where: Any, path: str) -> Any:
+        """``get_file_info(where)``, a failure explained in one line that names ``path``."""
+        try:
+            return self.filesystem.get_file_info(where)
+        except OSError as error:
+            raise self.explain(error, path) or DatasetError(
+                f"{self.url(path)} cannot be listed ({one_line(error)}): check the path or URL, "
+                "its permissions and the storage options"
+            ) from error
+
+
+def _stamp(info: pafs.FileInfo) -> str:
+    return f"{info.size}:{info.mtime_ns}"
+
+
+def one_line(error: BaseException) -> str:
+    """The error's type and first 200 characters, on one line (pyarrow's can run to pages)."""
+    return f"{type(error).__name__}: {textwrap.shorten(str(error), 200, placeholder=' ...')}"
 
 
 @dataclass(frozen=True)
@@ -64,7 +215,7 @@ class ResolvedDataset:
 
     Example:
         >>> resolved = resolve_dataset("file:///data/train/")
-        >>> resolved.paths, resolved.is_list, resolved.storage.filesystem is None
+        >>> resolved.paths, resolved.is_list, resolved.storage.hints is None
         (('/data/train',), False, True)
     """
 
@@ -73,12 +224,7 @@ class ResolvedDataset:
     is_list: bool
 
     def describe(self) -> str:
-        """The dataset for people: its URL, or how many files a list holds.
-
-        Example:
-            >>> resolve_dataset("s3://bucket/train", storage_options={"anon": True}).describe()
-            's3://bucket/train'
-        """
+        """The dataset for people: its URL, or how many files a list holds."""
         if self.is_list and len(self.paths) > 1:
             return f"{len(self.paths)} files from {self.storage.url(self.paths[0])}"
         return self.storage.url(self.paths[0])
@@ -90,28 +236,19 @@ def resolve_dataset(
     storage_options: StorageOptions | None = None,
     filesystem: Any = None,
 ) -> ResolvedDataset:
-    """Find the filesystem for ``dataset`` and its paths there; no request is made.
-
-    ``dataset`` is a URL (any scheme pyarrow or fsspec reads) or a local path, or a list of
-    files on one filesystem (or one resolved already, returned as it is). ``storage_options``
-    configure the filesystem built for the URL (for S3 s3fs's keys such as ``key``,
-    ``endpoint_url``, ``client_kwargs``, ``config_kwargs``, or pyarrow's); ``filesystem`` is a
-    ready ``pyarrow.fs`` or fsspec filesystem instead. Credentials not given come from the
-    environment, as the cloud SDKs read it.
+    """The filesystem for ``dataset`` (a URL, a local path, a list of files on one filesystem,
+    or one resolved already, returned as it is) and its paths there; no request is made.
+    Credentials that ``storage_options`` do not give come from the environment, as the cloud
+    SDKs read it; ``filesystem`` is a ready ``pyarrow.fs`` or fsspec filesystem instead.
 
     Example:
-        >>> resolve_dataset("s3://bucket/train/", storage_options={
-        ...     "endpoint_url": "http://127.0.0.1:9000", "key": "k", "secret": "s"}).paths
-        ('bucket/train',)
         >>> import fsspec
         >>> in_memory = fsspec.filesystem("memory")
         >>> memory = resolve_dataset("memory://datasets/train", filesystem=in_memory)
-        >>> memory.paths, memory.storage.url(memory.paths[0])
+        >>> memory.paths, memory.describe()
         (('/datasets/train',), 'memory:///datasets/train')
     """
     if isinstance(dataset, ResolvedDataset):
-        if storage_options is not None or filesystem is not None:
-            raise ValueError("a resolved dataset already has its filesystem: pass no options")
         return dataset
     given = [dataset] if isinstance(dataset, str | os.PathLike) else dataset
     items, is_list = [os.fspath(item) for item in given], given is dataset
@@ -124,7 +261,7 @@ def resolve_dataset(
             "a dataset is read through one; list files with one scheme and one bucket or host"
         )
     (scheme, netloc), local = places.pop(), _split(items[0])[0] in ("", "file")
-    built, hints = None, None
+    built, hints = pafs.LocalFileSystem(), None
     if filesystem is not None:
         if storage_options:
             raise ValueError(
@@ -145,17 +282,17 @@ def resolve_dataset(
         paths, to_url = [_split(item)[2] for item in items], f"{scheme}://{netloc}".__add__
     else:
         paths, to_url = [netloc + _split(item)[2] for item in items], f"{scheme}://".__add__
-    # As petastorm's normalize_dir_url leaves them: without one trailing slash.
     paths = [path[:-1] if len(path) > 1 and path.endswith("/") else path for path in paths]
     storage = Storage(built, to_url, hints, scheme in _BUCKET_SCHEMES)
     return ResolvedDataset(storage, tuple(paths), is_list)
 
 
 def _given(filesystem: Any) -> tuple[pafs.FileSystem, FailureHints]:
-    """``filesystem=``: a ``pyarrow.fs`` one as it is, an fsspec one through ``FSSpecHandler``."""
+    """A ``pyarrow.fs`` filesystem as it is, an fsspec one through ``FSSpecHandler``."""
     fsspec = sys.modules.get("fsspec")
     if fsspec is not None and isinstance(filesystem, fsspec.AbstractFileSystem):
-        return _wrap_fsspec(filesystem)
+        hints = _hints(f"the {type(filesystem).__name__} filesystem")
+        return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem)), hints
     if not isinstance(filesystem, pafs.FileSystem):
         raise TypeError(
             "filesystem must be a pyarrow.fs.FileSystem or an fsspec filesystem, got "
@@ -176,13 +313,13 @@ def _build_filesystem(
             filesystem, _ = pafs.FileSystem.from_uri(urlparse(url)._replace(query=query).geturl())
         except (OSError, ValueError) as error:
             raise DatasetError(
-                f"{url}: cannot open HDFS ({one_line(error)}): it needs "
-                "Hadoop's libhdfs and Java (HADOOP_HOME, JAVA_HOME, CLASSPATH=$(hadoop classpath "
-                "--glob)) and a namenode at the URL's host and port"
+                f"{url}: cannot open HDFS ({one_line(error)}): it needs Hadoop's libhdfs and Java "
+                "(HADOOP_HOME, JAVA_HOME, CLASSPATH=$(hadoop classpath --glob)) and a namenode at "
+                "the URL's host and port"
             ) from error
         return filesystem, _hints("HDFS's namenode in the URL (or fs.defaultFS)")
     if scheme not in ("s3", "s3a", "s3n", "gs", "gcs"):
-        return _wrap_fsspec(_fsspec(url, scheme, options))
+        return _given(_fsspec(url, scheme, options))
     s3 = scheme.startswith("s3")
     kind = pafs.S3FileSystem if s3 else pafs.GcsFileSystem
     kwargs, hints = _s3(options) if s3 else _gcs(options, url)
@@ -201,24 +338,17 @@ def _s3(options: dict[str, Any]) -> tuple[dict[str, Any], FailureHints]:
     client, config = options.pop("client_kwargs", None), options.pop("config_kwargs", None)
     given = {**options, **(client or {}), **(config or {})}
     kwargs = {_S3FS_NAMES.get(key, key): value for key, value in given.items()}
-    endpoint = _endpoint(kwargs, "S3", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+    hints = _endpoint(kwargs, "S3", "AWS S3", _S3_CREDENTIALS, *_S3_ENDPOINT_VARIABLES)
     if not kwargs.pop("use_ssl", True):  # s3fs's (an endpoint's own scheme still wins)
         kwargs.setdefault("scheme", "http")
     retries = kwargs.pop("retries", None)  # botocore's: only the attempts bound a request
     if isinstance(retries, Mapping) and "max_attempts" in retries:
-        attempts = int(retries["max_attempts"])
-        kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=attempts)
-    hints = FailureHints(
-        "the credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) or "
-        "AWS_PROFILE in the environment, or storage_options key / secret / token",
-        endpoint or "AWS S3",
-        "AWS_ENDPOINT_URL or storage_options endpoint_url",
-    )
+        kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(int(retries["max_attempts"]))
     return kwargs, hints
 
 
 def _gcs(kwargs: dict[str, Any], url: str) -> tuple[dict[str, Any], FailureHints]:
-    endpoint = _endpoint(kwargs, "GCS", "STORAGE_EMULATOR_HOST")
+    hints = _endpoint(kwargs, "GCS", "Google Cloud", _GCS_CREDENTIALS, "STORAGE_EMULATOR_HOST")
     if "project" in kwargs:
         kwargs["project_id"] = kwargs.pop("project")
     if kwargs.get("token") in ("anon", "google_default"):  # other tokens: pyarrow refuses them
@@ -242,11 +372,6 @@ def _gcs(kwargs: dict[str, Any], url: str) -> tuple[dict[str, Any], FailureHints
             f"{url}: no Google Cloud credentials found: use {_GCS_CREDENTIALS}; for an emulator "
             "set STORAGE_EMULATOR_HOST"
         )
-    hints = FailureHints(
-        f"the credentials: {_GCS_CREDENTIALS}",
-        endpoint or "Google Cloud",
-        "STORAGE_EMULATOR_HOST or storage_options endpoint_url",
-    )
     return kwargs, hints
 
 
@@ -291,31 +416,27 @@ def _fsspec(url: str, scheme: str, options: Mapping[str, Any]) -> Any:
         ) from error
 
 
-def _wrap_fsspec(filesystem: Any) -> tuple[pafs.FileSystem, FailureHints]:
-    """An fsspec filesystem as a pyarrow one (whose ``.handler.fs`` it is), and its hints."""
-    hints = _hints(f"the {type(filesystem).__name__} filesystem")
-    return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem)), hints
-
-
 def _hints(filesystem: str) -> FailureHints:
     """What to check where the filesystem's own credentials and endpoint are not known here."""
     return FailureHints(f"the credentials of {filesystem}", filesystem, "the URL and options")
 
 
-def _endpoint(kwargs: dict[str, Any], store: str, *variables: str) -> str | None:
+def _endpoint(
+    kwargs: dict[str, Any], store: str, cloud: str, credentials: str, *variables: str
+) -> FailureHints:
     """``endpoint_url`` or else the first of ``variables`` set, put into ``kwargs`` as pyarrow's
-    ``endpoint_override`` and ``scheme``; the endpoint and what set it, for people."""
+    ``endpoint_override`` and ``scheme``; what to check when a request fails."""
     endpoint, source = kwargs.pop("endpoint_url", None), "storage_options endpoint_url"
     for variable in variables:
         if endpoint is None and os.environ.get(variable):
             endpoint, source = os.environ[variable], variable
-    if endpoint is None:
-        return None
-    if "endpoint_override" not in kwargs:
+    if endpoint is not None and "endpoint_override" not in kwargs:
         parsed = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
         kwargs["endpoint_override"] = parsed.netloc + parsed.path.rstrip("/")
         kwargs.setdefault("scheme", parsed.scheme)
-    return f"the {store} endpoint {endpoint} set by {source}"
+    where = cloud if endpoint is None else f"the {store} endpoint {endpoint} set by {source}"
+    setting = f"{variables[-1]} or storage_options endpoint_url"
+    return FailureHints(f"the credentials: {credentials}", where, setting)
 
 
 def _split(text: str) -> tuple[str, str, str]:
