@@ -288,7 +288,6 @@ def variants_for(
             mode,
             sharding=sharding,
             reader=kind,
-            loader="batched_dataloader" if kind == "batch" else "dataloader",
             timeout=COLLECTIVE_TIMEOUT_S,
         )
 

@@ -18,7 +18,6 @@ from torch.distributed.algorithms.join import Joinable
 from ddp_even.agreement.control_group import start_heartbeat_for
 from ddp_even.agreement.transport import Agreer, agreer_for
 from ddp_even.checks import (
-    check_batching_loader,
     check_timeout,
     check_world_size,
     checked_loader_arguments,
@@ -183,7 +182,6 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         sharding: Sharding = "round_robin",
         predicate: Any = None,
         balanced: bool | None = None,
-        loader: Literal["batched_dataloader", "dataloader"] = "batched_dataloader",
         reader: Literal["batch", "row"] = "batch",
         reader_kwargs: Mapping[str, Any] | None = None,
         loader_kwargs: Mapping[str, Any] | None = None,
@@ -194,7 +192,6 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         timeout: float | None = None,
         storage_options: Mapping[str, Any] | None = None,
         filesystem: Any = None,
-        engine: Literal["arrow"] | None = None,
     ) -> EvenLoader[Any]:
         """One line for the common case: this rank's shard, planned from footers, read.
 
@@ -205,10 +202,9 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         ``predicate``'s rows counted first; reads each pass with pyarrow, batches of
         ``batch_size`` rows as dicts of tensors (:mod:`ddp_even.arrow.passes` lists
         ``reader_kwargs`` and ``loader_kwargs``). ``reader="row"`` decodes a dataset petastorm
-        wrote with a Unischema by its codecs, as ``make_reader`` does (needs petastorm);
-        ``engine="arrow"`` is the only engine and may be left out. ``len()`` answers before
-        the first step and :class:`EpochStats` says exactly what each rank dropped.
-        docs/using.md has the details.
+        wrote with a Unischema by its codecs, as ``make_reader`` does (needs petastorm).
+        ``len()`` answers before the first step and :class:`EpochStats` says exactly what
+        each rank dropped. docs/using.md has the details.
 
         Example, on every rank::
 
@@ -223,13 +219,6 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
 
             if is_spark_converter(dataset):  # its files, in petastorm's order
                 dataset = converter_files(dataset)
-        if engine not in (None, "arrow"):
-            raise ValueError(
-                f"engine={engine!r}: from_parquet reads every plan with pyarrow (leave engine "
-                "out); reader='row' decodes petastorm's Unischema datasets; to read with "
-                "petastorm's own reader, wrap it: EvenLoader(lambda: DataLoader(make_reader(...)))"
-            )
-        check_batching_loader(loader)
         check_timeout(timeout)
         rank, world_size = rank_and_world_size(group)
         # Counting a predicate's rows is the first time the ranks meet: the loader goes on with

@@ -77,7 +77,7 @@ def test_a_list_of_files_has_no_other_files(tmp_path: Path) -> None:
 
 
 def train_two_epochs(rank: int, world_size: int, url: str, directory: str) -> dict[str, Any]:
-    loader = EvenLoader.from_parquet(url, BATCH, "pad", sharding="rows", engine="arrow")
+    loader = EvenLoader.from_parquet(url, BATCH, "pad", sharding="rows")
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     first = 0
     for batch in loader:

@@ -1,7 +1,7 @@
 """Every Parquet column type comes out of the pyarrow reader as docs/using.md's table says.
 
 A file with a column of each type, three row groups (the first and last with nulls, the middle
-without), batches of 4 rows that cross row groups, read by ``from_parquet(engine="arrow")``.
+without), batches of 4 rows that cross row groups, read by ``from_parquet``.
 Each column is checked on its own: its Python type or tensor dtype in every batch, and every
 row's value against what was written (the expected values are computed from the written
 Python values, not by pyarrow). Dates, times, timestamps and durations are int64 in every
@@ -189,9 +189,7 @@ def batches(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # One process, one rank: the types do not depend on the ranks (tests/test_null_dtypes.py
     # has several). Seeded: the row groups in another order than written, the one without nulls
     # first (a batch of its own), so that the other batches join row groups with and without.
-    loader = EvenLoader.from_parquet(
-        root.as_uri(), BATCH, "truncate", engine="arrow", reader_kwargs={"seed": 2}
-    )
+    loader = EvenLoader.from_parquet(root.as_uri(), BATCH, "truncate", reader_kwargs={"seed": 2})
     read = list(loader)
     assert sorted(int(i) for batch in read for i in batch["id"]) == list(range(ROWS))
     assert len(read) == math.ceil(ROWS / BATCH)

@@ -57,7 +57,7 @@ def _write(directory: Path, row_groups: list[int]) -> str:
 def _padding_of_each_rank(rank: int, world_size: int, urls: list[str]) -> list[dict[str, Any]]:
     seen = []
     for url in urls:
-        loader = EvenLoader.from_parquet(url, BATCH, "pad", engine="arrow")
+        loader = EvenLoader.from_parquet(url, BATCH, "pad")
         padding = own = 0
         owned = True
         ids: set[tuple[int, ...]] = set()

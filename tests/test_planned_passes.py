@@ -402,12 +402,9 @@ def test_ngram_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_the_petastorm_engine_is_refused_and_arrow_is_the_one(tmp_path: Path) -> None:
+def test_pyarrow_is_the_one_engine(tmp_path: Path) -> None:
     from ddp_even import EvenLoader
 
     url = plain(tmp_path / "ds")
-    with pytest.raises(ValueError, match="petastorm"):
-        EvenLoader.from_parquet(url, BATCH, engine="petastorm")  # type: ignore[arg-type]
-    for engine in ("arrow", None):
-        loader = EvenLoader.from_parquet(url, BATCH, engine=engine)
-        assert sum(len(batch["id"]) for batch in loader) == 91
+    loader = EvenLoader.from_parquet(url, BATCH)
+    assert sum(len(batch["id"]) for batch in loader) == 91

@@ -107,7 +107,7 @@ def _rank_rows(rank: int, world_size: int, url: str, cache: str) -> list[int]:
     import os
 
     os.environ["DDP_EVEN_CACHE_DIR"] = cache
-    loader = EvenLoader.from_parquet(url, 4, "pad", predicate=pc.field(1) == 1, engine="arrow")
+    loader = EvenLoader.from_parquet(url, 4, "pad", predicate=pc.field(1) == 1)
     rows: list[int] = []
     for batch in loader:
         if not loader.padding:

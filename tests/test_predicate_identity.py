@@ -98,7 +98,7 @@ def test_an_edit_to_any_method_the_predicate_reaches_changes_its_identity(
 
 
 def _job(url: str, predicate: Any, state: dict[str, Any] | None = None) -> dict[str, Any]:
-    loader = EvenLoader.from_parquet(url, 4, "truncate", predicate=predicate, engine="arrow")
+    loader = EvenLoader.from_parquet(url, 4, "truncate", predicate=predicate)
     if state is not None:
         loader.load_state_dict(state)
     epoch = iter(loader)

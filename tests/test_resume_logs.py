@@ -25,7 +25,7 @@ TAILS = "this rank reads only its"
 
 def _resume(rank: int, world_size: int, url: str) -> dict[str, list[str]]:
     def loader() -> EvenLoader[Any]:
-        return EvenLoader.from_parquet(url, 4, "truncate", engine="arrow", reader_kwargs=IN_ORDER)
+        return EvenLoader.from_parquet(url, 4, "truncate", reader_kwargs=IN_ORDER)
 
     first = loader()
     epoch = iter(first)

@@ -34,7 +34,7 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _saved(url: str, **options: Any) -> dict[str, Any]:
-    loader = EvenLoader.from_parquet(url, 4, engine="arrow", reader_kwargs=IN_ORDER, **options)
+    loader = EvenLoader.from_parquet(url, 4, reader_kwargs=IN_ORDER, **options)
     epoch = iter(loader)
     next(epoch)
     next(epoch)
@@ -43,7 +43,7 @@ def _saved(url: str, **options: Any) -> dict[str, Any]:
 
 def _refusal(url: str, state: dict[str, Any], **options: Any) -> StateMismatchError:
     options = {"batch_size": 4, **options}
-    loader = EvenLoader.from_parquet(url, engine="arrow", reader_kwargs=IN_ORDER, **options)
+    loader = EvenLoader.from_parquet(url, reader_kwargs=IN_ORDER, **options)
     with pytest.raises(StateMismatchError) as refused:
         loader.load_state_dict(state)
     assert not DIGEST.search(str(refused.value)), str(refused.value)
@@ -77,7 +77,7 @@ def test_other_settings_are_named_with_their_values(
 def test_a_reader_setting_is_named_alone_and_may_be_forced(url: str) -> None:
     state = _saved(url)
     loader = EvenLoader.from_parquet(
-        url, 4, engine="arrow", reader_kwargs={**IN_ORDER, "schema_fields": ["id", "value"]}
+        url, 4, reader_kwargs={**IN_ORDER, "schema_fields": ["id", "value"]}
     )
     with pytest.raises(StateMismatchError) as refused:
         loader.load_state_dict(state)
@@ -96,7 +96,7 @@ def test_differing_settings_compares_field_by_field() -> None:
 
 def _two_ranks(rank: int, world_size: int, url: str) -> dict[str, Any]:
     state = _saved(url)
-    loader = EvenLoader.from_parquet(url, 8, engine="arrow", reader_kwargs=IN_ORDER)
+    loader = EvenLoader.from_parquet(url, 8, reader_kwargs=IN_ORDER)
     try:
         loader.load_state_dict(state)
     except StateMismatchError as error:

@@ -310,18 +310,17 @@ def train_rows(
 ) -> dict[str, Any]:
     """One truncate epoch of a DDP model over ``from_parquet(sharding=...)``; ``reader`` is
     "batch" or "row" (a petastorm predicate, called on a frame or a decoded row) or "arrow"
-    (``engine="arrow"``, a pyarrow expression predicate)."""
+    (a pyarrow expression predicate)."""
     caught = ddp_even_messages()
     if reader == "arrow":
         import pyarrow.compute as pc
 
-        options: dict[str, Any] = {"engine": "arrow"}
+        options: dict[str, Any] = {}
         missing, kept = pc.field("missing") == 1, pc.field("id").isin(kept_ids())
     else:
         from petastorm.predicates import in_lambda
 
-        loader_kind = "dataloader" if reader == "row" else "batched_dataloader"
-        options = {"reader": reader, "loader": loader_kind, "loader_kwargs": THREADS}
+        options = {"reader": reader, "loader_kwargs": THREADS}
         missing, kept = in_lambda(["missing"], bool), _in_lambda()
     try:
         EvenLoader.from_parquet(url, BATCH, predicate=missing, **options)

@@ -74,7 +74,7 @@ def test_the_same_columns_in_another_order_read_as_one_dataset(tmp_path: Path) -
             pa.table({"x": pa.array([1.0] * 6), "id": _ids(7, 13)}),
         ],
     )
-    loader = EvenLoader.from_parquet(url, 4, "truncate", engine="arrow")
+    loader = EvenLoader.from_parquet(url, 4, "truncate")
     batches = list(loader)
     assert sorted(int(i) for batch in batches for i in batch["id"]) == list(range(13))
     assert all(set(batch) == {"id", "x"} for batch in batches)
@@ -90,7 +90,7 @@ def test_a_file_without_rows_is_not_compared(tmp_path: Path) -> None:
 
 def _plan_on_rank(rank: int, world_size: int, url: str) -> dict[str, Any]:
     try:
-        EvenLoader.from_parquet(url, 4, "pad", engine="arrow")
+        EvenLoader.from_parquet(url, 4, "pad")
     except DatasetError as error:
         return {"refused": str(error)}
     return {"refused": None}

@@ -336,9 +336,7 @@ def _loader(
     if case.source == "converter_planned":
         return EvenLoader.from_parquet(data.converter, **planned)
     if case.source == "unischema_planned":
-        return EvenLoader.from_parquet(
-            data.unischema_url, reader="row", loader="dataloader", **planned
-        )
+        return EvenLoader.from_parquet(data.unischema_url, reader="row", **planned)
     if case.source == "too_small":
         return EvenLoader(data.too_small, case.mode, **options)
     if case.source == "too_small_factory":
