@@ -1,8 +1,7 @@
 """Argument checks shared by the loader and the planner, with messages that say what to do.
 
-The planner (and with it the ``ddp-even`` command line) runs without torch, so the two checks
-that need torch's types import it when called: only the loader calls them, after importing
-torch itself.
+The planner (and with it the ``ddp-even`` command line) runs without torch, so the check that
+needs torch's types imports it when called.
 """
 
 from __future__ import annotations
@@ -59,30 +58,6 @@ def check_timeout(timeout: object) -> None:
         )
 
 
-def check_group(group: object) -> None:
-    """Raise ``TypeError`` unless ``group`` is None or a process group."""
-    import torch.distributed as dist
-
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup, got {group!r}")
-
-
-def checked_joinables(joinables: Iterable[Any]) -> tuple[Joinable, ...]:
-    """``joinables`` as a tuple; ``TypeError`` for anything that is not a torch ``Joinable``."""
-    from torch.distributed.algorithms import join
-
-    checked = tuple(joinables)
-    for joinable in checked:
-        if not isinstance(joinable, join.Joinable):
-            raise TypeError(
-                f"joinables must be torch Joinable objects (a DDP model, a "
-                f"ZeroRedundancyOptimizer), got {type(joinable).__name__}: join mode shadows "
-                "DDP's all-reduces; with FSDP, tensor parallelism or a device mesh use pad "
-                "(every row once) or cycle"
-            )
-    return checked
-
-
 def check_batching_loader(loader: object) -> None:
     """``EvenLoader.from_parquet``'s ``loader``: a petastorm loader that batches rows."""
     if loader not in ("batched_dataloader", "dataloader"):
@@ -90,12 +65,6 @@ def check_batching_loader(loader: object) -> None:
             f"loader must be 'batched_dataloader' or 'dataloader', got {loader!r}: "
             "EvenLoader counts batches, so the rows must be batched"
         )
-
-
-def check_plan(plan: object) -> None:
-    """Raise ``TypeError`` unless ``plan`` is None or a shard plan."""
-    if plan is not None and not hasattr(plan, "batches_per_rank"):
-        raise TypeError(f"plan must be a ddp_even.planning.ShardPlan, got {type(plan).__name__}")
 
 
 def checked_loader_arguments(
@@ -107,14 +76,29 @@ def checked_loader_arguments(
     joinables: Iterable[Any],
     plan: object,
 ) -> tuple[Joinable, ...]:
-    """Every ``EvenLoader`` argument that needs no mode to check; the joinables as a tuple."""
+    """Every ``EvenLoader`` argument that needs no mode to check; the joinables as a tuple.
+    Only the loader calls it, after importing torch."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.join import Joinable
+
     for name, value in (("steps_per_epoch", steps_per_epoch), ("sync_every", sync_every)):
         if value is not None:
             check_positive_int(name, value)
     check_timeout(timeout)
-    check_group(group)
-    check_plan(plan)
-    return checked_joinables(joinables)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup, got {group!r}")
+    if plan is not None and not hasattr(plan, "batches_per_rank"):
+        raise TypeError(f"plan must be a ddp_even.planning.ShardPlan, got {type(plan).__name__}")
+    checked = tuple(joinables)
+    for joinable in checked:
+        if not isinstance(joinable, Joinable):
+            raise TypeError(
+                f"joinables must be torch Joinable objects (a DDP model, a "
+                f"ZeroRedundancyOptimizer), got {type(joinable).__name__}: join mode shadows "
+                "DDP's all-reduces; with FSDP, tensor parallelism or a device mesh use pad "
+                "(every row once) or cycle"
+            )
+    return checked
 
 
 def check_world_size(planned: int, world_size: int) -> None:
