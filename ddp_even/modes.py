@@ -1,21 +1,8 @@
-"""The modes, one class each in one registry: what a mode checks, decides and predicts.
-
-A mode is everything that differs between truncate, cycle, pad and join, in one class:
-
-* its argument checks (``check``),
-* two choices that say how the epoch runs past a rank's own data: ``after_own_data`` (what a
-  rank hands out once its own data ran out: nothing, a restarted pass, or padding) and
-  ``shares_steps`` (every rank takes the epoch's steps, or each its own while ranks that ran out
-  shadow the others through torch's ``Join``). The runtime asks these, never which mode it is:
-  :mod:`ddp_even.runtime.epoch_shape` decides each epoch's shape from them,
-* ``decide``: the one function that turns what every rank offered into how many steps
-  every rank takes next. It is pure and identical on every rank, so every rank decides the
-  same,
-* its plan arithmetic: the steps of an epoch from every rank's batch count, and what each
-  rank drops, repeats, pads or waits (``epoch_outcome``).
-
-The loader, the planner, the CLI and the tests loop over :data:`MODES`; adding a mode is one
-class here (and its tests). Nothing here imports torch.
+"""The modes, one class each in :data:`MODES`: a mode's argument checks (``check``), its two
+choices past a rank's own data (``after_own_data``, ``shares_steps``: the runtime asks these,
+never which mode it is), ``decide`` (stop or go on, pure and the same on every rank) and its
+plan arithmetic (``steps_per_rank``, ``epoch_outcome``). Adding a mode is one class here (and
+its tests). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -30,7 +17,6 @@ import numpy.typing as npt
 
 from ddp_even.agreement.wire import Agreement
 from ddp_even.mode_stats import ModeStats
-from ddp_even.share_plan import plan_window
 
 __all__ = ["MODES", "AfterOwnData", "Mode", "ModeStats", "WindowDecision", "mode_named"]
 
@@ -335,6 +321,8 @@ class Share(Mode):
     def epoch_outcome(
         self, rows: npt.NDArray[np.int64], batches: npt.NDArray[np.int64], batch_size: int
     ) -> ModeStats:
+        from ddp_even.share_plan import plan_window  # share's arithmetic, only where it runs
+
         counts = [int(count) for count in batches]
         steps = self.steps_per_rank(counts)[0]
         window = plan_window(counts, [True] * len(counts), False, steps)
