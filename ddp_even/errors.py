@@ -1,11 +1,5 @@
-"""Every exception ddp_even raises.
-
-:class:`EvenLoaderError` and its subclasses are raised on every rank at the same step, instead
-of a hang. :class:`DatasetError` says a dataset cannot be planned (before any rank starts
-training); :class:`PlanMismatchError` and :class:`RowCountMismatchError` say the data is no
-longer what was planned (a rank's source raises them, and the loader makes every rank hear of
-it).
-"""
+"""Every exception ddp_even raises: :class:`EvenLoaderError` and its subclasses, each saying
+who raises it, where, and with which fields."""
 
 from __future__ import annotations
 
@@ -398,13 +392,9 @@ class TooFewRowGroupsError(EvenLoaderError, ValueError):
 class TooFewTaskSlotsError(EvenLoaderError):
     """``TorchDistributor(local_mode=False)`` needs more Spark task slots than the cluster has.
 
-    Each rank (or each group of ``spark.task.resource.gpu.amount`` GPUs) is a Spark barrier
-    task, and a barrier stage starts only when all its tasks can run at once. With fewer slots
-    Spark checks again every 15 s and fails after 40 checks (by default:
-    ``spark.scheduler.barrier.maxConcurrentTasksCheck.interval`` and ``.maxFailures``):
-    measured on ``local[2]`` with ``num_processes=3``, pyspark 4.0.5 gave up after 608 s with
-    ``BarrierJobSlotsNumberCheckFailed`` [SPARK-24819]. Raised by
-    :func:`~ddp_even.petastorm.spark_converter.check_distributor`.
+    Each rank is a Spark barrier task, and a barrier stage starts only when all its tasks can
+    run at once; with fewer slots Spark retries for about 10 minutes before it fails
+    (SPARK-24819). Raised by :func:`~ddp_even.petastorm.spark_converter.check_distributor`.
 
     Example::
 

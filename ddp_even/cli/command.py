@@ -1,20 +1,6 @@
-"""``ddp-even``: see how a dataset's shards come out before training.
-
-``ddp-even plan URL --world-size N --batch-size B [--sharding S] [--format F] [--all-ranks]``
-prints one table of ranks (row groups, rows, batches) and one of modes (steps, dropped,
-repeated, padded, waste), from Parquet metadata only. ``--sharding`` (``round_robin``,
-``row_groups``, ``rows``, ``replicate``; see :mod:`ddp_even.planning.sharding`) plans other
-shards than petastorm's round robin and compares them with it; with ``rows`` a table lists the
-row groups split between ranks and each rank's range of them. ``--balanced`` is the deprecated
-spelling of ``--sharding row_groups``. ``--format`` prints tables (``table``, fitted to the
-terminal, 80 columns when piped), ``markdown`` or ``json`` (``--json`` for short); see
-:mod:`ddp_even.cli.tables`.
-
-Remote datasets (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...) take their credentials
-and endpoint from the environment (``AWS_*`` including ``AWS_ENDPOINT_URL``,
-``GOOGLE_APPLICATION_CREDENTIALS``, ...) and from ``--storage-option KEY=VALUE``, which fills
-the same ``storage_options`` dict petastorm takes (``client_kwargs.endpoint_url=URL`` nests).
-Reading metadata that takes more than a second shows a progress bar on stderr.
+"""``ddp-even plan``: how a dataset's shards and each mode's epoch come out before training,
+from Parquet metadata only (each option's help says what it does; :mod:`ddp_even.cli.tables`
+prints the result).
 
 Only click is imported before a command runs: ``--help``, ``--version`` and usage errors answer
 at once, and the planner (numpy, pyarrow, rich; never torch) is imported by the command.

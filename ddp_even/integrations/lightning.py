@@ -1,14 +1,8 @@
-"""PyTorch Lightning: log every epoch's :class:`~ddp_even.EpochStats` to the trainer's loggers.
-
-An :class:`~ddp_even.EvenLoader` goes to a Lightning ``Trainer(strategy="ddp")`` as it is (return
-it from ``train_dataloader()``, where the process group exists): Lightning injects no sampler
-into it and runs the steps it hands out. Truncate, cycle and pad work (pad also for exact
-validation: ``val_dataloader()``); join mode cannot, because Lightning makes a collective of its
-own at every step that torch's ``Join`` cannot shadow. Lightning may fetch the next batch before
-the step runs: the step asks the loader about its batch by index (``loader.padding_at(batch_idx)``,
-``loader.batch_weight_at(batch_idx)``).
-:class:`EvenLoaderStats` adds the statistics to the trainer's loggers after each training
-epoch. This is the only module of ddp_even that imports Lightning (``lightning.pytorch``).
+"""PyTorch Lightning callbacks: :class:`EvenLoaderStats` logs every epoch's
+:class:`~ddp_even.EpochStats` to the trainer's loggers, :class:`EvenLoaderCheckpoints` saves the
+step Lightning resumes at (docs/trainers.md: an :class:`~ddp_even.EvenLoader` goes to a
+``Trainer(strategy="ddp")`` as it is, in every mode but join). This is the only module of
+ddp_even that imports Lightning (``lightning.pytorch``).
 
 Lightning internals relied on (lightning 2.6, pinned in ``constraints.txt``):
 ``lightning.pytorch.loops.progress._ProcessedTracker`` and the fit loop's
@@ -132,11 +126,9 @@ class EvenLoaderStats(Callback):
     ``DDPStrategy(ddp_comm_hook=...)``), so that a rank that dies inside ``backward()`` is named
     on every survivor, as ``DDPStrategy(ddp_comm_hook=allreduce_hook)`` would do on CUDA only.
 
-    When Lightning knows the loader's length (a shard plan: ``EvenLoader.from_parquet``) it
-    stops after the last batch without asking for more, which leaves the loader's epoch open
-    until the next ``iter()``. The callback closes it there with ``iter(loader)`` (every rank
-    reaches this hook at the same point), so the statistics of the epoch that just ran,
-    including the last one, are gathered and logged at its end.
+    When Lightning knows the loader's length (``EvenLoader.from_parquet``) it stops after the
+    last batch, leaving the loader's epoch open: the callback closes it with ``iter(loader)``
+    (every rank reaches this hook at the same point), so that the last epoch is logged too.
 
     Args:
         prefix: the start of every metric name.
@@ -198,10 +190,7 @@ class EvenLoaderStats(Callback):
 
     def _new_stats(self, loader: EvenLoader[Any]) -> EpochStats | None:
         """The statistics of the epoch that just ran, if it ran to its end."""
-        # When Lightning knows the loader's length it stops after the last batch and the epoch
-        # is still open: a new iter() closes it, gathering its statistics, and starts nothing
-        # until a batch is asked for. After an epoch that ended by itself it does nothing.
-        iter(loader)
+        iter(loader)  # closes an epoch left open (see the class); starts nothing
         if not loader.history or loader.history[-1] is self._logged.get(loader):
             return None
         self._logged[loader] = loader.history[-1]
