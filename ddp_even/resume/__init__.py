@@ -1,5 +1,3 @@
-"""Resuming mid-epoch, in one place: :mod:`~ddp_even.resume.state` holds the loader's saved
-state, the checks before resuming from it and where a resumed epoch starts;
-:mod:`~ddp_even.resume.remainder` re-plans the rows not yet read (on as many ranks or on
-another number). ``EvenLoader.state_dict`` and ``load_state_dict`` are thin calls into them.
+"""Resuming mid-epoch: :mod:`~ddp_even.resume.state` (the saved state, its checks, where a
+resumed epoch starts) and :mod:`~ddp_even.resume.remainder` (the rows not yet read, re-planned).
 """

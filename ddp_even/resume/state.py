@@ -1,15 +1,6 @@
-"""Resuming mid-epoch, in one place: the loader's saved state, the checks before resuming from
-it, and where the resumed epoch's first pass starts.
-
-* :func:`loader_state` is what ``EvenLoader.state_dict()`` returns: plain ints and strings.
-* :func:`pending_resume` checks a state against the loader and says where to resume: the same
-  step on as many ranks, or, for a planned loader (``EvenLoader.from_parquet``), the rows not
-  yet read re-planned over another number of ranks (elastic).
-* :func:`resumed_start` builds what the resumed epoch reads: the whole shard read again up to
-  the step, the shard started at the step (a factory taking ``start_batch``, or a planned
-  loader whose pass order ddp_even computes: :mod:`ddp_even.planning.pass_order`), or the
-  re-planned rest.
-"""
+"""Resuming mid-epoch: the loader's saved state (:func:`loader_state`), the checks of a state
+against the loader (:func:`pending_resume`) and what the resumed epoch reads
+(:func:`resumed_start`)."""
 
 from __future__ import annotations
 
@@ -44,6 +35,7 @@ STATE_FORMAT = "ddp_even.EvenLoader"
 # pass read, from the reader itself; 4: settings as fields, a plan's sharding, batch size and
 # rows per rank each one).
 _VERSION = 4
+_LIBRARY_VERSION = importlib.metadata.version("ddp_even")
 
 
 def loader_state(
@@ -73,7 +65,7 @@ def loader_state(
     return {
         "format": STATE_FORMAT,
         "version": _VERSION,
-        "library_version": _library_version(),
+        "library_version": _LIBRARY_VERSION,
         "settings": settings,
         "world_size": world_size,
         "rank": rank_and_world_size(None)[0],
@@ -102,7 +94,7 @@ def resume_point(
     if state.get("version") != _VERSION:
         raise ValueError(
             f"the loader state has format version {state.get('version')!r} (saved by "
-            f"ddp_even {state.get('library_version')}); this ddp_even ({_library_version()}) "
+            f"ddp_even {state.get('library_version')}); this ddp_even ({_LIBRARY_VERSION}) "
             f"reads version {_VERSION}: resume with the release that saved it, or start the "
             "epoch again"
         )
@@ -187,19 +179,14 @@ def check_resumed_reading(
     start: EpochStart, feed: ShardFeed[Any], planned: PlannedSource | None, rank: int
 ) -> None:
     """What the resumed epoch reads (its first pass opened here), checked against the state
-    ``start`` resumes from: a state that does not fit is the feed's failure, which every rank
-    reports at the resume agreement."""
-    if start.unchecked is None:
-        return
+    ``start`` resumes from (``start.unchecked``, which the caller checked is there): a state
+    that does not fit is the feed's failure, which every rank reports at the resume agreement."""
+    assert start.unchecked is not None
     feed.first_pass_reading()
     try:
         check_provenance(start.unchecked, provenance_of(planned, feed.reading), start.strict, rank)
     except StateMismatchError as error:
         feed.failure = feed.failure or error
-
-
-def _library_version() -> str:
-    return importlib.metadata.version("ddp_even")
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,8 @@
 """Where batches come from: :func:`as_source` turns what the user passed into a shard source.
 
-``base.py`` defines passes and sources and the registry of kinds; the plain-Python kinds are
-here: any re-iterable (a list, a torch ``DataLoader``), a one-shot iterator, or a factory
-returning a fresh iterable for each pass, or a context manager that yields one
-(``converter.make_torch_dataloader(...)``): the pass enters it and exits it when it ends.
-Petastorm's loaders, readers and Spark converter are :mod:`ddp_even.petastorm`'s: registered
-in ``base.py`` by class name, each imported (with petastorm) on first sight; nothing here
-imports it.
+The plain-Python kinds are here (a re-iterable, a one-shot iterator, a factory of either or of
+a context manager yielding one); petastorm's are registered in ``base.py`` by class name and
+imported on first sight: nothing here imports petastorm.
 """
 
 from __future__ import annotations
