@@ -58,15 +58,6 @@ def check_timeout(timeout: object) -> None:
         )
 
 
-def check_batching_loader(loader: object) -> None:
-    """``EvenLoader.from_parquet``'s ``loader``: a petastorm loader that batches rows."""
-    if loader not in ("batched_dataloader", "dataloader"):
-        raise ValueError(
-            f"loader must be 'batched_dataloader' or 'dataloader', got {loader!r}: "
-            "EvenLoader counts batches, so the rows must be batched"
-        )
-
-
 def checked_loader_arguments(
     *,
     steps_per_epoch: object,
