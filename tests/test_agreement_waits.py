@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tests.helpers.spawn import run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.in_memory]
 
 
 class _LooksLate:

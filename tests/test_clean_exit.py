@@ -111,6 +111,7 @@ def _spawned_rank(rank: int, world_size: int, port: int, mode: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.in_memory
 @pytest.mark.timeout(150)
 # share: the group its batches are handed over on too.
 @pytest.mark.parametrize("mode", [*MODES, "share"])
@@ -131,6 +132,7 @@ def test_spawned_ranks_exit_cleanly(
     assert left == dict.fromkeys(range(SPAWN_RANKS), expected), output.out
 
 
+@pytest.mark.in_memory
 @pytest.mark.timeout(120)
 def test_freeing_the_model_before_its_group_never_hangs() -> None:
     outcome = one_try("model-first", "allreduce_hook", rounds=300, timeout_s=90)

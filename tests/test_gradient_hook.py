@@ -134,6 +134,7 @@ def train_both_ways(rank: int, world_size: int, mode: str) -> list[list[float]]:
 
 
 @pytest.mark.multirank
+@pytest.mark.in_memory
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["truncate", "join"])
 def test_the_gradients_are_ddps_own(mode: str) -> None:

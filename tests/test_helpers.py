@@ -103,6 +103,7 @@ def _hang(rank: int, world_size: int, piddir: str) -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.in_memory
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_run_ranks_returns_values_in_rank_order(world_size: int) -> None:
@@ -120,6 +121,7 @@ def test_run_ranks_returns_values_in_rank_order(world_size: int) -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.in_memory
 @pytest.mark.timeout(150)
 def test_run_ranks_surfaces_a_rank_exception_and_kills_the_others(tmp_path: Path) -> None:
     start = time.monotonic()
@@ -140,6 +142,7 @@ def test_run_ranks_surfaces_a_rank_exception_and_kills_the_others(tmp_path: Path
 
 
 @pytest.mark.multirank
+@pytest.mark.in_memory
 @pytest.mark.timeout(250)
 def test_run_ranks_capture_exceptions() -> None:
     results = run_ranks(_raise_everywhere, 3, timeout=120, capture_exceptions=True)
@@ -157,6 +160,7 @@ def test_run_ranks_capture_exceptions() -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.in_memory
 @pytest.mark.timeout(120)
 def test_run_ranks_timeout_kills_everything(tmp_path: Path) -> None:
     # Ranks come from this process's fork server, which its first run_ranks starts (seconds:

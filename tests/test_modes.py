@@ -19,7 +19,7 @@ from tests.helpers.scenarios import (
 )
 from tests.helpers.spawn import run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.in_memory]
 
 
 def _scenarios(lengths: tuple[int, ...]) -> list[Scenario]:

@@ -79,6 +79,7 @@ def _pausing_worker(rank: int, world_size: int, source_kind: str, pause_at: str)
     return {"seen": seen, "epochs": [stats.epoch for stats in loader.history]}
 
 
+@pytest.mark.in_memory
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("source_kind", "pause_at"), [("factory", "step"), ("list", "step"), ("factory", "epoch")]
@@ -125,6 +126,7 @@ def _dies_before_first_agreement_worker(
     return {"missing": None}
 
 
+@pytest.mark.in_memory
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault", ["exit", "stall"])
 def test_a_rank_lost_before_the_first_agreement_is_named(fault: str) -> None:
@@ -170,6 +172,7 @@ def _store_host_worker(rank: int, world_size: int) -> dict[str, Any]:
     return {"missing": None}
 
 
+@pytest.mark.in_memory
 @pytest.mark.timeout(150)
 def test_survivors_name_the_dead_rank_whichever_finishes_first_with_the_store_on_rank_0() -> None:
     for _ in range(3):
@@ -207,6 +210,7 @@ def _subgroup_worker(rank: int, world_size: int) -> dict[str, Any]:
     return {"error": None}
 
 
+@pytest.mark.in_memory
 @pytest.mark.timeout(90)
 def test_errors_in_a_subgroup_name_global_ranks() -> None:
     results = run_ranks(_subgroup_worker, 3, timeout=60)
@@ -357,6 +361,7 @@ def _empty_rank_worker(rank: int, world_size: int, mode: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.in_memory
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", ["truncate", "join"])
 def test_an_empty_rank_is_a_warning_every_epoch(mode: str) -> None:
@@ -461,6 +466,7 @@ def _texts_and_labels_worker(rank: int, world_size: int) -> dict[str, Any]:
     return {"samples": loader.stats.samples, "ragged": ragged_loader.stats.samples}
 
 
+@pytest.mark.in_memory
 @pytest.mark.timeout(60)
 def test_samples_are_counted_from_the_fields_of_tuple_batches() -> None:
     for result in run_ranks(_texts_and_labels_worker, 2, timeout=45):
@@ -516,6 +522,7 @@ def _some_ranks_only_worker(rank: int, world_size: int) -> dict[str, Any]:
     return {"error": None}
 
 
+@pytest.mark.in_memory
 @pytest.mark.timeout(90)
 def test_iterating_on_some_ranks_only_names_the_ranks_that_never_joined() -> None:
     # Without a heartbeat (no EvenLoader yet) they may be in a long set-up: waited for up to
@@ -543,6 +550,7 @@ def _nested_worker(rank: int, world_size: int, how: str) -> str:
     return "no error"
 
 
+@pytest.mark.in_memory
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("how", ["zip", "nested"])
 def test_iterating_one_loader_twice_at_once_raises(how: str) -> None:
@@ -575,6 +583,7 @@ def _too_many_worker(rank: int, world_size: int) -> dict[str, Any]:
     return {"error": None}
 
 
+@pytest.mark.in_memory
 @pytest.mark.timeout(90)
 def test_a_count_too_large_on_one_rank_raises_on_every_rank_at_once() -> None:
     for result in run_ranks(_too_many_worker, 2, timeout=60):
@@ -595,6 +604,7 @@ def _fixed_cycle_worker(rank: int, world_size: int, sync_every: int | None) -> d
     return {"seen": seen, "collectives": control_collectives_issued() - before}
 
 
+@pytest.mark.in_memory
 @pytest.mark.timeout(90)
 def test_cycle_with_steps_per_epoch_agrees_once_per_epoch_unless_a_window_is_set() -> None:
     from ddp_even.runtime.settings import CHECK_EVERY

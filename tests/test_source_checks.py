@@ -121,6 +121,7 @@ def _checks_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.multirank
+@pytest.mark.in_memory
 @pytest.mark.timeout(120)
 def test_short_steps_are_checked_further_apart_and_long_ones_every_16() -> None:
     results = run_ranks(_checks_worker, 2, timeout=90)
@@ -160,6 +161,7 @@ def _failing_worker(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.multirank
+@pytest.mark.in_memory
 @pytest.mark.timeout(120)
 def test_a_source_failing_deep_in_a_fast_epoch_stops_every_rank_at_the_same_step() -> None:
     results = run_ranks(_failing_worker, 2, timeout=90)
@@ -219,6 +221,7 @@ def _epochs_worker(rank: int, world_size: int, new_loader_on: int | None) -> dic
 
 
 @pytest.mark.multirank
+@pytest.mark.in_memory
 @pytest.mark.timeout(120)
 def test_a_later_epoch_checks_at_the_spacing_its_previous_epoch_agreed() -> None:
     results = run_ranks(_epochs_worker, 2, None, timeout=90)
@@ -234,6 +237,7 @@ def test_a_later_epoch_checks_at_the_spacing_its_previous_epoch_agreed() -> None
 
 
 @pytest.mark.multirank
+@pytest.mark.in_memory
 @pytest.mark.timeout(120)
 def test_a_loader_made_anew_on_one_rank_is_refused_on_every_rank_before_the_first_step() -> None:
     results = run_ranks(_epochs_worker, 2, 1, timeout=90)
