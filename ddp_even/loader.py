@@ -169,7 +169,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
 
     @property
     def mode(self) -> str:
-        """``"truncate"``, ``"cycle"``, ``"pad"`` or ``"join"``."""
+        """The mode's name: one of :data:`~ddp_even.modes.MODES`, or a mode's of your own."""
         return self._mode.name
 
     @classmethod

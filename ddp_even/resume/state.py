@@ -302,9 +302,7 @@ def resumed_start(
     epoch, step, rank, world_size = pending.epoch, pending.step, agreer.rank, agreer.world_size
     if pending.saved_plan is not None:
         assert planned is not None
-        rest = _rest_of_epoch(planned, pending, world_size)
-        if rank == 0:  # the same re-plan on every rank
-            _log_rest(rest, pending.saved_plan, epoch, step)
+        rest = _rest_of_epoch(planned, pending, world_size, rank)
         rest_source = as_source(functools.partial(planned, shard_plan=rest))
         rest_source.start_epoch(epoch)
         return EpochStart(
@@ -379,9 +377,11 @@ def _own_tails(
     return tails
 
 
-def _rest_of_epoch(planned: PlannedSource, pending: PendingResume, world_size: int) -> ShardPlan:
+def _rest_of_epoch(
+    planned: PlannedSource, pending: PendingResume, world_size: int, rank: int
+) -> ShardPlan:
     """The plan of the rows not yet read in the epoch ``pending`` resumes, saved on another
-    number of ranks."""
+    number of ranks; logged by rank 0 (every rank makes the same)."""
     from ddp_even.resume.remainder import plan_unread_rows, unread_rows
 
     sizes, saved_plan = planned.row_group_sizes, pending.saved_plan
@@ -389,20 +389,19 @@ def _rest_of_epoch(planned: PlannedSource, pending: PendingResume, world_size: i
     unread = unread_rows(
         saved_plan, sizes, pending.step, planned.order, pending.epoch, read=pending.read
     )
-    return plan_unread_rows(unread, sizes, world_size, saved_plan.batch_size)
-
-
-def _log_rest(rest: ShardPlan, saved_plan: ShardPlan, epoch: int, step: int) -> None:
-    logger.info(
-        "ddp_even: epoch %d resumes after step %d of %d ranks on %d: its %d unread rows "
-        "re-planned (%s rows per rank)",
-        epoch,
-        step,
-        saved_plan.world_size,
-        rest.world_size,
-        sum(rest.rows_per_rank),
-        "/".join(map(str, rest.rows_per_rank)),
-    )
+    rest = plan_unread_rows(unread, sizes, world_size, saved_plan.batch_size)
+    if rank == 0:
+        logger.info(
+            "ddp_even: epoch %d resumes after step %d of %d ranks on %d: its %d unread rows "
+            "re-planned (%s rows per rank)",
+            pending.epoch,
+            pending.step,
+            saved_plan.world_size,
+            world_size,
+            sum(rest.rows_per_rank),
+            "/".join(map(str, rest.rows_per_rank)),
+        )
+    return rest
 
 
 def _first_pass_from(planned: PlannedSource, first: ShardPlan) -> Callable[[int], Any]:
