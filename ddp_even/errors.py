@@ -138,7 +138,7 @@ class OffPlanError(EvenLoaderError):
         super().__init__(
             f"the shard plan does not match what the ranks read ({described}); build the "
             "readers from the same plan (EvenLoader.from_parquet), or plan with the sharding the "
-            "readers use (balanced=False for petastorm's cur_shard/shard_count)"
+            "readers use (sharding='round_robin' for petastorm's cur_shard/shard_count)"
         )
 
 
@@ -384,8 +384,8 @@ class TooFewRowGroupsError(EvenLoaderError, ValueError):
             f"least {world_size} partitions before converting it: "
             f"make_spark_converter(df.repartition({world_size})) (a multiple of "
             f"{world_size} partitions of similar sizes keeps shards even); or plan the shards: "
-            "EvenLoader.from_parquet(converter, batch_size=..., balanced=True, mode='join') runs "
-            "with ranks that hold no row group"
+            "EvenLoader.from_parquet(converter, batch_size=..., sharding='row_groups', "
+            "mode='join') runs with ranks that hold no row group"
         )
 
 

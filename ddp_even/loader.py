@@ -181,7 +181,6 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         *,
         sharding: Sharding = "round_robin",
         predicate: Any = None,
-        balanced: bool | None = None,
         reader: Literal["batch", "row"] = "batch",
         reader_kwargs: Mapping[str, Any] | None = None,
         loader_kwargs: Mapping[str, Any] | None = None,
@@ -198,13 +197,12 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         Plans every rank's shard of ``dataset`` (a path, a URL that ``storage_options`` or
         ``filesystem`` reach, a list of files, or a petastorm Spark converter) from its Parquet
         footers, cut as ``sharding`` says (``"round_robin"``, ``"row_groups"``, ``"rows"``,
-        ``"replicate"``; ``balanced=True`` is the old spelling of ``"row_groups"``), a row
-        ``predicate``'s rows counted first; reads each pass with pyarrow, batches of
-        ``batch_size`` rows as dicts of tensors (:mod:`ddp_even.arrow.passes` lists
-        ``reader_kwargs`` and ``loader_kwargs``). ``reader="row"`` decodes a dataset petastorm
-        wrote with a Unischema by its codecs, as ``make_reader`` does (needs petastorm).
-        ``len()`` answers before the first step and :class:`EpochStats` says exactly what
-        each rank dropped. docs/using.md has the details.
+        ``"replicate"``), a row ``predicate``'s rows counted first; reads each pass with
+        pyarrow, batches of ``batch_size`` rows as dicts of tensors (:mod:`ddp_even.arrow.passes`
+        lists ``reader_kwargs`` and ``loader_kwargs``). ``reader="row"`` decodes a dataset
+        petastorm wrote with a Unischema by its codecs, as ``make_reader`` does (needs
+        petastorm). ``len()`` answers before the first step and :class:`EpochStats` says
+        exactly what each rank dropped. docs/using.md has the details.
 
         Example, on every rank::
 
@@ -230,7 +228,6 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             world_size,
             batch_size,
             sharding=sharding,
-            balanced=balanced,
             predicate=predicate,
             share=None if agreer is None else agreer.gather_counts,
             reader=reader,
