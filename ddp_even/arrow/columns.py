@@ -28,7 +28,7 @@ import torch
 
 from ddp_even.parquet.predicates import kept_mask
 
-__all__ = ["NULL_TIME", "BatchCutter", "Columns", "Decoding", "to_columns"]
+__all__ = ["NULL_TIME", "BatchCutter", "Columns", "Decoding", "floats", "to_columns"]
 
 #: A batch (or a row group): each column's values, a tensor or a list.
 Columns = dict[str, Any]
@@ -77,11 +77,8 @@ def _column(column: pa.ChunkedArray, as_float: bool = False) -> Any:
     numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind)
     if not numeric and not pa.types.is_boolean(kind):
         return column.to_pylist()
-    if (as_float or column.null_count) and pa.types.is_boolean(kind):
-        column = column.cast(pa.float32())
-    elif as_float and pa.types.is_integer(kind):
-        # As pyarrow converts one with nulls: the nearest float64 (unsafe: beyond 2**53 too).
-        column = column.cast(pa.float64(), safe=False)
+    if as_float or (column.null_count and pa.types.is_boolean(kind)):
+        column = floats(column)
     values = (
         column.to_numpy()
         if column.num_chunks == 1
@@ -90,6 +87,16 @@ def _column(column: pa.ChunkedArray, as_float: bool = False) -> Any:
     if values.dtype == np.dtype(object):  # pyarrow left something torch cannot hold
         return column.to_pylist()
     return torch.from_numpy(values)
+
+
+def floats(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """An integer column as float64, as pyarrow converts one with nulls (the nearest float: unsafe
+    beyond 2**53 too), a boolean one as float32; any other as it is."""
+    if pa.types.is_boolean(column.type):
+        return column.cast(pa.float32())
+    if pa.types.is_integer(column.type):
+        return column.cast(pa.float64(), safe=False)
+    return column
 
 
 def _is_time(kind: pa.DataType) -> bool:

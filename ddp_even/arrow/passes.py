@@ -218,12 +218,9 @@ def make_shard_factory(
 
 
 class ArrowPasses(PlannedSource):
-    """The factory :func:`make_shard_factory` returns: one :class:`ArrowPass` per call.
-
-    ``passes(epoch=N)`` reads this rank's shard of ``plan`` for epoch ``N`` in the order
-    ``order`` gives; ``passes(epoch=N, shard_plan=rest)`` this rank's pieces of a re-planned
-    rest of epoch ``N`` (:mod:`ddp_even.resume.remainder`), with epoch ``N``'s row shuffle.
-    """
+    """The factory :func:`make_shard_factory` returns: one :class:`ArrowPass` per call, as
+    :class:`~ddp_even.sources.base.PlannedSource` says; a re-planned rest of epoch ``N`` keeps
+    epoch ``N``'s row shuffle."""
 
     def __init__(
         self,

@@ -62,9 +62,10 @@ class PassRows:
     decoding: Decoding
 
 
-class ArrowPass:
+class ArrowPass(ShardSource[Columns]):
     """One pass's batches, read ahead by a thread of its own; close it when done (or use it in
-    a ``with`` block, as petastorm's readers)."""
+    a ``with`` block, as petastorm's readers). As a source it serves this one pass, its batches
+    counted by their first column, which every column matches."""
 
     def __init__(
         self, reading: PassRows, batch_size: int, prefetch: int, threads: int, pin_memory: bool
@@ -116,6 +117,13 @@ class ArrowPass:
         if self._pin_memory:
             batch = {name: _pinned(values) for name, values in batch.items()}
         return batch
+
+    @property
+    def restartable(self) -> bool:
+        return False  # a factory makes a pass for each pass
+
+    def open_pass(self) -> ShardPass[Columns]:
+        return ShardPass(self, on_close=self.close, count_samples=_rows)
 
     def close(self) -> None:
         """Stop reading ahead (the thread ends within about 0.1 s) and let go of what it read."""
@@ -393,21 +401,8 @@ def _pinned(values: Any) -> Any:
 
 
 def source_for(reading: ArrowPass, *, owned: bool) -> ShardSource[Columns]:
-    """A pass the factory made, as the source of one pass (the source registry's hook): its
-    batches counted by their first column, which every column matches."""
-    return _OnePass(reading)
-
-
-class _OnePass(ShardSource[Columns]):
-    def __init__(self, reading: ArrowPass) -> None:
-        self._reading = reading
-
-    @property
-    def restartable(self) -> bool:
-        return False  # a factory makes a pass for each pass
-
-    def open_pass(self) -> ShardPass[Columns]:
-        return ShardPass(self._reading, on_close=self._reading.close, count_samples=_rows)
+    """The source registry's hook: a pass the factory made is the source of that one pass."""
+    return reading
 
 
 def _rows(batch: Columns) -> int | None:

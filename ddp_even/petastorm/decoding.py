@@ -13,6 +13,7 @@ sharding, resume and statistic holds alike.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ import petastorm  # noqa: F401
 import pyarrow as pa
 import torch
 
-from ddp_even.arrow.columns import Columns, Decoding, to_columns
+from ddp_even.arrow.columns import Columns, Decoding, floats, to_columns
 from ddp_even.errors import DatasetError
 from ddp_even.parquet.predicates import is_expression
 from ddp_even.storage import ResolvedDataset
@@ -46,10 +47,8 @@ def read_unischema(resolved: ResolvedDataset) -> Any:
     path = f"{resolved.paths[0].rstrip('/')}/_common_metadata"
     stored = None
     if not resolved.is_list:
-        try:
+        with contextlib.suppress(OSError, DatasetError):
             stored = (resolved.storage.read_summary(path).metadata or {}).get(UNISCHEMA_KEY)
-        except (OSError, DatasetError):
-            stored = None
     if stored is None:
         raise DatasetError(
             f"{resolved.describe()} has no petastorm Unischema (no _common_metadata with one): "
@@ -122,13 +121,9 @@ class PetastormDecoding(Decoding):
     def _transformed_frame(self, table: pa.Table) -> pa.Table:
         # A column with nulls somewhere is float in every row group's frame, as in a batch; a
         # dictionary's is not (pandas makes it a categorical, its values as they are).
-        for index, field in enumerate(table.schema):
-            integer_or_boolean = pa.types.is_integer(field.type) or pa.types.is_boolean(field.type)
-            if field.name in self.with_nulls and integer_or_boolean:
-                kind = pa.float32() if pa.types.is_boolean(field.type) else pa.float64()
-                table = table.set_column(
-                    index, pa.field(field.name, kind), table.column(index).cast(kind, safe=False)
-                )
+        for index, name in enumerate(table.column_names):
+            if name in self.with_nulls:
+                table = table.set_column(index, name, floats(table.column(index)))
         frame = table.to_pandas()
         if self._transform.func is not None:
             frame = self._transform.func(frame)

@@ -1,11 +1,8 @@
-"""The legacy ``pyarrow.filesystem`` interface petastorm 0.12.1 reads through: for users who
-build petastorm readers themselves on remote data (docs/remote-storage.md), the wrapped loop.
-
-pyarrow 14 takes its legacy dataset path, the one petastorm's ``validate_schema=`` needs, only
-for a legacy filesystem; :class:`ArrowLegacyFileSystem` gives it one over a ``pyarrow.fs``
-filesystem (``resolve_dataset(url, storage_options=...).storage.filesystem``), so petastorm
-names its files exactly as a plan of the same URL does. It goes one way only: ddp_even's own
-``filesystem=`` refuses a legacy filesystem, naming the ``pyarrow.fs`` or fsspec one to pass.
+"""The legacy ``pyarrow.filesystem`` interface petastorm 0.12.1 reads through, for users who
+build petastorm readers themselves on remote data (docs/remote-storage.md): pyarrow 14 takes
+the legacy dataset path petastorm's ``validate_schema=`` needs only for a legacy filesystem.
+Over ``resolve_dataset(url, ...).storage.filesystem``, petastorm names its files as a plan of
+the same URL does.
 """
 
 from __future__ import annotations
@@ -21,12 +18,9 @@ __all__ = ["ArrowLegacyFileSystem"]
 
 
 class ArrowLegacyFileSystem(LegacyFileSystem):  # type: ignore[misc]  # pyarrow is untyped
-    """A ``pyarrow.fs`` ``filesystem`` as the legacy ``pyarrow.filesystem`` object petastorm
-    0.12.1 reads through.
-
-    It answers what pyarrow 14's legacy ``ParquetDataset`` and petastorm's readers call
-    (``isdir``, ``isfile``, ``walk``, ``open`` to read) through ``filesystem``, and pickles
-    (for petastorm's process pool) when ``filesystem`` does.
+    """A ``pyarrow.fs`` ``filesystem`` as a legacy one: what pyarrow 14's legacy
+    ``ParquetDataset`` and petastorm's readers call (``isdir``, ``isfile``, ``walk``, ``open``
+    to read); it pickles (for petastorm's process pool) when ``filesystem`` does.
 
     Example:
         >>> import pyarrow.fs

@@ -22,6 +22,7 @@ from petastorm.reader import Reader
 from petastorm.workers_pool.process_pool import ProcessPool
 from petastorm.workers_pool.thread_pool import ThreadPool
 
+from ddp_even.errors import DatasetError
 from ddp_even.planning.plans import ShardPlan
 from ddp_even.planning.provenance import Provenance, Untold
 from ddp_even.sources.base import PassReading
@@ -162,12 +163,9 @@ class ReaderReading(PassReading):
 def round_robin_plan(
     reader: Reader, batch_size: int, rank: int, world_size: int
 ) -> ShardPlan | None:
-    """The plan of a reader built with ``cur_shard=rank, shard_count=world_size``, or None.
-
-    Its rows follow from the footers when nothing drops or adds rows: no row predicate, no
-    ``transform_spec`` (it may drop rows), no NGram, one epoch, the round robin's row groups
-    exactly (no ``rowgroup_selector``), on the local disk. Where the reader hides any of that
-    (a process pool hides its transform), the lengths are not trusted.
+    """The plan of a reader built with ``cur_shard=rank, shard_count=world_size``, or None
+    where its rows may not follow from the footers (:func:`_why_rows_unknown` says why) or it
+    reads other row groups than the round robin's.
 
     Every rank's reader is built alike, so rank 0 alone says what was found, unless a rank's
     finding is its own (another shard, metadata it could not read).
@@ -175,8 +173,6 @@ def round_robin_plan(
     why_not = _why_rows_unknown(reader)
     said_by_this_rank = rank == 0
     if why_not is None:
-        from ddp_even.parquet import DatasetError
-
         paths = reader.dataset.paths
         try:
             key = paths if isinstance(paths, str) else tuple(paths)
@@ -235,6 +231,7 @@ def _footer_plan(
 
 
 def _why_rows_unknown(reader: Reader) -> str | None:
+    """What may drop or add rows, or hides whether it does (a process pool its transform)."""
     items = _ventilated_items(reader)
     worker = _a_worker(reader)
     if reader.num_epochs != 1:

@@ -67,28 +67,19 @@ _SET_HERE = {
     "dataset_url_or_urls": "the converter names its own files",
 }
 
-# Options that leave every row of the shard in, once: the batches of a pass are then
-# ceil(rows / batch_size), known from the Parquet footers before reading. Any other option
-# (a predicate, a transform_spec, data_loader_fn, ...) makes the ranks agree at every step.
-_COUNT_PRESERVING = frozenset(
+# Options that may drop rows or read some twice (every other option of make_torch_dataloader and
+# make_batch_reader leaves every row of the shard in, once: the batches of a pass are then
+# ceil(rows / batch_size), known from the Parquet footers before reading). With one of them the
+# ranks agree at every step.
+_COUNT_CHANGING = frozenset(
     {
-        "workers_count",
-        "shuffling_queue_capacity",
-        "reader_pool_type",
-        "results_queue_size",
-        "seed",
-        "shuffle_rows",
-        "shuffle_row_groups",
-        "schema_fields",
-        "cache_type",
-        "cache_location",
-        "cache_size_limit",
-        "cache_row_size_estimate",
-        "cache_extra_settings",
-        "hdfs_driver",
-        "zmq_copy_buffers",
-        "storage_options",
-        "filesystem",
+        "predicate",
+        "transform_spec",
+        "data_loader_fn",
+        "filters",
+        "rowgroup_selector",
+        "shard_seed",
+        "shuffle_row_drop_partitions",
     }
 )
 
@@ -114,9 +105,7 @@ def converter_files(converter: Any) -> list[str]:
     """The converter's Parquet files in the order petastorm reads them (``converter.file_urls``).
 
     Plan with this list, not with ``converter.cache_dir_url``: petastorm numbers a converter's
-    row groups in this (unsorted) order, and a directory would be read in sorted order.
-    ``EvenLoader.from_parquet(converter, ...)`` uses it; so can ``plan_for_dataset`` (as in
-    docs/spark.md) and the CLI (``ddp-even plan FILE FILE ...`` keeps the order given). Raises
+    row groups in this (unsorted) order, and a directory would be read in sorted order. Raises
     :class:`ConverterDeletedError` when the files are gone.
     """
     if not is_spark_converter(converter):
@@ -242,7 +231,7 @@ class ConverterSource(ShardSource[Any]):
         self._batch_size = batch_size
         self._loader_kwargs = loader_kwargs
         self._planned = _planned(self._files, batch_size)
-        self._counts_exact = set(loader_kwargs) <= _COUNT_PRESERVING
+        self._counts_exact = not _COUNT_CHANGING & set(loader_kwargs)
         self._shard: tuple[int, int] | None = None
 
     @property
