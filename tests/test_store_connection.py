@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ddp_even.liveness.heartbeat import _Beater, own_connection
 from ddp_even.liveness.peers import Watch, connection_lost
-from ddp_even.liveness.store_server import store_server_state
+from ddp_even.liveness.verdict import store_server_state
 
 LONG = datetime.timedelta(minutes=30)
 

@@ -49,7 +49,7 @@ from ddp_even.liveness.heartbeat import start_heartbeat
 from ddp_even.liveness.peers import (
     watch_from_now,
 )
-from ddp_even.liveness.rollcall import finish_roll_calls
+from ddp_even.liveness.rollcall import Ticket, finish_roll_calls
 from ddp_even.process_group import group_is_up, training_timeout
 
 __all__ = ["Channel", "channel_for", "control_group_for", "release_orphaned", "training_timeout"]
@@ -75,12 +75,13 @@ class Channel:
         self._previous = time.monotonic()
         self._running: list[Any] = []
 
-    def next_collective(self) -> tuple[int, float]:
-        """The next sequence number, and seconds since the previous collective started."""
+    def ticket(self, what: str) -> Ticket:
+        """The next control collective's ticket: its sequence number, and seconds since the
+        previous one started."""
         now = time.monotonic()
         since_previous, self._previous = now - self._previous, now
         self.issued += 1
-        return self.issued, since_previous
+        return Ticket(self.issued, time.time(), what, since_previous)
 
     def track(self, work: Any) -> None:
         """Keep ``work`` until it is seen complete: ``_release`` needs to know it is."""

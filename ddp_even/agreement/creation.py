@@ -9,6 +9,7 @@ what this makes.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import logging
@@ -24,12 +25,15 @@ from ddp_even.liveness.heartbeat import stood_still_since, waiting
 from ddp_even.liveness.peers import (
     BUSY,
     UNSEEN,
+    Board,
+    PeerView,
+    Verdict,
     Watch,
     current_watch,
     lost_peers,
     poll_interval,
+    verdict_on,
 )
-from ddp_even.liveness.verdict import Board, Verdict, store_silence, verdict_on
 
 __all__ = ["create", "meet_before_creating"]
 
@@ -64,6 +68,23 @@ def meet_before_creating(
     poll = poll_interval(timeout, len(ranks))
     began, began_wall = time.monotonic(), time.time()
 
+    def why_not_all_here() -> Verdict | None:
+        verdict, views = _look_for_lost(watch, others, me, timeout, gloo_timeout, _MEETING)
+        if views is None or verdict is not None or time.monotonic() - began < gloo_timeout:
+            return verdict
+        absent = [
+            rank
+            for rank, key in zip(ranks, keys, strict=True)
+            if not _answered(watch, functools.partial(_holds, key=key))
+        ]
+        states = {rank: BUSY if views[rank].beat is not None else UNSEEN for rank in absent}
+        verdict = verdict_on(views, states, by=me, timeout=gloo_timeout, what=_MEETING)
+        detail = (
+            f"not within the training group's timeout ({gloo_timeout:g} s): {verdict.detail}. "
+            f"Did they never start iterating an EvenLoader? {_ONE_LOOP}"
+        )
+        return dataclasses.replace(verdict, detail=detail)
+
     def say_here(store: Any) -> bool:
         store.set(f"{meeting}{me}", "here")
         return True
@@ -75,15 +96,7 @@ def meet_before_creating(
             here = here or _answered(watch, say_here)
             if here and _answered(watch, lambda store: bool(store.check(keys))):
                 return
-            verdict = board.read()
-            if verdict is None:
-                verdict = _why_not_all_here(
-                    watch, keys, ranks, others, began, timeout, gloo_timeout
-                )
-                # After the look: a process frozen during it finds out before it judges.
-                late_here(began_wall, timeout, _MEETING)
-                if verdict is not None:
-                    verdict = board.publish(verdict)
+            verdict = _read_or_find(board, why_not_all_here, began_wall, timeout, _MEETING)
             if verdict is not None:
                 raise board.adopt(verdict, len(ranks))
             time.sleep(poll)
@@ -101,40 +114,38 @@ def _answered(watch: Watch, question: Callable[[Any], bool]) -> bool:
         return False
 
 
-def _why_not_all_here(
-    watch: Watch,
-    keys: list[str],
-    ranks: Sequence[int],
-    others: list[int],
-    began: float,
-    timeout: float,
-    gloo_timeout: float,
-) -> Verdict | None:
-    me = dist.get_rank()
+def _look_for_lost(
+    watch: Watch, others: list[int], me: int, timeout: float, gloo_timeout: float, what: str
+) -> tuple[Verdict | None, dict[int, PeerView] | None]:
+    """The verdict on the peers lost now, or on a store silent past ``timeout`` whose host is
+    lost (a busy one is waited for up to ``gloo_timeout``); and the views it came from."""
     views = watch.look(others)
     if views is None:
-        return store_silence(watch, by=me, timeout=timeout, what=_MEETING, patience=gloo_timeout)
+        from ddp_even.liveness.verdict import store_silence
+
+        verdict = store_silence(watch, by=me, timeout=timeout, what=what, patience=gloo_timeout)
+        return verdict, None
     lost = lost_peers(views, timeout)
-    if lost:
-        return verdict_on(views, lost, by=me, timeout=timeout, what=_MEETING)
-    if time.monotonic() - began < gloo_timeout:
-        return None
-    absent = [
-        rank
-        for rank, key in zip(ranks, keys, strict=True)
-        if not _answered(watch, functools.partial(_holds, key=key))
-    ]
-    states = {rank: BUSY if views[rank].beat is not None else UNSEEN for rank in absent}
-    verdict = verdict_on(views, states, by=me, timeout=gloo_timeout, what=_MEETING)
-    return Verdict(
-        me,
-        verdict.missing,
-        verdict.states,
-        gloo_timeout,
-        _MEETING,
-        f"not within the training group's timeout ({gloo_timeout:g} s): {verdict.detail}. "
-        f"Did they never start iterating an EvenLoader? {_ONE_LOOP}",
-    )
+    return (verdict_on(views, lost, by=me, timeout=timeout, what=what) if lost else None), views
+
+
+def _read_or_find(
+    board: Board,
+    find: Callable[[], Verdict | None],
+    began_wall: float | None,
+    timeout: float,
+    what: str,
+) -> Verdict | None:
+    """Another rank's verdict, or this rank's own found by ``find()`` and published; first
+    raising this rank's own lateness when it stood still since ``began_wall`` (after the look:
+    a process frozen during it finds out before it judges)."""
+    verdict = board.read()
+    if verdict is not None:
+        return verdict
+    verdict = find()
+    if began_wall is not None:
+        late_here(began_wall, timeout, what)
+    return None if verdict is None else board.publish(verdict)
 
 
 def create(meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float) -> Any:
@@ -177,6 +188,9 @@ def create(meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: flo
     done_keys = [f"{meeting}created/{rank}" for rank in ranks]
     said_done = said_slow = False
 
+    def look() -> Verdict | None:
+        return _look_for_lost(watch, others, me, timeout, gloo_timeout, _CREATING)[0]
+
     def say_done(store: Any) -> bool:
         store.set(f"{meeting}created/{me}", "created")
         return True
@@ -191,17 +205,14 @@ def create(meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: flo
             if not creator.is_alive():
                 if failed:
                     error = failed[0]
-                    raise _creation_failure(meeting, ranks, timeout, gloo_timeout, error) from error
+                    raise _creation_failure(
+                        board, look, len(ranks), timeout, gloo_timeout, error
+                    ) from error
                 said_done = said_done or _answered(watch, say_done)
                 if said_done and _answered(watch, lambda store: bool(store.check(done_keys))):
                     break
                 time.sleep(poll)
-            verdict = board.read()
-            if verdict is None:
-                verdict = _lost_while_creating(watch, others, me, timeout, gloo_timeout)
-                late_here(began_wall, timeout, _CREATING)  # frozen during the look, as above
-                if verdict is not None:
-                    verdict = board.publish(verdict)
+            verdict = _read_or_find(board, look, began_wall, timeout, _CREATING)
             if verdict is not None:
                 logger.debug("gave up creating ddp_even's group: %s", verdict)
                 raise board.adopt(verdict, len(ranks))
@@ -233,42 +244,23 @@ def late_here(since: float, timeout: float, what: str, overslept: float = 0.0) -
         raise PeerTimeoutError((me,), timeout, detail, rank=me, late=True, what=what)
 
 
-def _lost_while_creating(
-    watch: Watch, others: list[int], me: int, timeout: float, gloo_timeout: float
-) -> Verdict | None:
-    views = watch.look(others)
-    if views is None:
-        return store_silence(watch, by=me, timeout=timeout, what=_CREATING, patience=gloo_timeout)
-    lost = lost_peers(views, timeout)
-    return verdict_on(views, lost, by=me, timeout=timeout, what=_CREATING) if lost else None
-
-
 def _creation_failure(
-    meeting: str, ranks: Sequence[int], timeout: float, gloo_timeout: float, error: BaseException
+    board: Board,
+    look: Callable[[], Verdict | None],
+    group_size: int,
+    timeout: float,
+    gloo_timeout: float,
+    error: BaseException,
 ) -> EvenLoaderError:
     """ddp_even's error for a failed gloo rendezvous: the ranks lost since the meeting."""
-    me = dist.get_rank()
-    watch = current_watch()
-    board = Board(watch, meeting, me, hosts_store=me == 0)
-    others = [rank for rank in ranks if rank != me]
     words = f"gloo: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
-    what = _CREATING
     # Their silence counts from when this rank first saw it: watch for up to ``timeout``.
     deadline = time.monotonic() + timeout + 1.0
     while time.monotonic() < deadline:
-        verdict = board.read()
-        if verdict is None:
-            views = watch.look(others)
-            lost = {} if views is None else lost_peers(views, timeout)
-            if views is not None and lost:
-                verdict = board.publish(verdict_on(views, lost, by=me, timeout=timeout, what=what))
-            elif views is None:
-                verdict = store_silence(
-                    watch, by=me, timeout=timeout, what=what, patience=gloo_timeout
-                )
+        verdict = _read_or_find(board, look, None, timeout, _CREATING)
         if verdict is not None:
-            return board.adopt(verdict, len(ranks))
-        time.sleep(poll_interval(timeout, len(ranks)))
+            return board.adopt(verdict, group_size)
+        time.sleep(poll_interval(timeout, group_size))
     return EvenLoaderError(
         f"ddp_even could not create its gloo group within {gloo_timeout:g} s although every rank "
         f"had met and none is known to be lost since ({words})"

@@ -1,20 +1,14 @@
-"""How agreements travel: async collectives on a CPU gloo group of ddp_even's own.
+"""How agreements travel: async collectives on ddp_even's own CPU gloo group
+(``control_group.py``), each waited for while the peers live (``CollectiveAgreer.await_work``),
+a failed one turned into the error every rank raises (``liveness/verdict.py``).
 
-The group is our own so that control messages never queue behind gradient buckets and never
-touch a GPU stream. Its gloo timeout is the training group's own (at least the loader's
-``timeout``), so an agreement started ahead of time survives any pause a rank makes that the
-training collectives survive (a checkpoint, an evaluation, a slow set-up).
-
-A wait that lasts longer than a quarter of a second watches the peers' heartbeats
-(``liveness.py``): a peer that shows no sign of life for the loader's ``timeout``, or whose
-process is gone, is named at once on every rank; a live peer is waited for, wherever it is, until
-gloo's own timeout ends the collective. A collective that fails does not say which peer was
-missing; ``rollcall.py`` finds out, and :meth:`CollectiveAgreer.failure` turns its answer into the
-error every rank raises, naming global ranks. The first rank to decide writes its verdict to the
-store; the others raise the same error.
-
-The group itself, created once per training group and released with it, is
-``control_group.py``'s.
+An agreement starts as the short form's all-reduce (``wire.py``). When any rank needs the long
+form, every rank sends it too: a rank that needs it starts it at once, beside the short form;
+the others learn of it from the short form's result and start it when they wait, which every
+rank does for every agreement it starts, in the same order. So the ranks make the same
+collectives in the same order whichever forms they sent. A loop left early (a ``finally``)
+only finishes what it started: when the ranks stop at the same step nothing more is needed,
+and otherwise the rank that needs more is the one whose roll call names those elsewhere.
 """
 
 from __future__ import annotations
@@ -25,18 +19,13 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ddp_even.agreement.control_group import (
-    channel_for,
-    control_group_for,
-    release_orphaned,
-    training_timeout,
-)
-from ddp_even.agreement.pending import Done, InFlight, Pending, PendingAgreement, TwoForms
+from ddp_even.agreement.control_group import channel_for, control_group_for, release_orphaned
 from ddp_even.agreement.wire import (
     Agreement,
     Report,
@@ -49,14 +38,21 @@ from ddp_even.agreement.wire import (
     report_bytes,
     report_from_bytes,
 )
-from ddp_even.errors import EvenLoaderError, PeerTimeoutError, RankMismatchError
+from ddp_even.errors import EvenLoaderError
 from ddp_even.liveness.heartbeat import start_heartbeat, waiting
-from ddp_even.liveness.peers import current_watch, lost_peers, poll_interval
+from ddp_even.liveness.peers import (
+    QUIET_S,
+    Board,
+    Verdict,
+    current_watch,
+    lost_peers,
+    poll_interval,
+    verdict_on,
+)
 from ddp_even.liveness.rollcall import (
     AGREEMENT,
     HANDOVER,
     PADDING,
-    QUIET_S,
     REPORTS,
     ROWS,
     STATISTICS,
@@ -64,21 +60,104 @@ from ddp_even.liveness.rollcall import (
     RollCall,
     Ticket,
 )
-from ddp_even.liveness.verdict import (
-    Board,
-    Verdict,
-    gloo_words,
-    stood_still,
-    store_host_gone,
-    store_silence,
-    verdict_on,
-    verdict_on_missing,
-)
-from ddp_even.process_group import group_is_up
+from ddp_even.process_group import group_is_up, training_timeout
 
 logger = logging.getLogger("ddp_even")
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Pending(Protocol[T_co]):
+    """A control collective that was started; ``wait`` returns its result."""
+
+    def wait(self) -> T_co: ...
+
+    def finish_started(self) -> None:
+        """Wait for what was started, starting nothing more (a loop left early)."""
+        ...
+
+
+PendingAgreement = Pending[Agreement]
+
+
+@dataclass(frozen=True)
+class Done(Generic[T]):
+    """A result known without a collective (a single rank)."""
+
+    result: T
+
+    def wait(self) -> T:
+        return self.result
+
+    def finish_started(self) -> None:
+        pass
+
+
+class InFlight(Generic[T]):
+    """One started collective: waited for under the agreer's deadlines, read once."""
+
+    def __init__(
+        self,
+        agreer: CollectiveAgreer,
+        work: Any,
+        buffer: torch.Tensor,
+        ticket: Ticket,
+        read: Callable[[list[int]], T],
+    ) -> None:
+        self._agreer = agreer
+        self._work = work
+        self._buffer = buffer
+        self._ticket = ticket
+        self._read = read
+        self._waited = False
+        self._result: T
+        self._failure: EvenLoaderError | None = None
+
+    def wait(self) -> T:
+        if self._failure is not None:
+            # Waited once already (e.g. again in a ``finally``): the same error, at once.
+            raise self._failure
+        if not self._waited:
+            try:
+                self._agreer.await_work(self._work, self._ticket)
+            except EvenLoaderError as error:
+                self._failure = error
+                raise
+            self._result = self._read(self._buffer.tolist())
+            self._waited = True
+        return self._result
+
+    def finish_started(self) -> None:
+        self.wait()
+
+
+class TwoForms:
+    """An agreement in flight: its short form, and its long form once any rank needs it."""
+
+    def __init__(
+        self,
+        short: Pending[Agreement | None],
+        long: Pending[Agreement] | None,
+        start_long: Callable[[], Pending[Agreement]],
+    ) -> None:
+        self._short = short
+        self._long = long
+        self._start_long = start_long
+
+    def wait(self) -> Agreement:
+        agreement = self._short.wait()
+        if agreement is not None:
+            return agreement
+        if self._long is None:
+            # Another rank sent the long form: this rank joins it.
+            self._long = self._start_long()
+        return self._long.wait()
+
+    def finish_started(self) -> None:
+        self._short.wait()
+        if self._long is not None:
+            self._long.wait()
 
 
 def agreer_for(group: dist.ProcessGroup | None, timeout: float | None) -> Agreer:
@@ -162,16 +241,14 @@ class CollectiveAgreer:
         self._channel = channel_for(control_group)
         hosts_store = dist.get_rank() == 0
         self._roll_call = RollCall(
-            control_group.group_name, self.rank, self.world_size, hosts_store=hosts_store
+            control_group.group_name, self.rank, self.world_size, hosts_store
         )
-        self._roll_call.register()
         self._quiet = datetime.timedelta(seconds=min(QUIET_S, timeout / 4))
         self._poll = datetime.timedelta(seconds=poll_interval(timeout, self.world_size))
         self._watch = current_watch()
-        self._board = Board(
-            self._watch, f"ddp_even/{control_group.group_name}/", dist.get_rank(), hosts_store
-        )
-        self._peers = [rank for rank in self.global_ranks if rank != dist.get_rank()]
+        prefix = f"ddp_even/{control_group.group_name}/"
+        self._board = Board(self._watch, prefix, dist.get_rank(), hosts_store)
+        self._peers = [rank for rank in self.global_ranks if rank != self._board.rank]
         # A loader let go of after its training group was destroyed lets that control group go.
         weakref.finalize(self, release_orphaned, True).atexit = False
 
@@ -210,56 +287,50 @@ class CollectiveAgreer:
         read: Callable[[list[int]], T],
         what: str = AGREEMENT,
     ) -> InFlight[T]:
-        ticket = self._ticket(what)
+        ticket = self._channel.ticket(what)
         work = dist.all_reduce(buffer, op=op, group=self.group, async_op=True)
         self._channel.track(work)
         return InFlight(self, work, buffer, ticket, read)
 
     def broadcast_bytes(self, payload: bytes | None, source: int) -> bytes:
         # The size first, so that every rank knows what to receive (0: nothing follows).
-        sending = self.rank == source and payload is not None
-        size = torch.tensor([len(payload) if sending and payload else 0], dtype=torch.int64)
+        sent = payload if self.rank == source and payload else b""
+        size = torch.tensor([len(sent)], dtype=torch.int64)
         self._broadcast(size, source)
-        if int(size.item()) == 0:
+        count = int(size.item())
+        if count == 0:
             return b""
-        if sending and payload:
-            buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if sent:
+            buffer = torch.frombuffer(bytearray(sent), dtype=torch.uint8)
         else:
-            buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+            buffer = torch.empty(count, dtype=torch.uint8)
         self._broadcast(buffer, source)
         return bytes(buffer.numpy())
 
     def _broadcast(self, buffer: torch.Tensor, source: int) -> None:
-        ticket = self._ticket(PADDING)
-        work = dist.broadcast(
-            buffer, src=self.global_ranks[source], group=self.group, async_op=True
-        )
+        ticket = self._channel.ticket(PADDING)
+        source = self.global_ranks[source]
+        work = dist.broadcast(buffer, src=source, group=self.group, async_op=True)
         self._channel.track(work)
         self.await_work(work, ticket)
 
     def gather_reports(self, report: Report) -> list[Report]:
         # Fixed-size buffers in one async all-gather, so that the wait has this rank's own
         # deadline (all_gather_object blocks, for the group's long timeout).
-        local = torch.from_numpy(report_bytes(report))
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        ticket = self._ticket(REPORTS)
-        work = dist.all_gather(gathered, local, group=self.group, async_op=True)
-        self._channel.track(work)
-        self.await_work(work, ticket)
+        gathered = self._all_gather(torch.from_numpy(report_bytes(report)), REPORTS)
         return [report_from_bytes(tensor.numpy()) for tensor in gathered]
 
     def gather_counts(self, counts: list[int]) -> list[list[int]]:
-        local = torch.tensor(counts, dtype=torch.int64)
+        gathered = self._all_gather(torch.tensor(counts, dtype=torch.int64), STATISTICS)
+        return [tensor.tolist() for tensor in gathered]
+
+    def _all_gather(self, local: torch.Tensor, what: str) -> list[torch.Tensor]:
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        ticket = self._ticket(STATISTICS)
+        ticket = self._channel.ticket(what)
         work = dist.all_gather(gathered, local, group=self.group, async_op=True)
         self._channel.track(work)
         self.await_work(work, ticket)
-        return [tensor.tolist() for tensor in gathered]
-
-    def _ticket(self, what: str) -> Ticket:
-        sequence, since_previous = self._channel.next_collective()
-        return Ticket(sequence, time.time(), what, since_previous)
+        return gathered
 
     def handover_group(self) -> dist.ProcessGroup:
         """ddp_even's second gloo group over these ranks, made as the control group is (a
@@ -268,11 +339,8 @@ class CollectiveAgreer:
 
     def await_peer(self, work: Any, peer: int) -> None:
         """Wait for a point-to-point ``work`` with group rank ``peer`` as for a collective.
-
-        Only the two ranks take part, and ranks issue different numbers of them: its ticket
-        keeps the last control collective's number (the sequence stays the same on every rank),
-        nothing is written for a roll call, and a failure names ``peer`` without one.
-        """
+        Ranks issue different numbers of them: its ticket keeps the last control collective's
+        number, nothing is written for a roll call, and a failure names ``peer`` without one."""
         self.await_work(work, Ticket(self._channel.issued, time.time(), HANDOVER), peer)
 
     def await_work(self, work: Any, ticket: Ticket, peer: int | None = None) -> None:
@@ -318,7 +386,7 @@ class CollectiveAgreer:
                         raise self.failure(error, ticket, peer) from error
                 verdict = self._look_around(ticket)
                 if verdict is not None and not _succeeded(work):
-                    raise self._decide(verdict)
+                    raise self._board.decide(verdict, self.world_size)
         # Completed, after a long wait: did the others give up meanwhile?
         self._raise_if_given_up()
 
@@ -330,91 +398,35 @@ class CollectiveAgreer:
         what = WHAT.get(ticket.what, ticket.what)
         views = self._watch.look(self._peers)
         if views is None:
-            return store_silence(self._watch, by=self._me, timeout=self.timeout, what=what)
+            from ddp_even.liveness.verdict import store_silence
+
+            return store_silence(self._watch, by=self._board.rank, timeout=self.timeout, what=what)
         lost = lost_peers(views, self.timeout)
         if not lost:
             return None
-        return verdict_on(views, lost, by=self._me, timeout=self.timeout, what=what)
-
-    def _decide(self, verdict: Verdict) -> EvenLoaderError:
-        """Publish ``verdict`` (unless another rank's stands already); the error to raise."""
-        if verdict.by == self._me:
-            verdict = self._board.publish(verdict)
-        logger.debug("control collective given up: %s", verdict)
-        return self._board.adopt(verdict, self.world_size)
+        return verdict_on(views, lost, by=self._board.rank, timeout=self.timeout, what=what)
 
     def _raise_if_given_up(self) -> None:
         verdict = self._board.read()
         if verdict is not None:
-            raise self._decide(verdict)
-
-    @property
-    def _me(self) -> int:
-        return self.global_ranks[self.rank]
+            raise self._board.decide(verdict, self.world_size)
 
     def failure(
         self, error: RuntimeError, ticket: Ticket, peer: int | None = None
     ) -> EvenLoaderError:
         """The error every rank raises when a control collective (or a point-to-point one
         with ``peer``) failed: who is missing."""
-        verdict = self._board.read()
-        if verdict is not None:
-            return self._decide(verdict)
-        what = WHAT.get(ticket.what, ticket.what)
-        if late := stood_still(ticket, str(error), by=self._me, timeout=self.timeout, what=what):
-            return late
-        if peer is not None:
-            return self._decide(self._missing([self.global_ranks[peer]], error, what))
-        attendance = self._roll_call.attendance(ticket)
-        logger.debug("control collective %s failed: %s (%s)", ticket, error, attendance)
-        gloo = f"gloo: {gloo_words(str(error))}"
-        kinds = {what for what in attendance.doing.values() if what in WHAT}
-        doing = {self.global_ranks[rank]: what for rank, what in attendance.doing.items()}
-        if not attendance.missing and len(kinds) > 1:
-            return RankMismatchError(
-                "ranks are not running the same loop: they reached the same point in "
-                f"different collectives ({_describe(doing)}). Did some ranks "
-                "leave an epoch early (a break, or an exception caught inside the loop, on "
-                f"some ranks only)? Every rank must stop at the same step. {gloo}"
-            )
-        if attendance.unknown_because is not None:
-            why = (attendance.unknown_because, self.global_ranks, self._me, self.timeout, what)
-            lost = store_host_gone(self._watch, str(error), *why)
-            if lost is not None:
-                return self._decide(lost)
-        if attendance.unknown_because is not None or not attendance.missing:
-            detail = gloo
-            if attendance.unknown_because is not None:
-                detail += f"; which ranks did not answer is unknown: {attendance.unknown_because}"
-            else:
-                detail += (
-                    "; every rank reached this collective, some only after this rank had "
-                    "stopped waiting: a peer was late, not gone"
-                )
-            return PeerTimeoutError(
-                tuple(self.global_ranks[rank] for rank in attendance.missing),
-                self.timeout,
-                detail,
-                rank=self._me,
-                late=attendance.late,
-                what=what,
-            )
-        missing = [self.global_ranks[rank] for rank in attendance.missing]
-        if attendance.late:
-            return PeerTimeoutError(
-                tuple(missing), self.timeout, gloo, rank=self._me, late=True, what=what
-            )
-        return self._decide(self._missing(missing, error, what))
+        from ddp_even.liveness.verdict import collective_failure
 
-    def _missing(self, missing: list[int], error: RuntimeError, what: str) -> Verdict:
-        return verdict_on_missing(
-            self._watch,
-            missing,
-            str(error),
-            by=self._me,
+        return collective_failure(
+            error,
+            ticket,
+            self._board,
+            self._roll_call,
+            self.global_ranks,
             timeout=self.timeout,
             gloo_timeout=self._gloo_timeout,
-            what=what,
+            peer=peer,
         )
 
 
@@ -434,13 +446,3 @@ def _succeeded(work: Any) -> bool:
 
 
 _AT_ONCE = datetime.timedelta(milliseconds=1)
-
-
-def _describe(doing: dict[int, str]) -> str:
-    by_kind: dict[str, list[int]] = {}
-    for rank, what in sorted(doing.items()):
-        by_kind.setdefault(what, []).append(rank)
-    return "; ".join(
-        f"rank(s) {', '.join(map(str, ranks))}: {WHAT.get(what, what)}"
-        for what, ranks in by_kind.items()
-    )

@@ -50,20 +50,15 @@ from ddp_even.liveness.heartbeat import loader_timeout
 from ddp_even.liveness.peers import (
     DEAD,
     GONE_EXITED,
+    QUIET_S,
+    Board,
+    Verdict,
     Watch,
     connection_lost,
     current_watch,
     lost_peers,
     poll_interval,
     store_host,
-)
-from ddp_even.liveness.rollcall import QUIET_S
-from ddp_even.liveness.verdict import (
-    Board,
-    Verdict,
-    gloo_words,
-    store_host_gone,
-    store_silence,
     verdict_on,
 )
 from ddp_even.process_group import training_timeout
@@ -255,6 +250,8 @@ def named_failure(error: RuntimeError, group: dist.ProcessGroup | None) -> EvenL
     in the heartbeats (looked at until one is, or for the loader's ``timeout`` and a second),
     written to the store so that every survivor names the same (a survivor that raised and
     exited is not what the others lost)."""
+    from ddp_even.liveness.verdict import gloo_words
+
     me = dist.get_rank()
     ranks = _global_ranks(group)
     peers = [rank for rank in ranks if rank != me]
@@ -292,6 +289,8 @@ def _look(
     """The verdict on the peers found lost in their heartbeats now, or None."""
     views = watch.look(peers)
     if views is None:
+        from ddp_even.liveness.verdict import store_host_gone, store_silence
+
         unknown = f"the job's store did not answer ({watch.store_error!r})"
         verdict = store_host_gone(watch, gloo_message, unknown, peers, me, timeout, WHAT)
         return verdict or store_silence(watch, by=me, timeout=timeout, what=WHAT)

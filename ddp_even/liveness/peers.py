@@ -1,8 +1,8 @@
 """Who is alive: the peers' heartbeats read by a rank that waits, judged, and the verdict shared.
 
-A rank reads its peers' heartbeats (``heartbeat.py``) only once a wait in ddp_even has lasted a
-quarter of a second, then about twice a second: nothing on the fast path. What it concludes
-about a peer that has not come (:func:`judge`):
+A rank reads its peers' heartbeats (``heartbeat.py``) only once a wait in ddp_even has lasted
+:data:`QUIET_S`, then about twice a second: nothing on the fast path. What it concludes about a
+peer that has not come (:func:`judge`):
 
 * **exited**: its last heartbeat says its process exited or destroyed its process group.
   Named at once.
@@ -18,11 +18,16 @@ about a peer that has not come (:func:`judge`):
   with the GIL released is such a peer: its ``progress`` stands still while its count goes on.
 
 Silences are measured on this rank's clock, from the first time it saw the peer's latest
-beat, so no two hosts' clocks are compared. What the ranks then raise is ``verdict.py``'s.
+beat, so no two hosts' clocks are compared. The first rank to give up writes its
+:class:`Verdict` on the :class:`Board` (``compare_set``: the first write wins), and every rank
+raises the same :class:`~ddp_even.PeerTimeoutError`. The failure paths' verdicts (a failed
+collective, a silent store) are ``verdict.py``'s, imported only there.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import threading
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ddp_even.errors import PeerTimeoutError
 from ddp_even.liveness.heartbeat import (
     EXITED,
     INSIDE,
@@ -56,6 +62,9 @@ STALLED = "stalled"
 BUSY = "busy"
 UNSEEN = "unseen"
 
+# A wait at a collective longer than this watches the peers' heartbeats and, at a control
+# collective, is written down for a roll call (``rollcall.py``): only waits this slow pay it.
+QUIET_S = 0.25
 # A silence of this many beats makes a reader ask the kernel about a peer on its host.
 SILENT_BEATS = 2.5
 # The most a question to the store may take (a store whose host is frozen never answers).
@@ -106,18 +115,13 @@ class Watch:
         # The silence (its start) already said busy in the log.
         self.said_busy: float | None = None
 
-    def connect(self) -> None:
-        """Open this watch's own connection to the store, with a short timeout of its own.
-
-        First tried when the loader is made (:func:`watch_from_now`), then by each question
-        until the store's server answers; raises what :func:`own_connection` raises.
-        """
-        if self._store is None:
-            self._store = own_connection(self.origin, _READ_TIMEOUT_S)
-
     @property
     def store(self) -> Any:
-        self.connect()
+        """This watch's own connection to the store, with a short timeout of its own: opened
+        when the loader is made (:func:`watch_from_now`), then by each question until the
+        store's server answers; raises what :func:`own_connection` raises."""
+        if self._store is None:
+            self._store = own_connection(self.origin, _READ_TIMEOUT_S)
         return self._store
 
     def ask(self, question: Callable[[Any], _Answer]) -> _Answer:
@@ -337,9 +341,110 @@ def lost_peers(
     views: Mapping[int, PeerView], timeout: float, *, connection_lost: bool = False
 ) -> dict[int, str]:
     """The peers :func:`judge` finds lost, with their state."""
-    lost = {}
-    for rank, view in views.items():
-        state = judge(view, timeout, connection_lost=connection_lost)
-        if state is not None:
-            lost[rank] = state
-    return lost
+    states = {
+        rank: judge(view, timeout, connection_lost=connection_lost) for rank, view in views.items()
+    }
+    return {rank: state for rank, state in states.items() if state is not None}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why the ranks stop: the first rank to give up writes it, every rank raises it."""
+
+    # The global rank that wrote it.
+    by: int
+    missing: tuple[int, ...]
+    states: Mapping[int, str]
+    # The deadline that applied: the loader's timeout, or the training group's.
+    timeout: float
+    # What the missing ranks did not answer, in words.
+    what: str
+    detail: str
+
+    def encode(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def decode(cls, text: str) -> Verdict:
+        fields = json.loads(text)
+        fields["missing"] = tuple(fields["missing"])
+        fields["states"] = {int(rank): state for rank, state in fields["states"].items()}
+        return cls(**fields)
+
+
+class Board:
+    """Where the ranks of one meeting, control group or gradient all-reduce read and write
+    their verdict."""
+
+    def __init__(self, watch: Watch, prefix: str, rank: int, hosts_store: bool) -> None:
+        self.watch = watch
+        self._key = f"{prefix}verdict"
+        self._acknowledged = f"{prefix}verdict-read"
+        # This process's global rank.
+        self.rank = rank
+        self._hosts_store = hosts_store
+
+    def read(self) -> Verdict | None:
+        """The verdict, if a rank wrote one (None too when the store cannot say)."""
+        key = self._key
+        try:
+            stored = self.watch.ask(lambda store: store.get(key) if store.check([key]) else None)
+        except Exception as error:
+            logger.debug("could not read the verdict: %r", error)
+            return None
+        return None if stored is None else Verdict.decode(stored.decode())
+
+    def publish(self, verdict: Verdict) -> Verdict:
+        """Write ``verdict`` unless a rank wrote one first; the one that stands."""
+        try:
+            key, text = self._key, verdict.encode()
+            stored = self.watch.ask(lambda store: store.compare_set(key, "", text))
+            return Verdict.decode(stored.decode())
+        except Exception as error:  # no store: this rank's own verdict, unshared
+            logger.debug("could not publish the verdict: %r", error)
+            return verdict
+
+    def decide(self, verdict: Verdict, group_size: int) -> PeerTimeoutError:
+        """Publish ``verdict`` when it is this rank's own (unless another rank's stands
+        already), then :meth:`adopt` the one that stands."""
+        if verdict.by == self.rank:
+            verdict = self.publish(verdict)
+        logger.debug("%s given up: %s", verdict.what, verdict)
+        return self.adopt(verdict, group_size)
+
+    def adopt(self, verdict: Verdict, group_size: int) -> PeerTimeoutError:
+        """The error this rank raises (``late`` when it is one of the missing); the store's
+        host first waits, briefly, for the others.
+
+        The store usually lives in global rank 0's process: it waits until every rank that is
+        not missing has read the verdict (each says so), or about a second and a half, so that
+        raising and exiting does not take the store away from them.
+        """
+        try:
+            acknowledged = self._acknowledged
+            count = self.watch.ask(lambda store: store.add(acknowledged, 1))
+            expected = group_size - len(verdict.missing)
+            deadline = time.monotonic() + 1.5
+            while self._hosts_store and count < expected and time.monotonic() < deadline:
+                time.sleep(0.05)
+                count = self.watch.ask(lambda store: store.add(acknowledged, 0))
+        except Exception as error:
+            logger.debug("could not acknowledge the verdict: %r", error)
+        return PeerTimeoutError(
+            verdict.missing,
+            verdict.timeout,
+            verdict.detail,
+            rank=self.rank,
+            late=self.rank in verdict.missing,
+            states=verdict.states,
+            what=verdict.what,
+        )
+
+
+def verdict_on(
+    views: Mapping[int, PeerView], states: Mapping[int, str], *, by: int, timeout: float, what: str
+) -> Verdict:
+    """The verdict naming ``states``' ranks, described from their views."""
+    missing = tuple(sorted(states))
+    detail = "; ".join(describe(views[rank], states[rank], timeout) for rank in missing)
+    return Verdict(by, missing, dict(states), timeout, what, detail)

@@ -121,9 +121,7 @@ class RollCall:
             for rank in range(world_size)
             for kind in ("waiting", "gave_up")
         ]
-
-    def register(self) -> None:
-        """Write this rank's records once (when its loader first meets the others)."""
+        # This rank's records, written once up front.
         kinds = ("waiting", "gave_up", "done")
         try:
             self._open_store().multi_set(

@@ -1,150 +1,139 @@
-"""The verdict: why the ranks stop, written once to the store and raised by every rank.
+"""The verdicts of the failure paths: a control collective that failed (the ranks a roll call
+found missing, judged), a store that stopped answering, this rank's own standstill. Imported
+only there: a rank that never meets a failure never loads this module.
 
-The first rank to give up on a peer (``liveness.py`` judges it lost, the store stops answering,
-or a control collective fails) writes its :class:`Verdict` under the meeting's or control
-group's prefix; first write wins (``compare_set``), so every rank raises the same
-:class:`~ddp_even.PeerTimeoutError`, naming the same global ranks with the same states, as soon
-as it reads it. The rank whose process hosts the store waits, briefly, for the others to read
-it before it raises (:meth:`Board.adopt`).
+A store that does not answer is not a dead or frozen host by itself: on a machine whose cores
+are all taken, the store's serving thread (one thread of global rank 0's process under
+``env://``, ``tcp://`` and ``torch.multiprocessing.spawn``) may wait seconds for a core while its
+process runs. On this host the kernel says which (:func:`store_server_state`): the process is
+read from its heartbeat's PID when one was seen, otherwise found as the owner of the socket
+listening on the store's port (``/proc/net/tcp``, ``/proc/<pid>/fd``); none listening: gone.
+Elsewhere nothing is known but the store's own answers (a late one is a sign of life,
+``Watch``).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
+import os
+import socket
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from pathlib import Path
 
-from ddp_even.errors import PeerTimeoutError
-from ddp_even.liveness.heartbeat import stood_still_since
+from ddp_even.errors import EvenLoaderError, PeerTimeoutError, RankMismatchError
+from ddp_even.liveness.heartbeat import stood_still_since, tcp_store_behind
 from ddp_even.liveness.peers import (
     BUSY,
     DEAD,
     STALLED,
     UNSEEN,
+    Board,
     PeerView,
+    Verdict,
     Watch,
     connection_lost,
     describe,
     judge,
+    pid_state,
     process_state,
     store_host,
+    verdict_on,
 )
-from ddp_even.liveness.rollcall import Ticket
-from ddp_even.liveness.store_server import store_server_state
+from ddp_even.liveness.rollcall import WHAT, RollCall, Ticket
 
 logger = logging.getLogger("ddp_even")
 
+# TCP state "listening" in /proc/net/tcp.
+_LISTEN = "0A"
+# Per (host, port): whether it is this host; the PID of the process serving it here.
+_local: dict[tuple[str, int], bool] = {}
+_servers: dict[tuple[str, int], int | None] = {}
 
-@dataclass(frozen=True)
-class Verdict:
-    """Why the ranks stop: the first rank to give up writes it, every rank raises it."""
 
-    # The global rank that wrote it.
-    by: int
-    missing: tuple[int, ...]
-    states: Mapping[int, str]
-    # The deadline that applied: the loader's timeout, or the training group's.
-    timeout: float
-    # What the missing ranks did not answer, in words.
-    what: str
-    detail: str
+def collective_failure(
+    error: RuntimeError,
+    ticket: Ticket,
+    board: Board,
+    roll_call: RollCall,
+    global_ranks: Sequence[int],
+    *,
+    timeout: float,
+    gloo_timeout: float,
+    peer: int | None = None,
+) -> EvenLoaderError:
+    """The error every rank raises when a control collective on ``board``'s group (or a
+    point-to-point one with group rank ``peer``) failed: who is missing, by global rank."""
+    me, size = board.rank, len(global_ranks)
 
-    def encode(self) -> str:
-        return json.dumps(
-            {
-                "by": self.by,
-                "missing": list(self.missing),
-                "states": {str(rank): state for rank, state in self.states.items()},
-                "timeout": self.timeout,
-                "what": self.what,
-                "detail": self.detail,
-            }
+    def missing_verdict(missing: list[int]) -> Verdict:
+        return verdict_on_missing(
+            board.watch,
+            missing,
+            str(error),
+            by=me,
+            timeout=timeout,
+            gloo_timeout=gloo_timeout,
+            what=what,
         )
 
-    @classmethod
-    def decode(cls, text: str) -> Verdict:
-        fields = json.loads(text)
-        return cls(
-            fields["by"],
-            tuple(fields["missing"]),
-            {int(rank): state for rank, state in fields["states"].items()},
-            fields["timeout"],
-            fields["what"],
-            fields["detail"],
+    verdict = board.read()
+    if verdict is not None:
+        return board.decide(verdict, size)
+    what = WHAT.get(ticket.what, ticket.what)
+    if late := stood_still(ticket, str(error), by=me, timeout=timeout, what=what):
+        return late
+    if peer is not None:
+        return board.decide(missing_verdict([global_ranks[peer]]), size)
+    attendance = roll_call.attendance(ticket)
+    logger.debug("control collective %s failed: %s (%s)", ticket, error, attendance)
+    gloo = f"gloo: {gloo_words(str(error))}"
+    kinds = {what for what in attendance.doing.values() if what in WHAT}
+    doing = {global_ranks[rank]: what for rank, what in attendance.doing.items()}
+    if not attendance.missing and len(kinds) > 1:
+        return RankMismatchError(
+            "ranks are not running the same loop: they reached the same point in "
+            f"different collectives ({_describe(doing)}). Did some ranks "
+            "leave an epoch early (a break, or an exception caught inside the loop, on "
+            f"some ranks only)? Every rank must stop at the same step. {gloo}"
         )
-
-    def error(self, rank: int) -> PeerTimeoutError:
-        """The error ``rank`` raises: naming itself, ``late``, if it is one of the missing."""
+    if attendance.unknown_because is not None:
+        why = (attendance.unknown_because, global_ranks, me, timeout, what)
+        lost = store_host_gone(board.watch, str(error), *why)
+        if lost is not None:
+            return board.decide(lost, size)
+    if attendance.unknown_because is not None or not attendance.missing:
+        detail = gloo
+        if attendance.unknown_because is not None:
+            detail += f"; which ranks did not answer is unknown: {attendance.unknown_because}"
+        else:
+            detail += (
+                "; every rank reached this collective, some only after this rank had "
+                "stopped waiting: a peer was late, not gone"
+            )
         return PeerTimeoutError(
-            self.missing,
-            self.timeout,
-            self.detail,
-            rank=rank,
-            late=rank in self.missing,
-            states=self.states,
-            what=self.what,
+            tuple(global_ranks[rank] for rank in attendance.missing),
+            timeout,
+            detail,
+            rank=me,
+            late=attendance.late,
+            what=what,
         )
+    missing = [global_ranks[rank] for rank in attendance.missing]
+    if attendance.late:
+        return PeerTimeoutError(tuple(missing), timeout, gloo, rank=me, late=True, what=what)
+    return board.decide(missing_verdict(missing), size)
 
 
-class Board:
-    """Where the ranks of one meeting or control group read and write their verdict."""
-
-    def __init__(self, watch: Watch, prefix: str, rank: int, hosts_store: bool) -> None:
-        self._watch = watch
-        self._key = f"{prefix}verdict"
-        self._acknowledged = f"{prefix}verdict-read"
-        self._rank = rank
-        self._hosts_store = hosts_store
-
-    def read(self) -> Verdict | None:
-        """The verdict, if a rank wrote one (None too when the store cannot say)."""
-        key = self._key
-        try:
-            stored = self._watch.ask(lambda store: store.get(key) if store.check([key]) else None)
-        except Exception as error:
-            logger.debug("could not read the verdict: %r", error)
-            return None
-        return None if stored is None else Verdict.decode(stored.decode())
-
-    def publish(self, verdict: Verdict) -> Verdict:
-        """Write ``verdict`` unless a rank wrote one first; the one that stands."""
-        try:
-            key, text = self._key, verdict.encode()
-            stored = self._watch.ask(lambda store: store.compare_set(key, "", text))
-            return Verdict.decode(stored.decode())
-        except Exception as error:  # no store: this rank's own verdict, unshared
-            logger.debug("could not publish the verdict: %r", error)
-            return verdict
-
-    def adopt(self, verdict: Verdict, group_size: int) -> PeerTimeoutError:
-        """The error this rank raises; the store's host first waits, briefly, for the others.
-
-        The store usually lives in global rank 0's process: it waits until every rank that is
-        not missing has read the verdict (each says so), or about a second and a half, so that
-        raising and exiting does not take the store away from them.
-        """
-        try:
-            acknowledged = self._acknowledged
-            count = self._watch.ask(lambda store: store.add(acknowledged, 1))
-            expected = group_size - len(verdict.missing)
-            deadline = time.monotonic() + 1.5
-            while self._hosts_store and count < expected and time.monotonic() < deadline:
-                time.sleep(0.05)
-                count = self._watch.ask(lambda store: store.add(acknowledged, 0))
-        except Exception as error:
-            logger.debug("could not acknowledge the verdict: %r", error)
-        return verdict.error(self._rank)
-
-
-def verdict_on(
-    views: Mapping[int, PeerView], states: Mapping[int, str], *, by: int, timeout: float, what: str
-) -> Verdict:
-    """The verdict naming ``states``' ranks, described from their views."""
-    missing = tuple(sorted(states))
-    detail = "; ".join(describe(views[rank], states[rank], timeout) for rank in missing)
-    return Verdict(by, missing, dict(states), timeout, what, detail)
+def _describe(doing: dict[int, str]) -> str:
+    by_kind: dict[str, list[int]] = {}
+    for rank, what in sorted(doing.items()):
+        by_kind.setdefault(what, []).append(rank)
+    return "; ".join(
+        f"rank(s) {', '.join(map(str, ranks))}: {WHAT.get(what, what)}"
+        for what, ranks in by_kind.items()
+    )
 
 
 def store_silence(
@@ -302,3 +291,71 @@ def gloo_words(message: str) -> str:
     """Gloo's message without its source location prefix and sign-off."""
     words = message.split("] ", 1)[-1] if message.startswith("[") else message
     return words.split(" GLHF!", 1)[0].strip()
+
+
+def store_server_state(watch: Watch, host: int | None, me: int) -> str | None:
+    """``"gone"``, ``"stopped"`` or ``"running"`` for the process serving the job's store, or
+    None when this host cannot tell (a store on another host, or of another kind).
+
+    ``host`` is the global rank that hosts it (``store_host()``), ``me`` this rank: a store
+    served by this very process runs whenever this code does.
+    """
+    if host is not None and host == me:
+        return "running"
+    beat = None if host is None else watch.last_beat(host)
+    if beat is not None:
+        return process_state(beat)
+    tcp_store = tcp_store_behind(watch.origin)
+    if tcp_store is None:
+        return None
+    key = (str(tcp_store.host), int(tcp_store.port))
+    if key not in _local:
+        _local[key] = _is_local(key[0])
+    if not _local[key]:
+        return None
+    sockets = _listening(key[1])
+    if not sockets:
+        return "gone"  # nothing listens on the port of a store served here
+    if _servers.get(key) is None:
+        _servers[key] = _owner(sockets)
+    pid = _servers[key]
+    return None if pid is None else pid_state(pid)
+
+
+def _is_local(host: str) -> bool:
+    """Whether ``host`` names this machine (only names that need no lookup are tried)."""
+    if host in ("localhost", socket.gethostname()):
+        return True
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))  # succeeds only for an address of this machine
+    except OSError:
+        return False
+    return True
+
+
+def _listening(port: int) -> set[str]:
+    """The sockets listening on ``port`` here, as ``/proc/<pid>/fd`` names them."""
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                listening = len(fields) > 9 and fields[3] == _LISTEN
+                if listening and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    sockets.add(f"socket:[{fields[9]}]")
+    return sockets
+
+
+def _owner(sockets: set[str]) -> int | None:
+    """The PID of a process holding one of ``sockets`` (None when none can be read)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd.path) in sockets:
+                        return int(entry.name)
+    return None

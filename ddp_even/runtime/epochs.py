@@ -14,8 +14,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from ddp_even.agreement.pending import PendingAgreement
-from ddp_even.agreement.transport import Agreer
+from ddp_even.agreement.transport import Agreer, PendingAgreement
 from ddp_even.agreement.wire import SHORT_MOST, Agreement, Report, error_from_reports
 from ddp_even.errors import EmptyShardError, RankMismatchError
 from ddp_even.runtime.feed import FedBatch, RankCounts, ShardFeed

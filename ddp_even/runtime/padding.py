@@ -27,8 +27,7 @@ from ddp_even.errors import EmptyShardError
 from ddp_even.runtime.feed import ShardFeed, compacted
 
 if TYPE_CHECKING:
-    from ddp_even.agreement.pending import Pending
-    from ddp_even.agreement.transport import Agreer
+    from ddp_even.agreement.transport import Agreer, Pending
     from ddp_even.planning.plans import ShardPlan
 
 logger = logging.getLogger("ddp_even")

@@ -30,7 +30,7 @@ from ddp_even.runtime.settings import CheckSchedule
 from ddp_even.share_plan import Slot, WindowPlan, fill_targets, plan_window, planned_windows
 
 if TYPE_CHECKING:
-    from ddp_even.agreement.pending import PendingAgreement
+    from ddp_even.agreement.transport import PendingAgreement
     from ddp_even.agreement.wire import Report
     from ddp_even.runtime.epochs import EpochRun
     from ddp_even.runtime.handover import Handover, Incoming
