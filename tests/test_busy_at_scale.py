@@ -91,7 +91,7 @@ def _fault_when_creating(fault: str, fault_file: str) -> None:
 
     import torch.distributed as dist
 
-    from ddp_even.agreement.creation import _CREATOR
+    from ddp_even.agreement.control_group import _CREATOR
 
     new_group = dist.new_group
 

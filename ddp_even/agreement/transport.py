@@ -2,13 +2,10 @@
 (``control_group.py``), each waited for while the peers live (``CollectiveAgreer.await_work``),
 a failed one turned into the error every rank raises (``liveness/verdict.py``).
 
-An agreement starts as the short form's all-reduce (``wire.py``). When any rank needs the long
-form, every rank sends it too: a rank that needs it starts it at once, beside the short form;
-the others learn of it from the short form's result and start it when they wait, which every
-rank does for every agreement it starts, in the same order. So the ranks make the same
-collectives in the same order whichever forms they sent. A loop left early (a ``finally``)
-only finishes what it started: when the ranks stop at the same step nothing more is needed,
-and otherwise the rank that needs more is the one whose roll call names those elsewhere.
+An agreement starts as the short form's all-reduce (``wire.py``); when any rank needs the long
+form, it starts it at once and the others when they wait (:class:`TwoForms`), so the ranks
+make the same collectives in the same order whichever forms they sent (``docs/design.md``,
+"Which form").
 """
 
 from __future__ import annotations

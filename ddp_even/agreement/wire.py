@@ -1,36 +1,14 @@
 """What each rank says before a window of steps, and what all of them hear back.
 
 Two forms travel, because gloo's cost grows with the element count even for tiny messages
-(``docs/performance.md``: one int64 about 320 µs a call with 2 ranks, two about 450).
-
-**The short form: one int64, combined by ``all_reduce(BOR)``.** Most agreements carry counts
-of at most :data:`SHORT_MOST` (a window of ``sync_every <= 16`` batches, a check of the
-sources), and for small counts a bitwise OR gives a minimum and a maximum at once: each count
-is sent as a row of bits (``available <= i`` for each ``i``, ``own_available > i`` for each
-``i``), whose OR over the ranks marks the fewest and the most. A 14-bit key and its complement
-travel beside them (every rank shares the key exactly when no bit is set in both ORs), then a
-problem bit. A rank whose agreement opens its epoch, or may carry larger counts on some rank,
-sets the *long* bit instead; every rank then goes on to the long form.
-
-**The long form: two int64s, combined by one ``all_reduce(MAX)``.** Each int64 packs fields in
-order of priority, so the maximum of the packed numbers is the maximum of the first field,
-then of the next among the ranks that share the first, and so on:
-
-* ``(problem, key, own_available)``: whether any rank has a problem, then the largest
-  ``key`` (a 30-bit hash of the epoch and the settings), then the most own batches among the
-  ranks with that key;
-* ``-(key, available)``: the smallest key, then the fewest batches among the ranks with it.
-
-When no rank has a problem and the largest key equals the smallest, every rank has the same
-key, so the counts are the maximum and minimum over all ranks. Every epoch opens with the long
-form, so the full key meets whatever the other ranks are doing there (a rank that left the
-last epoch early, other settings); the short keys after it guard the epoch's later windows.
-
-Anything else (a rank whose source raised, an empty shard in cycle mode, a rank off its shard
-plan, a count too large to carry, ranks in different epochs or with different settings) sends
-every rank to the rare error path: every rank gathers the full reports (one more collective,
-which every rank enters because every rank saw the same result) and
-:func:`error_from_reports` turns them into the same exception everywhere.
+(``docs/performance.md``): the short form, one int64 combined by ``all_reduce(BOR)``
+(:func:`encode_short`, counts up to :data:`SHORT_MOST` as rows of bits), and the long form, two
+int64s combined by one ``all_reduce(MAX)`` (:func:`encode`, fields packed by priority so that
+the maximum is lexicographic). Both carry a key of the epoch and the settings: when no rank has
+a problem and every rank shares the key, the counts are the fewest available and the most own
+batches over all ranks. Anything else sends every rank to the rare error path: the full reports
+gathered, and :func:`error_from_reports` turns them into the same exception everywhere. The
+bits, and which form when, are in ``docs/design.md`` ("The per-window protocol").
 
 Pure Python and numpy: the transport (``transport.py``) moves the numbers.
 """

@@ -47,6 +47,7 @@ from typing import Any
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from ddp_even.errors import PeerTimeoutError
 from ddp_even.process_group import group_is_up
 
 logger = logging.getLogger("ddp_even")
@@ -64,6 +65,7 @@ __all__ = [
     "heartbeat_key",
     "loader_timeout",
     "own_connection",
+    "own_lateness",
     "presence",
     "start_heartbeat",
     "stood_still_since",
@@ -385,6 +387,26 @@ def stood_still_since(since: float) -> float:
     if stood_still is None or stood_still[0] < since:
         return 0.0
     return stood_still[1]
+
+
+def own_lateness(
+    since: float, timeout: float, what: str, *, overslept: float = 0.0, gloo: str | None = None
+) -> PeerTimeoutError | None:
+    """``PeerTimeoutError(late=True)`` naming this rank when its own process stood still for
+    ``timeout`` or more since ``since`` (a ``time.time()``; or the caller's own wait
+    ``overslept`` that long): the others gave up on it, and the store that would tell it so
+    may have left with them. None otherwise; ``gloo``: gloo's words, when a collective failed."""
+    seconds = max(stood_still_since(since), overslept)
+    if seconds < timeout:
+        return None
+    me = dist.get_rank()
+    detail = (
+        f"this rank's process stood still for {seconds:.1f} s (SIGSTOP, a debugger, or its "
+        "main thread holding the GIL), longer than the timeout"
+    )
+    if gloo is not None:
+        detail += f"; gloo: {gloo}"
+    return PeerTimeoutError((me,), timeout, detail, rank=me, late=True, what=what)
 
 
 def _stop_at_exit() -> None:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddp_even.errors import EvenLoaderError, PeerTimeoutError, RankMismatchError
-from ddp_even.liveness.heartbeat import stood_still_since, tcp_store_behind
+from ddp_even.liveness.heartbeat import own_lateness, tcp_store_behind
 from ddp_even.liveness.peers import (
     BUSY,
     DEAD,
@@ -82,7 +82,8 @@ def collective_failure(
     if verdict is not None:
         return board.decide(verdict, size)
     what = WHAT.get(ticket.what, ticket.what)
-    if late := stood_still(ticket, str(error), by=me, timeout=timeout, what=what):
+    since = ticket.started - ticket.since_previous
+    if late := own_lateness(since, timeout, what, gloo=gloo_words(str(error))):
         return late
     if peer is not None:
         return board.decide(missing_verdict([global_ranks[peer]]), size)
@@ -269,22 +270,6 @@ def store_host_gone(
         f"({unknown_because}) and gloo's connection to it closed; gloo: {gloo_words(gloo_message)}"
     )
     return Verdict(by, (host,), {host: DEAD}, timeout, what, detail)
-
-
-def stood_still(
-    ticket: Ticket, gloo_message: str, *, by: int, timeout: float, what: str
-) -> PeerTimeoutError | None:
-    """The error of a rank whose own process stood still for ``timeout`` or more since its
-    previous control collective (None otherwise): the others gave up on it, and when it hosts
-    the store their verdict could not reach it."""
-    seconds = stood_still_since(ticket.started - ticket.since_previous)
-    if seconds < timeout:
-        return None
-    detail = (
-        f"this rank's process stood still for {seconds:.1f} s (SIGSTOP, a debugger, or its "
-        f"main thread holding the GIL), longer than the timeout; gloo: {gloo_words(gloo_message)}"
-    )
-    return PeerTimeoutError((by,), timeout, detail, rank=by, late=True, what=what)
 
 
 def gloo_words(message: str) -> str:
