@@ -194,21 +194,19 @@ def own_connection(store: Any, timeout_s: float) -> Any:
     """A connection of one's own to ``store`` whose calls give up after ``timeout_s``; the
     job's own connection where the store type cannot be cloned.
 
-    Raises the connect's error when the store's server does not answer within
-    :data:`_CONNECT_S` (a try; the callers try again while the server lives, and judge its
-    silence by whether its process runs, ``store_silence``): ``OSError``
-    (``ConnectionRefusedError`` once its process is gone) or ``torch.distributed``'s
-    ``DistNetworkError``. A clone connects with the timeout of the store it is cloned from (30
-    minutes by default) and retries a server that is gone for that long. ``PrefixStore`` does
-    not say its prefix, so a client of one's own cannot be built beside it: a plain TCP connect
-    first finds the server listening (refused at once when its process is gone), then the job's
+    Raises the connect's error (``OSError``, ``ConnectionRefusedError`` once the server's
+    process is gone, or ``DistNetworkError``) when the server does not answer within
+    :data:`_CONNECT_S`; the callers try again while it lives. A clone would connect with the
+    timeout of the store it is cloned from (30 minutes by default), and ``PrefixStore`` does not
+    say its prefix, so a plain TCP connect first finds the server listening, then the job's
     store lends the try's timeout for the clone's connect.
     """
-    connect_s = _CONNECT_S
-    _connect_to_server(store, connect_s)
+    tcp_store = tcp_store_behind(store)
+    if tcp_store is not None:
+        socket.create_connection((tcp_store.host, tcp_store.port), timeout=_CONNECT_S).close()
     with _clone_lock:
         previous = store.timeout
-        store.set_timeout(datetime.timedelta(seconds=connect_s))
+        store.set_timeout(datetime.timedelta(seconds=_CONNECT_S))
         try:
             connection = store.clone()
         except dist.DistNetworkError:
@@ -234,13 +232,6 @@ def tcp_store_behind(store: Any) -> TCPStore | None:
     while isinstance(store, PrefixStore):
         store = store.underlying_store
     return store if isinstance(store, TCPStore) else None
-
-
-def _connect_to_server(store: Any, timeout_s: float) -> None:
-    """One TCP connect to the server behind ``store`` (none for stores of other kinds)."""
-    tcp_store = tcp_store_behind(store)
-    if tcp_store is not None:
-        socket.create_connection((tcp_store.host, tcp_store.port), timeout=timeout_s).close()
 
 
 class _Beater(threading.Thread):

@@ -63,7 +63,9 @@ BUSY = "busy"
 UNSEEN = "unseen"
 
 # A wait at a collective longer than this watches the peers' heartbeats and, at a control
-# collective, is written down for a roll call (``rollcall.py``): only waits this slow pay it.
+# collective, is written down once in the store, so that a roll call held by a rank that gives
+# up sooner counts this rank as present (``rollcall.py``; gloo does not fail every survivor at
+# once when a peer dies). Only waits already this slow pay for it.
 QUIET_S = 0.25
 # A silence of this many beats makes a reader ask the kernel about a peer on its host.
 SILENT_BEATS = 2.5
@@ -127,10 +129,9 @@ class Watch:
     def ask(self, question: Callable[[Any], _Answer]) -> _Answer:
         """``question(store)`` on this watch's own connection, given up after a second.
 
-        A TCPStore client waits for its server's answer without a limit of its own (its
-        timeout bounds waits for keys, not a server that stopped: one whose host process is
-        frozen by SIGSTOP), so the question is asked from a daemon thread. While an earlier
-        question is still unanswered, the next fails at once instead of queueing behind it.
+        Asked from a daemon thread: a TCPStore client waits for its server's answer without a
+        limit (its timeout bounds waits for keys, not a server frozen by SIGSTOP). While an
+        earlier question is unanswered, the next fails at once instead of queueing behind it.
         Raises ``TimeoutError`` when the store does not answer, or the store's own error.
         """
         if self._unanswered is not None and self._unanswered.is_alive():
@@ -373,8 +374,7 @@ class Verdict:
 
 
 class Board:
-    """Where the ranks of one meeting, control group or gradient all-reduce read and write
-    their verdict."""
+    """Where the ranks of one meeting, control group or gradient all-reduce share a verdict."""
 
     def __init__(self, watch: Watch, prefix: str, rank: int, hosts_store: bool) -> None:
         self.watch = watch

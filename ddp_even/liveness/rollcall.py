@@ -1,36 +1,28 @@
 """Which ranks reached a failed control collective, told through the job's key-value store.
 
-Gloo never says *which* peer a failed collective was waiting for (a dead peer: "connection
-closed/reset by peer"; a stalled one: the wait times out). Every control collective has a
-sequence number, the same on every rank (gloo needs every rank to issue them in the same order
-anyway). A rank writes ``waiting/<rank>`` when its wait at collective ``N`` has lasted
-``QUIET_S`` (so never on the fast path) and ``gave_up/<rank>`` when collective ``N`` failed,
-each as ``"N <time> <what>"``. A rank whose collective ``N`` failed then waits up to
-``_ROLL_CALL_S`` for every rank to show ``N`` in one of its keys; those that do not are the
-dead or stalled ones. Ranks alive but slower to notice check in either way: by their
-``waiting`` key if they were already waiting (a stalled peer), or by their ``gave_up`` key
-within the roll call (a dead peer makes every waiting rank fail at once). A rank that finds
-every other rank already gave up before it even started the collective was itself the stalled
-one. Ranks that all reached ``N`` but issued different collectives there are not running the
-same loop.
+Gloo never says *which* peer a failed collective was waiting for. Every control collective has
+a sequence number, the same on every rank (:class:`Ticket`). A rank writes ``waiting/<rank>``
+when its wait at collective ``N`` has lasted ``QUIET_S`` (so never on the fast path) and
+``gave_up/<rank>`` when collective ``N`` failed, each as ``"N <time> <what>"``. A rank whose
+collective ``N`` failed then waits up to ``_ROLL_CALL_S`` for every rank to show ``N`` in one of
+its keys; those that do not are the dead or stalled ones. Ranks alive but slower to notice check
+in either way: by their ``waiting`` key if they were already waiting (a stalled peer), or by
+their ``gave_up`` key within the roll call (a dead peer makes every waiting rank fail at once).
+A rank that finds every other rank already gave up before it even started the collective was
+itself the stalled one. Ranks that all reached ``N`` but issued different collectives there are
+not running the same loop. The store's host (usually global rank 0) waits, briefly, for the
+others to finish their roll call before it raises and its process may end.
 
-The store usually lives in global rank 0's process (``env://``, ``torchrun``,
-``torch.multiprocessing.spawn``), so rank 0 waits, briefly, for the others to finish their roll
-call before it raises and its process (and the store with it) may end.
-
-Keys are overwritten, so the store holds three per rank, written once up front (a rank that
-registered but never reached collective 1 is missing at collective 1) so that a roll call
-reads them all in one request (hundreds of ranks may hold it at once). Store calls on the
-failure path run in daemon threads joined with a time limit: a store that does not answer
-cannot hang the job. At exit, ``finish_roll_calls`` waits (a bounded time) for those still in a
-store call: a daemon thread that comes back from C++ while the interpreter finalizes is ended
-by CPython inside a C++ destructor, which aborts the process.
+The store holds three keys per rank, overwritten, written once up front (a rank that never
+reached collective 1 is missing at collective 1), so that a roll call reads them all in one
+request. Store calls on the failure path run in daemon threads joined with a time limit; at
+exit, ``finish_roll_calls`` waits a bounded time for those still in a store call (one that
+comes back while the interpreter finalizes aborts the process).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import threading
 import time
@@ -38,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
+from ddp_even.liveness.heartbeat import default_store, own_connection
 
 logger = logging.getLogger("ddp_even")
 
@@ -58,14 +50,8 @@ WHAT = {
     HANDOVER: "the hand-over of a batch from one rank to another (share)",
 }
 
-# A wait at a control collective longer than this is written down in the store, once per
-# wait, so that a roll call held by a rank that gives up sooner counts this rank as present
-# (gloo does not fail every survivor at once when a peer dies: one waiting on another
-# survivor fails only when that one leaves, or at the timeout). A store write costs about
-# what an agreement costs, and only waits already this slow pay it.
-QUIET_S = 0.25
 # On a failure, how long a rank waits for the others to check in before naming the absent:
-# well past QUIET_S, so that every rank waiting at the collective has had time to say so.
+# well past ``peers.QUIET_S``, so that every rank waiting at the collective has said so.
 _ROLL_CALL_S = 1.5
 # The most a roll call waits on the store itself (a store whose host is stopped never
 # answers); past it the missing ranks are reported as unknown.
@@ -231,14 +217,7 @@ class RollCall:
     def _open_store(self) -> Any:
         with self._store_lock:
             if self._store is None:
-                store: Any = dist.distributed_c10d._get_default_store()
-                try:
-                    # Our own connection, with our own timeout: the job's store is shared.
-                    store = store.clone()
-                    store.set_timeout(datetime.timedelta(seconds=_STORE_ANSWER_S))
-                except Exception:  # a store type without clone: use the shared one as it is
-                    logger.debug("the default store cannot be cloned; sharing it")
-                self._store = store
+                self._store = own_connection(default_store(), _STORE_ANSWER_S)
             return self._store
 
     def _set_quietly(self, key: str, value: str) -> None:
