@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -58,8 +57,6 @@ from ddp_even.liveness.rollcall import (
     Ticket,
 )
 from ddp_even.process_group import group_is_up, training_timeout
-
-logger = logging.getLogger("ddp_even")
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)

@@ -1,36 +1,25 @@
 """DDP's gradient all-reduce as a communication hook that names a peer lost in it.
 
 A rank that dies while the others are inside DDP's own all-reduce of the gradients never
-passes through ddp_even's code: the survivors get gloo's ``RuntimeError`` from ``backward()``
-("Connection reset by peer"), which names no rank. Registered on the user's DDP model,
-:func:`allreduce_hook` does what DDP does without a hook (each bucket averaged over the
-group, asynchronously, overlapping the rest of the backward pass) and, when a bucket's
-all-reduce fails, reads the peers' heartbeats (``liveness.py``) until one is found lost, then
-raises :class:`~ddp_even.PeerTimeoutError` naming it, from ``backward()``, on every survivor.
+passes through ddp_even's code: the survivors get gloo's ``RuntimeError`` from ``backward()``,
+which names no rank. :func:`allreduce_hook` does what DDP does without a hook and, when a
+bucket's all-reduce fails, raises :class:`~ddp_even.PeerTimeoutError` naming the lost peer from
+``backward()``, on every survivor: from a callback queued on the autograd engine, since an
+exception raised in a bucket's future reaches the user only as a ``RuntimeError`` carrying its
+text (``docs/design.md``, "DDP's own all-reduce").
 
-The typed error reaches ``backward()``'s caller because it is raised from a callback queued
-on the autograd engine, which runs on the thread that called ``backward()`` once the whole
-graph has run (every bucket launched): it waits for the buckets' all-reduces itself, since
-DDP's own wait is queued only after it. An exception raised in a bucket's future would reach
-the user only as a ``RuntimeError`` carrying its text. Outside a backward pass (torch
-``Join``'s shadow all-reduces on a rank that ran out of data) nothing can be queued, and the
-bucket's future fails with the same text instead.
-
-Torch internals relied on (torch 2.13):
+Torch internals relied on (torch 2.13; ``tests/test_gradient_hook.py`` fails first if they
+change):
 
 * ``torch.autograd.Variable._execution_engine.queue_callback``: the engine's "run this when
   the backward pass ends", which DDP's reducer itself uses; outside a backward pass it raises
-  ``RuntimeError``. ``tests/test_gradient_hook.py`` fails first if it changes.
+  ``RuntimeError``.
 * ``torch._C._distributed_c10d.GradBucket``: the class ``torch.distributed`` re-exports as
   ``GradBucket``, imported from where its type information is; DDP refuses a hook whose
   ``bucket`` annotation is anything else.
 * ``DistributedDataParallel._comm_hooks``: the hooks registered on a model, read by
   :func:`register_on` before it registers one (a second registration raises, after changing
-  the model's records); ``tests/test_gradient_hook.py`` fails first if it changes.
-
-Where ddp_even knows the DDP model (join mode's ``joinables``, Lightning's
-:class:`~ddp_even.integrations.lightning.EvenLoaderStats`), :func:`register_on` registers the
-hook itself, unless the model has a hook of its own.
+  the model's records).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
@@ -203,15 +192,10 @@ def _raise_failure() -> None:
 def _wait_watching(
     averaged: torch.futures.Future[torch.Tensor], group: dist.ProcessGroup | None
 ) -> None:
-    """Wait for one bucket's all-reduce; past a quiet spell, also for a verdict.
-
-    Gloo fails a survivor's all-reduce only when one of *its* connections closes: with the dead
-    peer's neighbours waiting, the others learn it as the survivors before them leave, one
-    after another (tens of seconds for 63 survivors on 2 cores). A wait that lasts
-    :data:`QUIET_S` therefore reads the gradients' board (another survivor's verdict) and the
-    peers' heartbeats (a peer whose process is gone, or that exited), and raises that verdict
-    at once; a live or frozen peer is left to gloo's timeout, as before.
-    """
+    """Wait for one bucket's all-reduce; past :data:`QUIET_S`, also for another survivor's
+    verdict or a peer whose process is gone or exited, raised at once (gloo fails a survivor
+    only when one of its own connections closes); a live or frozen peer is left to gloo's
+    timeout."""
     timeout = loader_timeout()
     if averaged.done() or timeout is None:  # most buckets of most steps: no watching to set up
         averaged.wait()

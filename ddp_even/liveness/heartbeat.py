@@ -2,31 +2,26 @@
 
 From the first ``EvenLoader`` until exit, a daemon thread writes ``ddp_even/heartbeat/<global
 rank>`` in the job's key-value store about once a second (a quarter of the loader's
-``timeout`` when that is shorter), as ``"<count> <progress> <doing> <seconds> <interval> <pid>
-<host>"`` (:class:`Beat`):
+``timeout`` when that is shorter), as a :class:`Beat`:
 
 * ``count``: the thread's own counter. It goes on while the process lives and its interpreter
   runs; it stops when the process is gone, frozen (SIGSTOP, a debugger), or when its main
   thread holds the GIL without a break.
-* ``progress``: a counter the *main* thread advances each time it leaves the loader (each batch
-  handed out, each epoch's end). A count that goes on while the progress stands still is a
-  process alive and busy, or stuck, where ``doing`` says.
+* ``progress``: a counter the *main* thread advances each time it leaves the loader. A count
+  that goes on while the progress stands still is a process alive and busy, or stuck, where
+  ``doing`` says.
 * ``doing``: where the main thread is (:data:`OUTSIDE` the loader, :data:`INSIDE` it,
-  :data:`WAITING` for the others in ddp_even), or that the process is :data:`EXITED` or
+  :data:`WAITING` for the others in ddp_even), or that the process :data:`EXITED` or
   :data:`LEFT` its process group; ``seconds``: for how long, on its own clock.
-* ``interval``: how often it beats, so that a reader knows what a silence means; ``pid`` and
-  ``host``: so that a reader on the same host can ask the kernel whether a silent peer is gone
-  or stopped (``liveness.py``).
+* ``interval``, ``pid`` and ``host``: what a silence means, and what a reader on the same host
+  asks the kernel about a silent peer (``peers.py``).
 
 No collective, and nothing on the fast path but two attribute writes per batch
-(:data:`presence`). A store ``set`` does not wait for an answer, so a slow store does not
-slow the thread; the thread's own clone of the store has a short timeout all the same. The
-thread stops when the process group it beats into is destroyed (writing :data:`LEFT`) and at
-interpreter exit (writing :data:`EXITED`), from an ``atexit`` hook that joins it: a daemon
-thread coming back from a store call while the interpreter finalizes would abort the process.
-The job's store is torch's private ``distributed_c10d._get_default_store()``, and its
-classes are imported from ``torch._C._distributed_c10d`` (listed with the other torch
-internals in ``control_group.py``).
+(:data:`presence`). The thread writes on a connection of its own with a short timeout; it stops
+when its process group is destroyed (writing :data:`LEFT`) and at interpreter exit (writing
+:data:`EXITED`), from an ``atexit`` hook that joins it: a daemon thread coming back from a store
+call while the interpreter finalizes would abort the process. The store and its classes are
+torch internals (listed in ``agreement/control_group.py``).
 """
 
 from __future__ import annotations

@@ -160,12 +160,12 @@ def store_silence(
     process = store_server_state(watch, host, by) if refused or silent_s >= timeout else None
     if silent_s < timeout and process != "gone":
         return None
-    beat = None if host is None else watch.last_beat(host)
     gone = refused or process == "gone"
     silence = (
         f"the job's store did not answer for {silent_s:.1f} s (timeout {timeout:g} s; "
         f"{type(error).__name__}: {error})"
     )
+    missing = () if host is None or host == by else (host,)
     if not gone and process == "running":
         if patience is None or silent_s < patience:
             if watch.said_busy != since:
@@ -176,25 +176,21 @@ def store_silence(
                     silence,
                 )
             return None
-        state = BUSY
-    else:
-        state = DEAD if gone else STALLED
-    if state == BUSY:
         detail = (
             f"{silence}, not within the training group's timeout ({patience:g} s), while the "
             "process that serves it ran"
         )
-    elif host is None:
+        return Verdict(by, missing, dict.fromkeys(missing, BUSY), patience, what, detail)
+    state = DEAD if gone else STALLED
+    beat = None if host is None else watch.last_beat(host)
+    if host is None:
         detail = f"{silence}: its host is {state}"
     elif beat is None:
         detail = f"{silence}: rank {host}, which hosts it, is {state}"
     else:
-        detail = f"{silence}; rank {host} hosts it: " + describe(
-            PeerView(host, beat, silent_s), state, timeout
-        )
-    missing = () if host is None or host == by else (host,)
-    applied = patience if state == BUSY and patience is not None else timeout
-    return Verdict(by, missing, {rank: state for rank in missing}, applied, what, detail)
+        view = PeerView(host, beat, silent_s)
+        detail = f"{silence}; rank {host} hosts it: {describe(view, state, timeout)}"
+    return Verdict(by, missing, dict.fromkeys(missing, state), timeout, what, detail)
 
 
 def verdict_on_missing(
