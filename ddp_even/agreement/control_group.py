@@ -62,8 +62,6 @@ from ddp_even.liveness.peers import (
 from ddp_even.liveness.rollcall import Ticket, finish_roll_calls
 from ddp_even.process_group import group_is_up, training_timeout
 
-__all__ = ["Channel", "channel_for", "control_group_for", "release_orphaned"]
-
 logger = logging.getLogger("ddp_even")
 
 

@@ -31,20 +31,6 @@ from ddp_even.errors import (
     RankMismatchError,
 )
 
-__all__ = [
-    "MAX_COUNT",
-    "SHORT_MOST",
-    "Agreement",
-    "Report",
-    "agree_alone",
-    "asks_for_long",
-    "decode",
-    "decode_short",
-    "encode",
-    "encode_short",
-    "error_from_reports",
-]
-
 
 @dataclass(frozen=True)
 class Report:

@@ -52,8 +52,6 @@ from ddp_even.liveness.peers import (
 )
 from ddp_even.process_group import training_timeout
 
-__all__ = ["allreduce_hook", "register_on"]
-
 logger = logging.getLogger("ddp_even")
 
 WHAT = "DDP's gradient all-reduce"
@@ -205,11 +203,8 @@ def _wait_watching(
     if finished.wait(QUIET_S):
         averaged.wait()
         return
-    me = dist.get_rank()
-    ranks = _global_ranks(group)
-    peers = [rank for rank in ranks if rank != me]
-    watch = current_watch()
-    board = _gradients_board(watch, group)
+    board, ranks, peers = _survivors(group)
+    me, watch = board.rank, board.watch
     while not finished.wait(poll_interval(timeout, len(ranks))):
         verdict = board.read()
         if verdict is None:
@@ -236,18 +231,16 @@ def named_failure(error: RuntimeError, group: dist.ProcessGroup | None) -> EvenL
     exited is not what the others lost)."""
     from ddp_even.liveness.verdict import gloo_words
 
-    me = dist.get_rank()
-    ranks = _global_ranks(group)
-    peers = [rank for rank in ranks if rank != me]
     gloo = gloo_words(str(error))
     timeout = loader_timeout()
     if timeout is None:
         return EvenLoaderError(
-            f"rank {me}: {WHAT} failed, and which peer it lost is unknown: no EvenLoader has "
-            f"started in this process, so there are no heartbeats to read; gloo: {gloo}"
+            f"rank {dist.get_rank()}: {WHAT} failed, and which peer it lost is unknown: no "
+            "EvenLoader has started in this process, so there are no heartbeats to read; "
+            f"gloo: {gloo}"
         )
-    watch = current_watch()
-    board = _gradients_board(watch, group)
+    board, ranks, peers = _survivors(group)
+    me, watch = board.rank, board.watch
     lost_connection = connection_lost(gloo)
     give_up = time.monotonic() + timeout + _LAST_LOOK_S
     # A store that does not answer while its serving process runs is busy, not a reason to
@@ -282,16 +275,13 @@ def _look(
     return verdict_on(views, states, by=me, timeout=timeout, what=WHAT) if states else None
 
 
-def _gradients_board(watch: Watch, group: dist.ProcessGroup | None) -> Board:
+def _survivors(group: dist.ProcessGroup | None) -> tuple[Board, Sequence[int], list[int]]:
     """Where the survivors of a failed gradient all-reduce in ``group`` (the world by default)
-    write the one verdict they all raise."""
+    write the one verdict they all raise; the group's global ranks, and this rank's peers."""
     training_group = group or dist.group.WORLD
     assert training_group is not None  # a hook runs only in a process group
     me = dist.get_rank()
-    return Board(watch, f"ddp_even/{training_group.group_name}/gradients/", me, store_host() == me)
-
-
-def _global_ranks(group: dist.ProcessGroup | None) -> Sequence[int]:
-    if group is None:
-        return range(dist.get_world_size())
-    return dist.get_process_group_ranks(group)
+    prefix = f"ddp_even/{training_group.group_name}/gradients/"
+    board = Board(current_watch(), prefix, me, store_host() == me)
+    ranks = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+    return board, ranks, [rank for rank in ranks if rank != me]

@@ -47,27 +47,6 @@ from ddp_even.process_group import group_is_up
 
 logger = logging.getLogger("ddp_even")
 
-__all__ = [
-    "EXITED",
-    "INSIDE",
-    "LEFT",
-    "OUTSIDE",
-    "WAITING",
-    "Beat",
-    "beat_interval",
-    "connection_broken",
-    "default_store",
-    "heartbeat_key",
-    "loader_timeout",
-    "own_connection",
-    "own_lateness",
-    "presence",
-    "start_heartbeat",
-    "stood_still_since",
-    "tcp_store_behind",
-    "waiting",
-]
-
 # Where the main thread is, and how the process ended.
 OUTSIDE = "outside"
 INSIDE = "inside"
