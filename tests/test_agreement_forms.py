@@ -1,4 +1,4 @@
-"""The agreement's two forms among real gloo ranks (``agreement/wire.py``, ``pending.py``).
+"""The agreement's two forms among real gloo ranks (``agreement/wire.py``, ``transport.py``).
 
 A rank whose report needs the long form starts it at once; a rank that sent the short form
 learns of it from the short form's result and joins it when it waits. Both then read the same
