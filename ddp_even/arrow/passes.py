@@ -101,7 +101,6 @@ def make_shard_factory(
     batch_size: int,
     *,
     sharding: Sharding = "round_robin",
-    balanced: bool | None = None,
     reader: str = "batch",
     reader_kwargs: Mapping[str, Any] | None = None,
     loader_kwargs: Mapping[str, Any] | None = None,
@@ -153,7 +152,7 @@ def make_shard_factory(
         resolved,
         world_size,
         batch_size,
-        sharding=sharding_from(sharding, balanced),
+        sharding=sharding_from(sharding, None),
         counting=(
             None
             if predicate is None
