@@ -118,7 +118,7 @@ _AWS_VARIABLES = (
 
 # Fast-tier files whose tests take seconds each even alone (a process started and waited on, a
 # nested pytest, hundreds of in-process scenarios): in their alphabetical place at the end of
-# the tier, two workers sat idle for 12 s and 27 s of a 181 s run on the shared machine.
+# the tier, two of three workers sat idle for 12 s and 27 s of a 181 s run (a loaded machine).
 _SECONDS_EACH = {
     "test_no_hang_properties.py",
     "test_petastorm_contract.py",
