@@ -306,13 +306,10 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
 
         self._next_epoch, self._pending = pending_resume(
             state,
-            settings_for=lambda plan: self._settings(plan).description,
+            self._settings(),
             world_size=rank_and_world_size(self._group)[1],
-            mode=self._mode,
-            steps_per_epoch=self._steps_per_epoch,
             planned=self._passes,
             strict=strict,
-            sync_every=self._sync_every,
         )
 
     def set_epoch(self, epoch: int) -> None:
@@ -421,9 +418,8 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             raise
         return run_epoch(run, self._joinables)
 
-    def _settings(self, plan: ShardPlan | None = None) -> Settings:
-        """The loader's settings, with ``plan`` (the loader's by default)."""
-        return Settings(self._mode, self._steps_per_epoch, self._sync_every, plan or self._plan)
+    def _settings(self) -> Settings:
+        return Settings(self._mode, self._steps_per_epoch, self._sync_every, self._plan)
 
     def _agreer_for_this_process(self) -> Agreer:
         if self._agreer is None:

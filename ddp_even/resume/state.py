@@ -4,6 +4,7 @@ against the loader (:func:`pending_resume`) and what the resumed epoch reads
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import logging
@@ -17,7 +18,7 @@ from ddp_even.planning.provenance import Provenance
 from ddp_even.planning.sharding import SHARDINGS
 from ddp_even.process_group import rank_and_world_size
 from ddp_even.runtime.epoch_shape import EpochStart
-from ddp_even.runtime.settings import mismatched_settings
+from ddp_even.runtime.settings import Settings, mismatched_settings
 from ddp_even.sources import PlannedSource, ShardSource, as_source
 
 if TYPE_CHECKING:
@@ -211,18 +212,15 @@ class PendingResume:
 
 def pending_resume(
     state: Mapping[str, Any],
+    settings: Settings,
     *,
-    settings_for: Callable[[ShardPlan | None], str],
     world_size: int,
-    mode: Mode,
-    steps_per_epoch: int | None,
     planned: PlannedSource | None,
     strict: bool = True,
-    sync_every: int | None = None,
 ) -> tuple[int, PendingResume | None]:
-    """``(next epoch, where it resumes)`` from ``state``; ``ValueError`` saying why not.
+    """``(next epoch, where it resumes)`` from ``state``, for a loader of ``settings``;
+    ``ValueError`` saying why not.
 
-    ``settings_for(plan)`` describes the loader's settings with ``plan`` (its own by default).
     A ``planned`` loader checks what the state was read from at once; any other when the
     resumed epoch's first pass is open (``strict``: :func:`check_provenance`). A state saved on
     another number of ranks loads only into a ``planned`` loader, in truncate and join, whose
@@ -239,7 +237,7 @@ def pending_resume(
     ):
         epoch, step = resume_point(
             state,
-            settings=settings_for(None),
+            settings=settings.description,
             world_size=world_size,
             provenance=provenance,
             strict=strict,
@@ -249,9 +247,9 @@ def pending_resume(
         return epoch, (pending if step > 0 else None)
     cannot = None
     plan = planned.plan
-    if mode.after_own_data == "restart":
+    if settings.mode.after_own_data == "restart":
         cannot = "cycle mode repeats rows, so 'the rows not yet read' is not one set"
-    elif steps_per_epoch is not None:
+    elif settings.steps_per_epoch is not None:
         cannot = "steps_per_epoch caps the epoch by steps, not rows"
     elif SHARDINGS[plan.sharding].why_not_elastic is not None:
         cannot = SHARDINGS[plan.sharding].why_not_elastic
@@ -270,7 +268,7 @@ def pending_resume(
     saved_plan = planned.dataset_plan.for_ranks(saved_world_size)
     epoch, step = resume_point(
         state,
-        settings=settings_for(saved_plan),
+        settings=dataclasses.replace(settings, plan=saved_plan).description,
         world_size=saved_world_size,
         provenance=provenance,
         strict=strict,
@@ -278,10 +276,11 @@ def pending_resume(
     if step == 0:  # between epochs the next epoch is planned for this job's ranks anyway
         return epoch, None
     read = None
-    if mode.hands_over:
+    if settings.mode.hands_over:
         from ddp_even.share_plan import handed_out_in
 
         # Without sync_every the saved epoch planned its hand-over from the plan's lengths.
+        sync_every = settings.sync_every
         handed = handed_out_in(
             saved_plan.batches_per_rank, sync_every or 1, step, ends_known=sync_every is None
         )
