@@ -198,7 +198,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         ``filesystem`` reach, a list of files, or a petastorm Spark converter) from its Parquet
         footers, cut as ``sharding`` says (``"round_robin"``, ``"row_groups"``, ``"rows"``,
         ``"replicate"``), a row ``predicate``'s rows counted first; reads each pass with
-        pyarrow, batches of ``batch_size`` rows as dicts of tensors (:mod:`ddp_even.arrow.passes`
+        pyarrow, batches of ``batch_size`` rows as dicts of tensors (docs/using.md
         lists ``reader_kwargs`` and ``loader_kwargs``). ``reader="row"`` decodes a dataset
         petastorm wrote with a Unischema by its codecs, as ``make_reader`` does (needs
         petastorm). ``len()`` answers before the first step and :class:`EpochStats` says

@@ -1,17 +1,16 @@
 """A row group's columns as torch tensors, converted once; batches as views of them.
 
-Numbers and booleans become tensors of their own dtype, without a copy where pyarrow hands out
-one contiguous buffer; integers that hold nulls become float64 with NaN, as pandas and petastorm
-give them (booleans float32), in every row group of a column that holds one anywhere in the
-dataset (``with_nulls``, decided at planning: :mod:`ddp_even.parquet.nulls`); dates, times,
-timestamps and durations become int64 tensors in their unit, a null as :data:`NULL_TIME`, in
-every row group alike; dictionaries their values; anything else (decimals, strings, binary,
-lists, structs, maps, intervals) a Python list. A batch inside one row group is a slice of its
-tensors (a view); one across two row groups is concatenated. docs/using.md has the table of
-every type. :class:`Decoding` is that conversion, and a predicate on the stored values; a reader
-of another format on top of Parquet (petastorm's Unischema codecs and ``TransformSpec``:
-:mod:`ddp_even.petastorm.decoding`) subclasses it. The pyarrow reader and the count of a
-predicate's rows before planning call the same object, so what was counted is what is read.
+Each column becomes a tensor of its own dtype (without a copy where pyarrow hands out one
+contiguous buffer) or, what no tensor holds, a Python list: docs/using.md has the table of
+every type. A column's dtype is the same in every row group: integers and booleans with a null
+anywhere in the dataset are floats, with NaN, as pandas and petastorm give them (``with_nulls``,
+decided at planning: :mod:`ddp_even.parquet.nulls`); dates, times, timestamps and durations are
+int64 in their unit, a null :data:`NULL_TIME`. A batch inside one row group is a slice of its
+tensors (a view); one across two row groups is concatenated. :class:`Decoding` is that
+conversion, and a predicate on the stored values; a reader of another format on top of Parquet
+(petastorm's Unischema codecs and ``TransformSpec``: :mod:`ddp_even.petastorm.decoding`)
+subclasses it. The pyarrow reader and the count of a predicate's rows before planning call the
+same object, so what was counted is what is read.
 """
 
 from __future__ import annotations

@@ -4,19 +4,9 @@
 factory)``: every sharding, predicates, seeded shuffles, exact and elastic resume, every mode,
 the statistics and every store hold alike. It plans through
 :func:`~ddp_even.parquet.dataset_plan.plan_dataset`; each call of the factory is one pass
-(:class:`~ddp_even.arrow.reader.ArrowPass`).
-
-Reader options (``reader_kwargs``): ``schema_fields`` (the columns to read: names, petastorm
-``UnischemaField`` objects, or with ``reader="row"`` petastorm's regular expressions), ``seed``,
-``shuffle_row_groups`` (on by default, as petastorm's), ``shuffle_rows``, ``predicate`` (a
-``pyarrow.compute`` expression, or a petastorm-style predicate), ``transform_spec`` (petastorm's,
-applied as petastorm applies it: :mod:`ddp_even.petastorm.decoding`), ``storage_options``,
-``filesystem``. Loader options (``loader_kwargs``): ``threads`` (threads reading each row
-group's columns in parts, 2 by default), ``prefetch`` (row groups in flight, read or waiting, 4
-by default: with the batches of one being handed out, what a pass holds) and ``pin_memory``
-(batches in pinned memory, for a GPU). ``reader="row"`` decodes a dataset petastorm wrote with
-a Unischema by its codecs, as ``make_reader`` does. An option of petastorm's own reader is
-refused in one line that says how to get the same here.
+(:class:`~ddp_even.arrow.reader.ArrowPass`). Its options (``reader_kwargs``,
+``loader_kwargs``) are listed in docs/using.md ("The reader"); an option of petastorm's own
+reader is refused in one line that says how to get the same here.
 """
 
 from __future__ import annotations

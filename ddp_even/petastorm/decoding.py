@@ -1,14 +1,7 @@
-"""Petastorm's formats on top of the pyarrow reader: Unischema codecs and ``TransformSpec``.
-
-``from_parquet(..., reader="row")`` hands out what ``make_reader`` and petastorm's loaders hand
-out for a dataset petastorm wrote: each Unischema field decoded by its codec
-(``NdarrayCodec``, ``CompressedImageCodec``, ``ScalarCodec``), numpy types promoted as
-petastorm's ``pytorch`` loaders promote them, batches as dicts of tensors; a row predicate is
-called on each decoded row, as ``make_reader``'s workers call it. A ``transform_spec`` is
-applied as petastorm applies it: to each decoded row (``reader="row"``), or to a pandas frame of
-a row group's rows (``reader="batch"``), then ``removed_fields`` dropped. The rows themselves
-(which, in which order) are the pyarrow reader's (:mod:`ddp_even.arrow.reader`), so every
-sharding, resume and statistic holds alike.
+"""Petastorm's formats on top of the pyarrow reader: Unischema codecs and ``TransformSpec``,
+decoded and applied as petastorm's ``make_reader``, loaders and workers do (docs/using.md, "The
+reader", says what each gives). The rows themselves (which, in which order) are the pyarrow
+reader's (:mod:`ddp_even.arrow.reader`), so every sharding, resume and statistic holds alike.
 """
 
 from __future__ import annotations

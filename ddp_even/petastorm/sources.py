@@ -1,20 +1,8 @@
 """Petastorm loaders and readers as shard sources: the one runtime module that knows petastorm.
 
-* A ``Reader`` can only be ``reset()`` after its last row was read; mid-pass it raises
-  ``NotImplementedError``. A pass that stopped early (truncate) is read to its end first.
-* A reader with ``num_epochs=None`` never ends: it is never reset nor read to its end; each
-  epoch continues it (and needs ``steps_per_epoch``).
-* ``petastorm.pytorch.DataLoader`` keeps the rows of its short last batch and emits them
-  again at the start of the next pass; the accumulator is emptied before each pass.
-* ``DataLoader.__iter__`` resets its reader itself on every pass after the first.
-* A reader the loader opened (through a factory) is stopped and joined when its pass ends;
-  a reader the user passed in stays theirs to stop, until the interpreter exits: then every
-  reader ddp_even has read from and that still runs is stopped (:func:`_stop_running_readers`).
-* What a reader reads (its row groups, what it was built from) is
-  :mod:`ddp_even.petastorm.reading`'s; every pass carries it, and the loader checks with it
-  that the ranks' shards cover the dataset.
-* Petastorm's pools can end a pass with row groups still in flight
-  (:mod:`ddp_even.petastorm.pools`); every reader read here gets the race-free version.
+docs/design.md ("Where petastorm's quirks are handled") lists each quirk and how it is met
+here. One more: ``DataLoader.__iter__`` resets its reader itself on every pass after the
+first, so a loader's reader is never reset here.
 """
 
 from __future__ import annotations
