@@ -14,7 +14,9 @@ and page caches, as a developer's earlier run has (the multi-rank tier's minutes
 The table gives the median wall time, the CPU time of the whole machine while the run lasted
 (run the benchmark alone: that is pytest and all it starts; the CPU time of pytest's reaped
 children, which this measured before, misses the ranks of the fork server, which pytest does
-not reap), and the ratio to the first variant; the targets: the fast tier under 30 s, the whole
+not reap), how long the workers had nothing left to run while another still ran tests (summed
+over the workers: the cost of the order the tests are handed out in), and the ratio to the
+first variant; the targets: the fast tier under 30 s, the whole
 suite, and so each other tier, within 10 minutes. The three tiers are the three runs of
 ``scripts/test.sh``: the timing tests (``-m timing``) run last, by themselves.
 
@@ -97,6 +99,9 @@ class Run:
     cpu_s: float
     # Per test file, the CPU time of its tests with all they started (benchmarks/suite_cpu.py).
     cpu_by_file: dict[str, float]
+    # Summed over the workers, how long each had nothing left to run while another still ran
+    # tests: what a worse order of handing out the tests costs (tests/conftest.py).
+    idle_at_end_s: float
 
 
 def run_once(tier: Tier, workers: int, tests: tuple[str, ...]) -> Run:
@@ -116,10 +121,14 @@ def run_once(tier: Tier, workers: int, tests: tuple[str, ...]) -> Run:
             raise click.ClickException(f"-n {workers}: pytest failed:\n{done.stdout[-3000:]}")
         lines = log.read_text().splitlines() if log.exists() else []
     cpu_by_file: dict[str, float] = collections.defaultdict(float)
+    last_end: dict[str, float] = {}
     for line in lines:
         record = json.loads(line)
         cpu_by_file[record["test"].split("::", 1)[0]] += record["cpu_s"]
-    return Run(wall, cpu, dict(cpu_by_file))
+        last_end[record["worker"]] = max(last_end.get(record["worker"], 0.0), record["ended"])
+    end = max(last_end.values(), default=0.0)
+    idle_at_end = sum(end - ended for ended in last_end.values())
+    return Run(wall, cpu, dict(cpu_by_file), idle_at_end)
 
 
 def machine_busy_s() -> float:
@@ -216,6 +225,9 @@ def main(
                 "min_s": min(walls),
                 "max_s": max(walls),
                 "cpu_median_s": statistics.median(run.cpu_s for run in times[count]),
+                "idle_at_end_median_s": statistics.median(
+                    run.idle_at_end_s for run in times[count]
+                ),
                 "ratio_to_first": statistics.median(walls) / baseline,
                 "wall_s": walls,
                 "cpu_by_file_median_s": median_by_file(times[count]),
@@ -224,7 +236,16 @@ def main(
     title = f"-m {chosen.markers!r}, median of {rounds} interleaved rounds"
     table = Table(title=title)
     under = f"under {chosen.target_s:.0f} s"
-    columns = ("workers", "median s", "min s", "max s", "machine CPU s", "ratio to first", under)
+    columns = (
+        "workers",
+        "median s",
+        "min s",
+        "max s",
+        "machine CPU s",
+        "workers idle at the end s",
+        "ratio to first",
+        under,
+    )
     for column in columns:
         table.add_column(column, justify="right")
     for run in runs:
@@ -234,6 +255,7 @@ def main(
             f"{run['min_s']:.1f}",
             f"{run['max_s']:.1f}",
             f"{run['cpu_median_s']:.1f}",
+            f"{run['idle_at_end_median_s']:.1f}",
             f"{run['ratio_to_first']:.2f}",
             "[green]yes[/]" if run["median_s"] < chosen.target_s else "[red]no[/]",
         )

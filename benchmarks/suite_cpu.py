@@ -2,12 +2,12 @@
 
 ``benchmarks/bench_suite.py`` loads it into each run (``-p benchmarks.suite_cpu``) with
 ``DDP_EVEN_SUITE_CPU_LOG`` naming a file; each test process (each xdist worker) then appends
-one JSON line per test: its node id, its wall time, and the CPU time its process tree spent
-meanwhile. The tree is the test process and every process below it, alive (their own CPU
-time) or ended and reaped by one of them (their parent's children's time): a gloo rank forked
-by the fork server, a torchrun job's agent and workers, Spark's JVM. Test processes run side
-by side, each counting only its own tree, so a test's CPU time does not depend on what the
-others do, while its wall time does.
+one JSON line per test: its node id, the worker, when it ended, its wall time, and the CPU time
+its process tree spent meanwhile. The tree is the test process and every process below it,
+alive (their own CPU time) or ended and reaped by one of them (their parent's children's
+time): a gloo rank forked by the fork server, a torchrun job's agent and workers, Spark's JVM.
+Test processes run side by side, each counting only its own tree, so a test's CPU time does
+not depend on what the others do, while its wall time does.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
     yield
     line = {
         "test": item.nodeid,
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "ended": time.time(),
         "wall_s": time.perf_counter() - started,
         "cpu_s": tree_cpu_s(this_process) - cpu_before,
     }
