@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddp_even.planning import plan_shards
-from ddp_even.planning.balance import balanced_assignment, round_robin_assignment
+from ddp_even.planning.sharding import balanced_assignment, round_robin_assignment
 
 row_group_sizes = st.lists(st.integers(min_value=0, max_value=10_000), min_size=1, max_size=300)
 world_sizes = st.integers(min_value=1, max_value=40)

@@ -1,16 +1,13 @@
 """The order in which a planned reader reads its shard: one pure function, for readers and resumes.
 
-The pyarrow reader (:mod:`ddp_even.arrow.reader`) reads its row groups in the order
-:meth:`PassOrder.rows` gives, and :mod:`ddp_even.resume.remainder` works out from the same
-order which rows a rank had read after ``step`` steps. The order is the rank's shard in plan
-order, or, with ``shuffle_row_groups`` and a seed, that shard permuted by the epoch's seed
-(:func:`epoch_seed`). Without a seed a shuffle is drawn afresh each pass: it has no order
-to compute, and :meth:`PassOrder.rows` refuses it.
+The pyarrow reader reads its row groups in this order, and a resume works out from it which rows
+a rank had read after ``step`` steps: the rank's shard in plan order or, with
+``shuffle_row_groups`` and a seed, permuted by the epoch's seed (:func:`epoch_seed`). An
+unseeded shuffle is drawn afresh each pass, so it has no order to compute.
 
-Rows inside a row group keep their stored order, or with ``shuffle_rows`` and a seed a
-permutation of the row group seeded by ``(epoch seed, row group)`` (applied by the reader
-before a split row group is cut): a
-:data:`~ddp_even.planning.sharding.RowRange` counts rows in that order, so the ranges here hold
+With ``shuffle_rows`` and a seed the reader permutes a row group's rows (seeded by ``(epoch
+seed, row group)``) before a split row group is cut: a
+:data:`~ddp_even.planning.sharding.RowRange` counts rows in that order, so the ranges hold
 either way.
 """
 

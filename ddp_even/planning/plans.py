@@ -1,12 +1,8 @@
 """Shard plans: what each rank will read and how many steps each mode takes, before training.
 
-Without a row predicate, a petastorm shard's rows follow from the row-group sizes alone, and a
-petastorm loader with batch size ``B`` turns ``n`` rows into ``ceil(n / B)`` batches (the last
-one short). So the whole epoch can be predicted from metadata: each mode's arithmetic (steps, rows
-dropped, repeated, idle) lives with the mode, in ``ddp_even/modes.py``.
-
-:func:`plan_shards` plans from row-group sizes; :func:`ddp_even.parquet.plan_for_dataset` reads
-them from a dataset's metadata first.
+A shard's rows follow from the row-group sizes, and a loader with batch size ``B`` turns ``n``
+rows into ``ceil(n / B)`` batches (the last one short), so the whole epoch is known from
+metadata; each mode's arithmetic (steps, rows dropped, repeated, idle) is ``ddp_even/modes.py``'s.
 """
 
 from __future__ import annotations
@@ -32,8 +28,8 @@ __all__ = ["ShardPlan", "plan_from_shards", "plan_shards"]
 class ShardPlan:
     """Each rank's row groups, rows and batches, and every mode's epoch, from metadata only.
 
-    Build one with :func:`plan_for_dataset` (from a dataset) or :func:`plan_shards` (from
-    row-group sizes). Per-rank tuples are indexed by rank.
+    Built by :func:`plan_shards` (from row-group sizes; ``ddp_even.parquet.plan_for_dataset``
+    reads them from a dataset first). Per-rank tuples are indexed by rank.
 
     Example:
         >>> plan = plan_shards([100, 100, 100, 10], world_size=2, batch_size=32)
@@ -61,32 +57,17 @@ class ShardPlan:
     row_ranges: tuple[tuple[RowRange, ...], ...] = ()
 
     def row_ranges_of(self, rank: int) -> tuple[RowRange, ...]:
-        """The split row groups ``rank`` reads part of: ``(row group, start, stop)`` each.
-
-        Example:
-            >>> plan_shards([5, 5, 5], world_size=2, batch_size=4, sharding="rows").row_ranges_of(1)
-            ((1, 2, 5),)
-        """
+        """The split row groups ``rank`` reads part of: ``(row group, start, stop)`` each."""
         _check_rank(rank, self.world_size)
         return self.row_ranges[rank] if self.row_ranges else ()
 
     @property
     def split_row_groups(self) -> int:
-        """Row groups read by more than one rank (``"rows"``): the epoch's extra reads.
-
-        Example:
-            >>> plan_shards([5, 5, 5], world_size=2, batch_size=4, sharding="rows").split_row_groups
-            1
-        """
+        """Row groups read by more than one rank (``"rows"``): the epoch's extra reads."""
         return len({piece[0] for pieces in self.row_ranges for piece in pieces})
 
     def row_groups_of(self, rank: int) -> tuple[int, ...]:
-        """Global row-group indices ``rank`` reads.
-
-        Example:
-            >>> plan_shards([5, 5, 5], world_size=2, batch_size=4).row_groups_of(0)
-            (0, 2)
-        """
+        """Global row-group indices ``rank`` reads."""
         _check_rank(rank, self.world_size)
         return self.shards[rank]
 
@@ -96,33 +77,17 @@ class ShardPlan:
 
         ``max(ceil(total_rows / world_size), largest_row_group)``: some rank gets at least the
         average, and the rank holding the largest row group gets at least that.
-
-        Example:
-            >>> plan_shards([10, 3, 2], world_size=2, batch_size=4).lower_bound_rows
-            10
-            >>> plan_shards([4, 3, 2], world_size=2, batch_size=4).lower_bound_rows
-            5
         """
         return max(-(-self.total_rows // self.world_size), self.largest_row_group)
 
     @property
     def spread_rows(self) -> int:
-        """Rows of the fullest rank minus rows of the emptiest.
-
-        Example:
-            >>> plan_shards([10, 3, 2], world_size=2, batch_size=4).spread_rows
-            9
-        """
+        """Rows of the fullest rank minus rows of the emptiest."""
         return max(self.rows_per_rank) - min(self.rows_per_rank)
 
     @property
     def empty_ranks(self) -> tuple[int, ...]:
-        """Ranks with no batch at all.
-
-        Example:
-            >>> plan_shards([6, 0], world_size=2, batch_size=4).empty_ranks
-            (1,)
-        """
+        """Ranks with no batch at all."""
         return tuple(rank for rank, n in enumerate(self.batches_per_rank) if n == 0)
 
     @property
@@ -146,21 +111,11 @@ class ShardPlan:
         )
 
     def steps(self, mode: str) -> int:
-        """Steps every rank takes in one epoch in ``mode`` (the most, in join mode).
-
-        Example:
-            >>> plan_shards([30, 10], world_size=2, batch_size=10).steps("cycle")
-            3
-        """
+        """Steps every rank takes in one epoch in ``mode`` (the most, in join mode)."""
         return max(mode_named(mode).steps_per_rank(self.batches_per_rank))
 
     def stats(self, mode: str) -> ModeStats:
-        """The full epoch for ``mode``: steps, per-rank drops, repeats and idle steps.
-
-        Example:
-            >>> plan_shards([30, 10], world_size=2, batch_size=10).stats("cycle").repeated_rows
-            (0, 20)
-        """
+        """The full epoch for ``mode``: steps, per-rank drops, repeats and idle steps."""
         chosen = mode_named(mode)
         outcome = chosen.epoch_outcome(
             np.array(self.rows_per_rank, dtype=np.int64),
@@ -201,12 +156,7 @@ class ShardPlan:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """Everything in the plan as JSON-ready Python values (used by ``ddp-even plan --json``).
-
-        Example:
-            >>> plan_shards([3, 3], world_size=2, batch_size=2).to_dict()["batches_per_rank"]
-            [2, 2]
-        """
+        """Everything in the plan as JSON-ready Python values (``ddp-even plan --json``)."""
         return {
             "world_size": self.world_size,
             "batch_size": self.batch_size,
@@ -243,8 +193,7 @@ def plan_shards(
     ``row_groups`` is a :class:`~ddp_even.planning.row_groups.RowGroups` or the row counts in
     petastorm's global order. ``sharding`` chooses who reads what (one of the four in
     :mod:`ddp_even.planning.sharding`); ``balanced=True`` is the deprecated spelling of
-    ``sharding="row_groups"``. Planning is vectorised: 100,000 row groups over 1,024 ranks
-    take well under a second.
+    ``sharding="row_groups"``. 100,000 row groups over 1,024 ranks take well under a second.
 
     Example:
         >>> plan_shards([40, 40, 40, 40, 160], world_size=2, batch_size=40).rows_per_rank

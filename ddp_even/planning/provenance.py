@@ -6,16 +6,6 @@ unchanged: the data (its files and footers), the reader settings that decide wha
 in which order, the code of a predicate or a transform, the batch size, the sharding, the
 number of ranks. :class:`Provenance` names those things, each by a short digest, so that a
 reused count can be checked where it is used and a mismatch named in one line.
-
-:func:`code_identity` digests code by what it does, not by where it lives: a function's
-bytecode, constants and names, its defaults, the values its closure holds, and the globals it
-reads (functions among them recursively, modules by name); an object by its state and the
-code of the methods it is called by and of those they reach through ``self``. A mutable global
-(a list the function appends to, a counter, a logger) counts by its type only, since it
-changes while the job runs: data that decides what a predicate keeps belongs in a default, a
-closure or an immutable global. Pickling by reference (what ``dill`` does for a function
-defined in an importable module) would miss an edit to that function; line numbers, comments
-and formatting do not change the identity.
 """
 
 from __future__ import annotations
@@ -47,8 +37,16 @@ _MAX_DEPTH = 8
 def code_identity(obj: Any) -> bytes:
     """A digest of what ``obj`` computes: equal in every process for the same code and values.
 
-    ``functools.partial`` objects count by their function and arguments, bound methods (also
-    a builtin's, such as ``{1, 2}.__contains__``) by what they are bound to. Raises
+    Code counts by what it does, not by where it lives: a function by its bytecode, constants
+    and names, its defaults, the values its closure holds, and the globals it reads (functions
+    among them recursively, modules by name); an object by its state and the code of the
+    methods it is called by and of those they reach through ``self``; a ``functools.partial``
+    by its function and arguments, a bound method (also a builtin's, such as
+    ``{1, 2}.__contains__``) by what it is bound to. A mutable global (a list the function
+    appends to, a counter, a logger) counts by its type only, since it changes while the job
+    runs: data that decides what a predicate keeps belongs in a default, a closure or an
+    immutable global. Line numbers, comments and formatting do not change the identity (pickling
+    by reference, as ``dill`` does, would miss an edit to an importable function). Raises
     :class:`UnidentifiableError` for an object that shows neither code nor state.
 
     Example::
@@ -154,11 +152,8 @@ def _function_identity(function: types.FunctionType, seen: set[int], depth: int)
 
 
 def _is_fixed(value: Any) -> bool:
-    """Whether a global is code or an immutable value, which counts in full.
-
-    A mutable global (a list a transform records into, a counter, a logger) changes while
-    the job runs although what the function computes does not, so it counts by its type only.
-    """
+    """Whether a global is code or an immutable value, which counts in full (a mutable one
+    counts by its type: see :func:`code_identity`)."""
     if isinstance(value, tuple | frozenset):
         return all(_is_fixed(item) for item in value)
     return value is None or isinstance(value, _VALUES + _CODE)
@@ -209,12 +204,8 @@ _ENTRY_METHODS = ("__call__", "do_include", "get_fields")
 
 def _methods_identity(cls: type, seen: set[int], depth: int) -> list[bytes]:
     """The code of ``cls``'s entry methods and of every method, property or static method of
-    ``cls`` they reach by name (``self.helper()``, ``super().do_include()``), each definition
-    along the MRO (an override and what it overrides), named by where it is defined.
-
-    Reached by name: any attribute a method's code loads (its ``co_names``, nested code
-    included) that the class defines, so an edit to a helper a predicate calls changes it.
-    """
+    ``cls`` they reach by name (any attribute their code loads: ``self.helper()``,
+    ``super().do_include()``), each definition along the MRO, named by where it is defined."""
     found: dict[bytes, bytes] = {}
     wanted = list(_ENTRY_METHODS)
     followed: set[str] = set()

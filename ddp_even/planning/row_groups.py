@@ -119,14 +119,5 @@ class RowGroups:
 
     @property
     def total_rows(self) -> int:
-        """Rows in the whole dataset.
-
-        Example:
-            >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-            >>> from ddp_even.parquet import read_row_groups
-            >>> root = tempfile.mkdtemp()
-            >>> pq.write_table(pa.table({"x": list(range(7))}), f"{root}/a.parquet")
-            >>> read_row_groups(root).total_rows
-            7
-        """
+        """Rows in the whole dataset."""
         return int(self.num_rows.sum())
