@@ -1,12 +1,6 @@
-"""The one way from a dataset and its options to a shard plan: the dataset resolved, its row
-groups read from Parquet metadata (no data), a row predicate's kept rows counted (once,
-cached), then every rank's shard planned.
-
-Every caller plans through :func:`plan_dataset`: ``EvenLoader.from_parquet`` (through
-:func:`~ddp_even.arrow.passes.make_shard_factory`, which then reads the plan),
-the batch counts of the usual petastorm loop (:func:`~ddp_even.petastorm.reading.
-round_robin_plan`), ``ddp-even plan``, and :func:`plan_for_dataset`. A resume on another number
-of ranks plans the same row groups again (:meth:`DatasetPlan.for_ranks`).
+"""The one way from a dataset and its options to a shard plan (:func:`plan_dataset`): the
+dataset resolved, its row groups read from Parquet metadata (no data), a row predicate's kept
+rows counted (once, cached), then every rank's shard planned.
 """
 
 from __future__ import annotations
@@ -100,11 +94,9 @@ def plan_dataset(
 ) -> DatasetPlan:
     """Plan ``dataset``'s shards for ``world_size`` ranks, batches of ``batch_size`` rows.
 
-    ``dataset`` is a URL (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs://``, ...), a
-    local path, or a list of Parquet files, as given to petastorm (or one already resolved);
-    ``storage_options`` or ``filesystem`` reach remote storage
-    (:func:`~ddp_even.storage.resolve_dataset`), ``progress(done, total)`` follows the
-    metadata reads. With ``counting``, a row predicate's kept rows are counted first
+    ``dataset``, ``storage_options``, ``filesystem`` and ``progress`` are
+    :func:`~ddp_even.parquet.metadata.read_row_groups`'s (or ``dataset`` is one already
+    resolved). With ``counting``, a row predicate's kept rows are counted first
     (:mod:`ddp_even.parquet.predicate_counts`, cached) and the plan shares those out; ``share``
     (an all-gather among the ranks, this one ``rank``) spreads that scan over the ranks, which
     must all call this together. Raises :class:`~ddp_even.errors.DatasetError` when the dataset

@@ -99,22 +99,10 @@ def changed_row_groups(
     """Which of row groups ``indices`` no longer have the rows ``planned`` lists, or None.
 
     Lists the dataset again (:func:`changed_files`: a file added or removed changes every
-    rank's plan), reads again the footers of the files holding them (in parallel, as planning
-    does) and returns a sentence naming the file added or gone, or the first row group whose
-    file now has a different number of rows in it, or too few row groups; None when all of
-    them match.
-
-    Example:
-        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-        >>> root = tempfile.mkdtemp()
-        >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
-        >>> resolved = resolve_dataset(root)
-        >>> planned = read_row_groups(resolved)
-        >>> print(changed_row_groups(resolved, planned, [0, 2]))
-        None
-        >>> pq.write_table(pa.table({"x": list(range(9))}), f"{root}/a.parquet", row_group_size=4)
-        >>> print(changed_row_groups(resolved, planned, [0, 2]))
-        row group 2 (.../a.parquet #2) has 1 rows now, the plan counted 2
+    rank's plan), reads again the footers of the files holding them (only those whose stamp
+    changed, where listed) and returns a sentence naming the file added or gone, the first row
+    group whose file now has another number of rows in it or too few row groups, or a file
+    rewritten (its footer changed); None when all of them match.
     """
     files_changed = changed_files(resolved, planned)
     if files_changed is not None:
@@ -124,7 +112,6 @@ def changed_row_groups(
     if not file_numbers:
         return None  # no row group to check (a rank without rows)
     if planned.file_stamps is not None:
-        # Listed files have a stamp: only those whose size or time changed are read again.
         now = storage.stamps([planned.files[number] for number in file_numbers])
         file_numbers = [
             number
@@ -165,18 +152,6 @@ def changed_files(resolved: ResolvedDataset, planned: RowGroups) -> str | None:
     The directory is listed again as planning lists it. A list of files has no other files; a
     ``_metadata`` summary names the files read (one it does not name is not read, as when
     planned). A new file without rows changes nothing (planning skips such files too).
-
-    Example:
-        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-        >>> root = tempfile.mkdtemp()
-        >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet")
-        >>> resolved = resolve_dataset(root)
-        >>> planned = read_row_groups(resolved)
-        >>> print(changed_files(resolved, planned))
-        None
-        >>> pq.write_table(pa.table({"x": [10, 11]}), f"{root}/b.parquet")
-        >>> print(changed_files(resolved, planned).rsplit("/", 1)[-1])
-        b.parquet was added to the dataset after it was planned (1 new file)
     """
     if resolved.is_list and len(resolved.paths) > 1:
         return None

@@ -1,23 +1,17 @@
 """Rows per row group that pass a row predicate, counted once before training.
 
-A row predicate (a pyarrow expression, or petastorm's ``in_lambda``, ``in_set``, ...) is applied
-after a row group is read, so the rows a shard yields cannot be known from the footers. They can
-be counted: reading only the predicate's columns of every row group (hive partition keys
-included) and counting what the predicate keeps, judged as the training reader will judge them
-(:func:`count_in_columns`: each file opened once, small row groups read and converted together;
-a reader that decodes values first, petastorm's Unischema rows, judges with its own decoding).
-The scan is spread over the ranks (rank ``r`` counts row groups ``i % W == r``) and the counts
-are shared, so it costs each rank ``1/W`` of a scan of the predicate's columns; a plan of the
-matching rows follows from the counts as from footers.
+A predicate is applied after a row group is read, so the rows a shard yields are counted: only
+the predicate's columns of every row group are read (hive partition keys included) and judged
+as the training reader will judge them (:func:`count_in_columns`). Rank ``r`` counts row groups
+``i % W == r`` and the counts are shared (:func:`matching_rows`); a plan follows from them as
+from footers.
 
-Counts are cached on disk, keyed by the dataset's files, row-group sizes and footers (a digest
-of each file's footer, so a file rewritten in place misses the cache), the reader kind and
-the predicate's code (:func:`~ddp_even.planning.provenance.code_identity`: its bytecode,
-constants, closure and the globals it reads, so an edited predicate misses the cache), in
-``$DDP_EVEN_CACHE_DIR`` (default ``~/.cache/ddp_even``); a second run over the same dataset and
-predicate does not scan. The ranks first agree that every one of them has the entry (ranks on
-other machines may not), else they all scan. A count that no longer matches the data (a
-predicate that is not deterministic) is caught when the row group is read
+Counts are cached in :func:`cache_directory`, keyed by the dataset's files, row-group sizes and
+footer digests (a file rewritten in place misses the cache), the reader kind and the
+predicate's code (:func:`~ddp_even.planning.provenance.code_identity`: an edited predicate
+misses it). The ranks use the cache only when every one of them has the entry (ranks on other
+machines may not). A count that no longer matches the data (a predicate that is not
+deterministic) is caught when the row group is read
 (:class:`~ddp_even.errors.RowCountMismatchError`).
 """
 
