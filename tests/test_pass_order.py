@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from ddp_even.arrow.passes import make_shard_factory
 from ddp_even.planning import plan_shards
 from ddp_even.planning.pass_order import PassOrder
+from ddp_even.planning.plans import plan_rows
 from ddp_even.planning.sharding import RowRange
-from ddp_even.resume.remainder import plan_own_tails, plan_unread_rows, unread_rows
 from tests.helpers.datasets import flat_sizes, write_plain_dataset
 from tests.helpers.shard_reads import ShardRead, collect
 
@@ -94,7 +94,7 @@ def test_after_step_steps_of_a_seeded_pass_the_rest_is_read_once(
 ) -> None:
     order, epoch = PassOrder(seed, shuffle_row_groups=True), 3
     old = plan_shards(sizes, old_world, batch, sharding=sharding)
-    tails = plan_own_tails(old, sizes, step, order, epoch)
+    tails = old.own_tails(sizes, step, order, epoch)
     read: Counter[int] = Counter()
     for rank in range(old_world):
         # Independently: a rank's pass, row by row; the first consumed rows were read.
@@ -104,7 +104,7 @@ def test_after_step_steps_of_a_seeded_pass_the_rest_is_read_once(
         # On as many ranks, a rank's own tail is the rest of its pass, in the same order.
         assert _ids(list(tails.row_ranges_of(rank)), sizes) == ids[consumed:]
         assert set(tails.shards[rank]) == {group for group, _, _ in tails.row_ranges_of(rank)}
-    rest = plan_unread_rows(unread_rows(old, sizes, step, order, epoch), sizes, new_world, batch)
+    rest = plan_rows(old.unread_rows(sizes, step, order, epoch), sizes, new_world, batch)
     replanned = Counter(
         row for rank in range(new_world) for row in _ids(list(rest.row_ranges_of(rank)), sizes)
     )
@@ -117,12 +117,10 @@ def test_which_rows_remain_after_two_steps_of_a_seeded_pass() -> None:
     order = PassOrder(seed=2, shuffle_row_groups=True)
     _, second, third = order.rows(plan, sizes, 0, epoch=0)
     # Six rows read: the pass's first row group, and two rows of its second.
-    assert unread_rows(plan, sizes, 2, order, epoch=0) == [(second[0], 2, 4), third]
-    assert plan_own_tails(plan, sizes, 2, order, epoch=0).row_ranges == (
-        ((second[0], 2, 4), third),
-    )
+    assert plan.unread_rows(sizes, 2, order, epoch=0) == [(second[0], 2, 4), third]
+    assert plan.own_tails(sizes, 2, order, epoch=0).row_ranges == (((second[0], 2, 4), third),)
     with pytest.raises(ValueError, match="replicate"):
-        unread_rows(plan_shards(sizes, 2, 3, sharding="replicate"), sizes, 1, order)
+        plan_shards(sizes, 2, 3, sharding="replicate").unread_rows(sizes, 1, order, epoch=0)
 
 
 @pytest.fixture(scope="module")

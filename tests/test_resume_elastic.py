@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from ddp_even import EvenLoader
 from ddp_even.planning import plan_shards
-from ddp_even.resume.remainder import plan_unread_rows, unread_rows
+from ddp_even.planning.pass_order import PassOrder
+from ddp_even.planning.plans import plan_rows
 from tests.helpers.datasets import flat_sizes, write_plain_dataset
 from tests.helpers.logs import ddp_even_messages
 from tests.helpers.spawn import run_ranks
@@ -62,8 +63,8 @@ def test_the_unread_rows_are_replanned_once_each(
             for row in range(*ranges.get(g, (0, sizes[g])))
         ]
         read.update(rows[: min(step, old.batches_per_rank[rank]) * batch])
-    unread = unread_rows(old, sizes, step)
-    rest = plan_unread_rows(unread, sizes, new_world, batch)
+    unread = old.unread_rows(sizes, step, PassOrder(), epoch=0)
+    rest = plan_rows(unread, sizes, new_world, batch)
     replanned: Counter[int] = Counter()
     for rank in range(new_world):
         for group, start, stop in rest.row_ranges_of(rank):

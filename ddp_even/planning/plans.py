@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -21,7 +21,14 @@ from ddp_even.modes import MODES, ModeStats, mode_named
 from ddp_even.planning.row_groups import RowGroups
 from ddp_even.planning.sharding import SHARDINGS, RowRange, Sharding, Shards, sharding_from
 
-__all__ = ["ShardPlan", "plan_from_shards", "plan_shards"]
+__all__ = ["ShardPlan", "plan_rows", "plan_shards"]
+
+
+class ReadOrder(Protocol):
+    """The order a rank reads its shard in (:class:`ddp_even.planning.pass_order.PassOrder`)."""
+
+    def rows(self, plan: ShardPlan, sizes: Sequence[int], rank: int, epoch: int) -> list[RowRange]:
+        """The pieces ``rank`` reads in its pass of ``epoch`` over ``plan``, in order."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +162,92 @@ class ShardPlan:
             'sharding="rows" splits row groups so that every rank gets rows'
         )
 
+    def own_tails(self, sizes: Sequence[int], step: int, order: ReadOrder, epoch: int) -> ShardPlan:
+        """This plan with every rank reading only its rows not yet read after ``step`` steps of
+        ``epoch``, read in ``order``: every piece a rank reads in its ``row_ranges``, in its
+        reading order (a rank has read the first ``min(step, batches) * batch_size`` rows).
+
+        Example:
+            >>> from ddp_even.planning.pass_order import PassOrder
+            >>> plan = plan_shards([10, 10], world_size=2, batch_size=4, sharding="rows")
+            >>> plan.own_tails([10, 10], step=2, order=PassOrder(), epoch=0).row_ranges
+            (((0, 8, 10),), ((1, 8, 10),))
+        """
+        tails = self._tails(sizes, self._prefixes(step), order, epoch)
+        return _reading(tails, sizes, self.batch_size)
+
+    def unread_rows(
+        self,
+        sizes: Sequence[int],
+        step: int,
+        order: ReadOrder,
+        epoch: int,
+        read: Sequence[Sequence[int]] | None = None,
+    ) -> list[RowRange]:
+        """The rows no rank had read after ``step`` steps of ``epoch`` read in ``order``, in rank
+        order; ``"replicate"``, whose ranks all read every row, has no single set of them.
+
+        ``read`` gives, per rank, the batches of its pass read by then where that is not the
+        first ``step`` (share hands some to other ranks: :func:`~ddp_even.share_plan.
+        handed_out_in`).
+
+        Example:
+            >>> from ddp_even.planning.pass_order import PassOrder
+            >>> plan = plan_shards([10, 10], world_size=2, batch_size=4, sharding="rows")
+            >>> plan.unread_rows([10, 10], step=2, order=PassOrder(), epoch=0)
+            [(0, 8, 10), (1, 8, 10)]
+        """
+        if SHARDINGS[self.sharding].every_rank_reads_everything:
+            raise ValueError("with sharding='replicate' every rank reads every row")
+        read = self._prefixes(step) if read is None else read
+        return [piece for tail in self._tails(sizes, read, order, epoch) for piece in tail]
+
+    def rest(
+        self,
+        sizes: Sequence[int],
+        step: int,
+        world_size: int,
+        order: ReadOrder,
+        epoch: int,
+        read: Sequence[Sequence[int]] | None = None,
+    ) -> ShardPlan:
+        """The rest of the epoch on ``world_size`` ranks: :meth:`unread_rows` cut by
+        :func:`plan_rows`, the same on every new rank."""
+        unread = self.unread_rows(sizes, step, order, epoch, read)
+        return plan_rows(unread, sizes, world_size, self.batch_size)
+
+    def _prefixes(self, step: int) -> list[range]:
+        """The batches each rank has read after ``step`` steps, reading its own only."""
+        return [range(min(step, batches)) for batches in self.batches_per_rank]
+
+    def _tails(
+        self, sizes: Sequence[int], read: Sequence[Sequence[int]], order: ReadOrder, epoch: int
+    ) -> list[list[RowRange]]:
+        """Each rank's rows not yet read, in its reading order, where rank ``r`` has read the
+        batches ``read[r]`` of its pass (their indices, sorted)."""
+        tails: list[list[RowRange]] = []
+        for rank in range(self.world_size):
+            # The positions read, in the rank's reading order, as half-open runs.
+            runs = [
+                (first * self.batch_size, end * self.batch_size) for first, end in _runs(read[rank])
+            ]
+            tail: list[RowRange] = []
+            position = 0
+            for group, start, stop in order.rows(self, sizes, rank, epoch):
+                end = position + stop - start
+                cursor = position
+                for first, last in runs:
+                    if last <= cursor or first >= end:
+                        continue
+                    if first > cursor:
+                        tail.append((group, start + cursor - position, start + first - position))
+                    cursor = min(last, end)
+                if cursor < end:
+                    tail.append((group, start + cursor - position, stop))
+                position = end
+            tails.append(tail)
+        return tails
+
     def to_dict(self) -> dict[str, Any]:
         """Everything in the plan as JSON-ready Python values (``ddp-even plan --json``)."""
         return {
@@ -209,10 +302,10 @@ def plan_shards(
     sizes = row_groups.num_rows if isinstance(row_groups, RowGroups) else _sizes(row_groups)
     if len(sizes) == 0:
         raise ValueError("there are no row groups to plan: check the dataset")
-    return plan_from_shards(SHARDINGS[sharding].cut(sizes, world_size), sizes, batch_size, sharding)
+    return _from_shards(SHARDINGS[sharding].cut(sizes, world_size), sizes, batch_size, sharding)
 
 
-def plan_from_shards(
+def _from_shards(
     shards: Shards,
     sizes: Sequence[int] | npt.NDArray[np.int64],
     batch_size: int,
@@ -238,6 +331,58 @@ def plan_from_shards(
         largest_row_group=int(np.max(sizes)),
         row_ranges=shards.row_ranges if SHARDINGS[sharding].splits_row_groups else (),
     )
+
+
+def plan_rows(
+    rows: list[RowRange], sizes: Sequence[int], world_size: int, batch_size: int
+) -> ShardPlan:
+    """A plan of ``rows`` (pieces of row groups, in order) over ``world_size`` ranks, ⌊M/W⌋ or
+    ⌈M/W⌉ rows each, as ``sharding="rows"`` cuts an epoch. Every piece a rank reads is in its
+    ``row_ranges`` (a row group may appear twice: the tails of two old ranks).
+
+    Example:
+        >>> plan = plan_rows([(0, 8, 10), (1, 8, 10)], [10, 10], 3, batch_size=4)
+        >>> plan.rows_per_rank, plan.row_ranges
+        ((1, 1, 2), (((0, 8, 9),), ((0, 9, 10),), ((1, 8, 10),)))
+    """
+    total = sum(stop - start for _, start, stop in rows)
+    bounds = [rank * total // world_size for rank in range(world_size + 1)]
+    pieces: list[list[RowRange]] = [[] for _ in range(world_size)]
+    rank, position = 0, 0
+    for group, start, stop in rows:
+        while start < stop:
+            while position >= bounds[rank + 1] and rank < world_size - 1:
+                rank += 1
+            take = min(stop - start, bounds[rank + 1] - position)
+            pieces[rank].append((group, start, start + take))
+            start += take
+            position += take
+    return _reading(pieces, sizes, batch_size)
+
+
+def _reading(pieces: list[list[RowRange]], sizes: Sequence[int], batch_size: int) -> ShardPlan:
+    """The plan in which rank ``r`` reads ``pieces[r]``, every piece listed in its ``row_ranges``
+    in reading order."""
+    rows = [sum(stop - start for _, start, stop in mine) for mine in pieces]
+    shards = Shards(
+        # In reading order (a row group read in two pieces counts where it first appears), so
+        # that a pass over this plan reads the pieces as listed.
+        row_groups=tuple(tuple(dict.fromkeys(group for group, _, _ in mine)) for mine in pieces),
+        row_ranges=tuple(tuple(mine) for mine in pieces),
+        rows_per_rank=np.array(rows, dtype=np.int64),
+    )
+    return _from_shards(shards, sizes, batch_size, "rows")
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted indices as half-open runs of consecutive ones: [0, 1, 2, 5] -> [(0, 3), (5, 6)]."""
+    runs: list[tuple[int, int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
 
 
 def _sizes(row_groups: Sequence[int] | npt.ArrayLike) -> npt.NDArray[np.int64]:

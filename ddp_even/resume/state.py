@@ -362,9 +362,7 @@ def _own_tails(
         or (mode.after_own_data == "pad" and 0 in plan.batches_per_rank)
     ):
         return None
-    from ddp_even.resume.remainder import plan_own_tails
-
-    tails = plan_own_tails(plan, planned.row_group_sizes, step, planned.order, epoch)
+    tails = plan.own_tails(planned.row_group_sizes, step, planned.order, epoch)
     # Once for the job, on rank 0; each rank's own count in its debug log.
     logger.log(
         logging.INFO if rank == 0 else logging.DEBUG,
@@ -381,14 +379,16 @@ def _rest_of_epoch(
 ) -> ShardPlan:
     """The plan of the rows not yet read in the epoch ``pending`` resumes, saved on another
     number of ranks; logged by rank 0 (every rank makes the same)."""
-    from ddp_even.resume.remainder import plan_unread_rows, unread_rows
-
-    sizes, saved_plan = planned.row_group_sizes, pending.saved_plan
+    saved_plan = pending.saved_plan
     assert saved_plan is not None
-    unread = unread_rows(
-        saved_plan, sizes, pending.step, planned.order, pending.epoch, read=pending.read
+    rest = saved_plan.rest(
+        planned.row_group_sizes,
+        pending.step,
+        world_size,
+        planned.order,
+        pending.epoch,
+        read=pending.read,
     )
-    rest = plan_unread_rows(unread, sizes, world_size, saved_plan.batch_size)
     if rank == 0:
         logger.info(
             "ddp_even: epoch %d resumes after step %d of %d ranks on %d: its %d unread rows "

@@ -177,7 +177,7 @@ class PlannedSource(ABC):
 
     ``source(epoch=N)`` reads this rank's shard of :attr:`plan` for epoch ``N``;
     ``source(epoch=N, shard_plan=rest)`` this rank's pieces of another plan of the same row
-    groups (a re-planned rest of the epoch, :mod:`ddp_even.resume.remainder`).
+    groups (a re-planned rest of the epoch, :meth:`~ddp_even.planning.plans.ShardPlan.rest`).
     """
 
     def __init__(
