@@ -33,12 +33,12 @@ def petastorm_row_groups(url: str | list[str]) -> list[tuple[str, int]]:
 
 def ours(url: Any) -> list[tuple[str, int]]:
     groups = read_row_groups(url)
-    return [(groups[i].path, groups[i].index_in_file) for i in range(len(groups))]
+    return [(groups.path_of(i), int(groups.index_in_file[i])) for i in range(len(groups))]
 
 
 def footer_sizes(groups: Any) -> list[int]:
     return [
-        pq.read_metadata(groups[i].path).row_group(groups[i].index_in_file).num_rows
+        pq.read_metadata(groups.path_of(i)).row_group(int(groups.index_in_file[i])).num_rows
         for i in range(len(groups))
     ]
 
@@ -133,7 +133,6 @@ def test_order_and_sizes_match_petastorm(tmp_path: Path, layout: Any) -> None:
     groups = read_row_groups(url)
     assert ours(url) == petastorm_row_groups(url)
     assert groups.num_rows.tolist() == footer_sizes(groups)
-    assert [groups[i].global_index for i in range(len(groups))] == list(range(len(groups)))
 
 
 @pytest.mark.timeout(30)

@@ -337,11 +337,10 @@ def _split_section(plan: ShardPlan, row_groups: RowGroups, most_listed: int | No
         ],
     )
     for group, pieces in shown:
-        where = row_groups[group]
         section.add_row(
             str(group),
-            f"{where.path.rsplit('/', 1)[-1]} #{where.index_in_file}",
-            f"{where.num_rows:,}",
+            f"{row_groups.path_of(group).rsplit('/', 1)[-1]} #{row_groups.index_in_file[group]}",
+            f"{row_groups.num_rows[group]:,}",
             "; ".join(f"{rank}: {start:,}-{stop:,}" for rank, start, stop in pieces),
         )
     return section

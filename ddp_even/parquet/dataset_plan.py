@@ -128,7 +128,6 @@ def plan_dataset(
     if counting is not None:
         predicate = counting.predicate
         fields = check_predicate_fields(predicate, resolved, footers, partitions)
-        alone = share is None or world_size == 1  # this rank counts every row group
         row_groups = matching_rows(
             footers,
             predicate,
@@ -142,16 +141,12 @@ def plan_dataset(
                 partitions=partitions,
                 kept=counting.kept,
             ),
-            rank=0 if alone else rank,
-            world_size=1 if alone else world_size,
-            share=_alone if alone or share is None else share,
+            rank=rank,
+            world_size=world_size,
+            share=share,
         )
     plan = plan_shards(row_groups, world_size, batch_size, sharding=sharding)
     return DatasetPlan(resolved, footers, row_groups, plan, partitions, nulls.names)
-
-
-def _alone(values: list[int]) -> list[list[int]]:
-    return [values]
 
 
 def plan_for_dataset(

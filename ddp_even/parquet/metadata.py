@@ -127,13 +127,13 @@ def changed_row_groups(
         footer = footers.get(int(planned.file_of[index]))
         if footer is None:
             continue
-        group = planned[index]
-        where = f"row group {index} ({storage.url(group.path)} #{group.index_in_file})"
-        if group.index_in_file >= footer.num_row_groups:
+        in_file, counted = int(planned.index_in_file[index]), int(planned.num_rows[index])
+        where = f"row group {index} ({storage.url(planned.path_of(index))} #{in_file})"
+        if in_file >= footer.num_row_groups:
             return f"{where} is gone: its file has {footer.num_row_groups} row groups now"
-        rows = footer.row_group(group.index_in_file).num_rows
-        if rows != group.num_rows:
-            return f"{where} has {rows} rows now, the plan counted {group.num_rows}"
+        rows = footer.row_group(in_file).num_rows
+        if rows != counted:
+            return f"{where} has {rows} rows now, the plan counted {counted}"
     for number, footer in footers.items():
         path = storage.url(planned.files[number])
         if planned.footer_digests is None:

@@ -226,14 +226,17 @@ def matching_rows(
     count_share: Callable[[Sequence[int]], list[int]],
     rank: int,
     world_size: int,
-    share: Share,
+    share: Share | None,
 ) -> RowGroups:
     """``row_groups`` with ``num_rows`` replaced by the rows ``predicate`` keeps in each.
 
     ``count_share(indices)`` counts the matching rows of the given row groups on this rank;
-    ``share`` all-gathers among the ranks (every rank must call this together). ``key_parts``
-    name what the counts depend on besides the row groups and the predicate (the reader kind).
+    ``share`` all-gathers among the ranks (every rank must call this together; None: this rank
+    counts alone). ``key_parts`` name what the counts depend on besides the row groups and the
+    predicate (the reader kind).
     """
+    if share is None or world_size == 1:  # this rank counts every row group
+        rank, world_size, share = 0, 1, _alone
     cache_file = _cache_file(row_groups, predicate, key_parts)
     cached = _read_cache(cache_file, len(row_groups))
     if all(has[0] for has in share([int(cached is not None)])):
@@ -265,6 +268,10 @@ def matching_rows(
     # finds it (a rank that looked too early would send every rank counting again).
     share([0])
     return _with_counts(row_groups, everything)
+
+
+def _alone(values: list[int]) -> list[list[int]]:
+    return [values]
 
 
 def _counted_or_failed(

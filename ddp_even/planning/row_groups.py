@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Progress", "RowGroup", "RowGroups"]
+__all__ = ["Progress", "RowGroups"]
 
 #: Where the row-group list came from.
 MetadataSource = Literal["footers", "_metadata", "_common_metadata"]
@@ -27,26 +27,6 @@ Progress = Callable[[int, int], None]
 # (petastorm.etl.dataset_metadata.ROW_GROUPS_PER_FILE_KEY); copied so that planning does not
 # import petastorm. tests/test_plan.py checks that the two agree.
 ROW_GROUPS_PER_FILE_KEY = b"dataset-toolkit.num_row_groups_per_file.v1"
-
-
-@dataclass(frozen=True)
-class RowGroup:
-    """One row group, as petastorm addresses it.
-
-    Example:
-        >>> RowGroup(path="/data/part-0.parquet", index_in_file=1, global_index=3, num_rows=100)
-        RowGroup(path='/data/part-0.parquet', index_in_file=1, global_index=3, num_rows=100)
-    """
-
-    #: Path of the Parquet file holding it, on the dataset's filesystem: absolute on the local
-    #: disk, ``bucket/key`` on object stores (the name petastorm gives it too).
-    path: str
-    #: Its position among the file's row groups.
-    index_in_file: int
-    #: Its position in petastorm's dataset-wide list: the number petastorm shards by.
-    global_index: int
-    #: Rows in it, from the footer or summary metadata.
-    num_rows: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,11 +42,13 @@ class RowGroups:
         >>> root = tempfile.mkdtemp()
         >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
         >>> groups = read_row_groups(root)
-        >>> len(groups), groups.total_rows, groups[2].num_rows, groups[2].index_in_file
-        (3, 10, 2, 2)
+        >>> len(groups), groups.total_rows, groups.num_rows.tolist(), groups.index_in_file.tolist()
+        (3, 10, [4, 4, 2], [0, 1, 2])
     """
 
-    #: Data files holding at least one listed row group, in the order their row groups appear.
+    #: Data files holding at least one listed row group, in the order their row groups appear,
+    #: on the dataset's filesystem: absolute on the local disk, ``bucket/key`` on object stores
+    #: (the names petastorm gives them too).
     files: tuple[str, ...]
     #: Per row group: index into ``files``.
     file_of: npt.NDArray[np.int64]
@@ -93,13 +75,9 @@ class RowGroups:
     def __len__(self) -> int:
         return len(self.num_rows)
 
-    def __getitem__(self, global_index: int) -> RowGroup:
-        return RowGroup(
-            path=self.files[int(self.file_of[global_index])],
-            index_in_file=int(self.index_in_file[global_index]),
-            global_index=range(len(self))[global_index],
-            num_rows=int(self.num_rows[global_index]),
-        )
+    def path_of(self, index: int) -> str:
+        """The file holding row group ``index``."""
+        return self.files[int(self.file_of[index])]
 
     def identity(self) -> bytes:
         """What the list says of the data: files, row groups, rows and footer digests (a plan
