@@ -1,24 +1,18 @@
-"""A dataset's row groups read from its Parquet metadata, as petastorm 0.12.1 lists them.
+"""A dataset's row groups read from its Parquet metadata, as petastorm 0.12.1 lists them
+(without petastorm, without reading any data).
 
-Petastorm's list of row groups comes from Parquet metadata only, so it is rebuilt here without
-petastorm and without reading any data:
+The files are a directory's as :mod:`ddp_even.parquet.layout` walks it, or a list's in the order
+given. The row groups (``petastorm.etl.dataset_metadata.load_row_groups``) come from the first
+source that exists:
 
-1. The files. A directory is walked like pyarrow 14's legacy ``ParquetManifest`` (which
-   petastorm 0.12.1 uses; :mod:`ddp_even.parquet.layout` has its rules); a list of files keeps
-   the order given.
-2. The row groups (``petastorm.etl.dataset_metadata.load_row_groups``), from the first source
-   that exists:
+- a ``_metadata`` summary with row groups: for each data file, as many row groups as the
+  summary lists for it (files it does not list are skipped);
+- a ``_common_metadata`` (or row-group-less ``_metadata``) carrying petastorm's
+  ``num_row_groups_per_file`` key: that many row groups per file, files in sorted order;
+- otherwise every file's footer.
 
-   - a ``_metadata`` summary with row groups: for each data file, as many row groups as the
-     summary lists for it (files it does not list are skipped);
-   - a ``_common_metadata`` (or row-group-less ``_metadata``) carrying petastorm's
-     ``num_row_groups_per_file`` key: that many row groups per file, files in sorted order;
-   - otherwise every file's footer.
-
-The dataset can live anywhere :mod:`ddp_even.storage` resolves (local disk, ``s3://``, ``gs://``,
-``hdfs://``, ``abfs://``, fsspec filesystems): the same rules run over remote listings.
-Directories are listed level by level and footers read with bounded concurrency; a data file
-costs at most two requests (its size, then its tail), a ``_metadata`` summary one read in all.
+Footers are read with the storage's bounded concurrency; a data file costs at most two requests
+(its size, then its tail), a ``_metadata`` summary one read in all.
 """
 
 from __future__ import annotations

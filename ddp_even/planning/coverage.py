@@ -1,17 +1,13 @@
 """Whether the ranks' readers read a dataset's row groups once between them.
 
 Petastorm gives a reader built with ``cur_shard=c, shard_count=K`` the row groups ``i % K ==
-c`` (after any it leaves out first: a predicate on hive partition keys, a row-group selector).
-Nothing checks that each rank's reader was built with its own rank and the world size: a
-``shard_count`` above the world size leaves row groups unread, below it (or a ``cur_shard``
-repeated) reads some twice. Readers without a shard read every row group, on every rank: that
-is a way to train too (every rank its own shuffle of the whole dataset).
-
-The check costs nothing when the ranks shard alike: each rank describes its reading in words
-that every rank shares exactly when together they cover the dataset once, or all of it each
-(:func:`reading_described`), and those words ride in an agreement the epoch makes anyway. Only
-when they differ do the ranks gather their row groups, and :func:`coverage_problem` says what
-is wrong, the same on every rank.
+c`` (after any it leaves out first: a predicate on hive partition keys, a row-group selector),
+and nothing checks that each rank passed its own rank and the world size: a larger
+``shard_count`` leaves row groups unread, a smaller one (or a ``cur_shard`` repeated) reads
+some twice. Readers without a shard read every row group on every rank, which is a way to train
+too. Each rank describes its reading in words every rank shares exactly when together they
+cover the dataset once, or all of it each (:func:`reading_described`); only when they differ do
+the ranks gather their row groups for :func:`coverage_problem`.
 """
 
 from __future__ import annotations
