@@ -101,13 +101,6 @@ def plan_dataset(
     (an all-gather among the ranks, this one ``rank``) spreads that scan over the ranks, which
     must all call this together. Raises :class:`~ddp_even.errors.DatasetError` when the dataset
     cannot be read, and ``ValueError`` for bad arguments.
-
-    Example:
-        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
-        >>> root = tempfile.mkdtemp()
-        >>> pq.write_table(pa.table({"x": list(range(10))}), f"{root}/a.parquet", row_group_size=4)
-        >>> plan_dataset(root, world_size=2, batch_size=3).plan.shards
-        ((0, 2), (1,))
     """
     check_positive_int("world_size", world_size)
     check_positive_int("batch_size", batch_size)

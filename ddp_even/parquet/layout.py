@@ -31,12 +31,7 @@ __all__ = ["DirectoryLayout", "check_one_schema", "petastorm_too"]
 
 def petastorm_too(said: str) -> str:
     """`` (said)`` where petastorm is installed, else nothing: a message compares with what
-    petastorm does only for those who have it (no import: only whether it can be found).
-
-    Example:
-        >>> petastorm_too("petastorm fails too") in ("", " (petastorm fails too)")
-        True
-    """
+    petastorm does only for those who have it (no import: only whether it can be found)."""
     import importlib.util
 
     return f" ({said})" if importlib.util.find_spec("petastorm") is not None else ""
