@@ -49,25 +49,11 @@ class ModeStats:
         cls, mode: str, steps: int, waste: float, whole: int, **per_rank: npt.NDArray[np.int64]
     ) -> ModeStats:
         """``mode``'s epoch wasting ``waste`` of ``whole``, with the per-rank arrays given."""
-        ranks = len(next(iter(per_rank.values())))
-
-        def of_rank(name: str) -> tuple[int, ...]:
-            return tuple(int(value) for value in per_rank.get(name, np.zeros(ranks, np.int64)))
-
-        return cls(
-            mode=mode,
-            steps=steps,
-            waste_percent=round(100.0 * waste / max(whole, 1), 3),
-            dropped_batches=of_rank("dropped_batches"),
-            dropped_rows=of_rank("dropped_rows"),
-            repeated_batches=of_rank("repeated_batches"),
-            repeated_rows=of_rank("repeated_rows"),
-            idle_steps=of_rank("idle_steps"),
-            padded_batches=of_rank("padded_batches"),
-            padded_rows=of_rank("padded_rows"),
-            sent_batches=of_rank("sent_batches"),
-            received_batches=of_rank("received_batches"),
-        )
+        zeros = np.zeros(len(next(iter(per_rank.values()))), np.int64)
+        counted: dict[str, Any] = {
+            name: tuple(int(value) for value in per_rank.get(name, zeros)) for name in _PER_RANK
+        }
+        return cls(mode, steps, round(100.0 * waste / max(whole, 1), 3), **counted)
 
     @property
     def total_dropped_rows(self) -> int:

@@ -154,9 +154,11 @@ class EpochRun(Generic[BatchT]):
             )
         for rows in skipped:
             self.counts.count_batch(1, rows)
-        unrepeatable = (
-            (self.feed.first_pass_unrepeatable() or out_of_order) if len(skipped) < step else None
-        )
+        unrepeatable = None
+        if len(skipped) < step:
+            # Why the first pass may not yield the batches an earlier pass did, where it can tell.
+            reading = self.feed.first_pass_reading()
+            unrepeatable = (None if reading is None else reading.unrepeatable()) or out_of_order
         if unrepeatable is not None and self.agreer.rank == 0:
             logger.warning(
                 "ddp_even: epoch %d resumes by reading again what was handed out before step %d, "

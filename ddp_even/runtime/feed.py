@@ -106,10 +106,8 @@ class RankCounts:
         self.samples = _add(self.samples, rows)
 
     def as_vector(self) -> list[int]:
-        return [_UNKNOWN if value is None else int(value) for value in self._values()]
-
-    def _values(self) -> list[int | bool | None]:
-        return [getattr(self, name) for name in _COLUMNS]
+        values = (getattr(self, name) for name in _COLUMNS)
+        return [_UNKNOWN if value is None else int(value) for value in values]
 
     @classmethod
     def columns_of(cls, rows: Sequence[Sequence[int]]) -> dict[str, tuple[int | None, ...]]:
@@ -256,11 +254,6 @@ class ShardFeed(Generic[BatchT]):
             except Exception as error:  # reported at the agreement, as any source failure
                 self.failure = error
         return self.reading
-
-    def first_pass_unrepeatable(self) -> str | None:
-        """Why the first pass may not yield the batches an earlier pass did, where it can tell."""
-        reading = self.first_pass_reading()
-        return None if reading is None else reading.unrepeatable()
 
     def differs_from(self, planned: Sequence[int]) -> str | None:
         """How the first pass's row groups differ from ``planned``, when the source can tell."""

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from ddp_even.runtime.feed import RankCounts
 
@@ -231,32 +231,31 @@ def gather_epoch_stats(
         dropped_batches, _ = _short_of_plan(planned_batches, shard_batches, truncated)
         if None not in planned_rows and None not in shard_rows:
             dropped_rows, lost_rows = _short_of_plan(planned_rows, shard_rows, truncated)
+    gathered: dict[str, Any] = {
+        name: column for name, column in columns.items() if name in _GATHERED_AS_THEY_ARE
+    }
     stats = EpochStats(
         epoch=epoch,
         mode=mode,
         world_size=agreer.world_size,
-        steps=_known(columns["steps"]),
-        own_batches=own_batches,
-        repeated_batches=_known(columns["repeated_batches"]),
-        passes=_known(columns["passes"]),
-        samples=columns["samples"],
         truncated=truncated,
-        padded_batches=_known(columns["padded_batches"]),
-        padded_rows=columns["padded_rows"],
-        sent_batches=_known(columns["sent_batches"]),
-        sent_rows=columns["sent_rows"],
-        received_batches=_known(columns["received_batches"]),
-        received_rows=columns["received_rows"],
         dropped_batches=dropped_batches,
         dropped_rows=dropped_rows,
         lost_rows=lost_rows,
         sharding=sharding,
         resumed_at_step=resumed_at_step,
         resumed_from_world_size=resumed_from_world_size,
+        **gathered,
     )
     if agreer.rank == 0:
         _log(stats, agreer.global_ranks, shard_rows, planned_batches, planned_rows)
     return stats
+
+
+# The counts an epoch's statistics carry as every rank counted them, by the same names.
+_GATHERED_AS_THEY_ARE = {
+    counted.name for counted in dataclasses.fields(RankCounts) if counted.name != "truncated"
+} & {stat.name for stat in dataclasses.fields(EpochStats)}
 
 
 def _short_of_plan(
@@ -295,48 +294,31 @@ def _log(
             ", ".join(str(global_ranks[rank]) for rank in stats.empty_ranks),
             "; truncate ran 0 steps on every rank" if stats.mode == "truncate" else "",
         )
-    for rank in range(stats.world_size):
-        _warn_if_off_plan(
-            global_ranks[rank],
-            stats,
-            rank,
-            shard_rows[rank],
-            planned_batches[rank],
-            planned_rows[rank],
-        )
-
-
-def _warn_if_off_plan(
-    global_rank: int,
-    stats: EpochStats,
-    rank: int,
-    own_rows: int | None,
-    planned_batches: int | None,
-    planned_rows: int | None,
-) -> None:
-    """Say loudly when a rank's first pass did not deliver what the Parquet footers promise."""
-    if planned_batches is None or planned_rows is None or own_rows is None:
-        return
-    read_whole_shard = not stats.truncated[rank]
-    own_batches = stats.shard_batches[rank]
-    if read_whole_shard and (own_batches, own_rows) != (planned_batches, planned_rows):
-        logger.warning(
-            "epoch %d: rank %d read %d batches / %d rows from its shard, but the shard plan "
-            "(from the Parquet footers) says %d batches / %d rows: its reader lost or added rows "
-            "(petastorm 0.13.x drops row groups; a predicate or transform must not be planned)",
-            stats.epoch,
-            global_rank,
-            own_batches,
-            own_rows,
-            planned_batches,
-            planned_rows,
-        )
-    elif own_batches > planned_batches:
-        logger.warning(
-            "epoch %d: rank %d handed out %d batches of its own shard, more than the %d its "
-            "shard plan has",
-            stats.epoch,
-            global_rank,
-            own_batches,
-            planned_batches,
-        )
+    # Loudly where a rank's first pass did not deliver what the Parquet footers promise.
+    for rank, global_rank in enumerate(global_ranks):
+        batches, rows = stats.shard_batches[rank], shard_rows[rank]
+        planned, planned_in_rows = planned_batches[rank], planned_rows[rank]
+        if planned is None or planned_in_rows is None or rows is None:
+            continue
+        if not stats.truncated[rank] and (batches, rows) != (planned, planned_in_rows):
+            logger.warning(
+                "epoch %d: rank %d read %d batches / %d rows from its shard, but the shard plan "
+                "(from the Parquet footers) says %d batches / %d rows: its reader lost or added "
+                "rows (petastorm 0.13.x drops row groups; a predicate or transform must not be "
+                "planned)",
+                stats.epoch,
+                global_rank,
+                batches,
+                rows,
+                planned,
+                planned_in_rows,
+            )
+        elif batches > planned:
+            logger.warning(
+                "epoch %d: rank %d handed out %d batches of its own shard, more than the %d its "
+                "shard plan has",
+                stats.epoch,
+                global_rank,
+                batches,
+                planned,
+            )
