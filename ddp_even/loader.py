@@ -25,7 +25,7 @@ from ddp_even.checks import (
 )
 from ddp_even.modes import Mode, mode_named
 from ddp_even.process_group import group_is_up, rank_and_world_size
-from ddp_even.runtime.epoch_shape import EpochStart, FooterPlan, run_epoch, settle_epoch
+from ddp_even.runtime.epoch_shape import EpochStart, LoaderPlan, run_epoch, settle_epoch
 from ddp_even.runtime.epochs import EpochRun
 from ddp_even.runtime.feed import ShardFeed
 from ddp_even.runtime.iteration import Epoch, EpochNumbering, HandedOut, LoaderAccount
@@ -151,9 +151,10 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         self._timeout = None if timeout is None else float(timeout)
         # A factory that reads any plan of its dataset (from_parquet's): resumes elastically.
         self._passes = source if isinstance(source, PlannedSource) else None
-        self._plan = plan if plan is not None or self._passes is None else self._passes.plan
-        # A petastorm loader's plan worked out from its footers (no plan given).
-        self._footer_plan = FooterPlan()
+        # The plan given (or the planned factory's), else the one its footers give.
+        self._plan = LoaderPlan(
+            plan if plan is not None or self._passes is None else self._passes.plan
+        )
         # Made at the first epoch, a point every rank reaches (or met while planning).
         self._agreer: Agreer | None = None
         self._next_epoch = 0
@@ -336,8 +337,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         self._next_epoch = epoch
 
     def __len__(self) -> int:
-        # The plan given, or the one the footers gave.
-        plan = self._plan or self._footer_plan.plan
+        plan = self._plan.current
         if plan is not None:
             rank, world_size = rank_and_world_size(self._group)
             check_world_size(plan.world_size, world_size)
@@ -378,7 +378,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
             from ddp_even.resume.state import resumed_start
 
             start = resumed_start(
-                pending, self._source, self._plan, self._passes, self._mode, agreer
+                pending, self._source, self._plan.given, self._passes, self._mode, agreer
             )
         else:
             self._source.start_epoch(epoch)
@@ -399,7 +399,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
                 agreer=agreer,
                 start=start,
                 feed=feed,
-                footer_plan=self._footer_plan,
+                loader_plan=self._plan,
                 previous=self._current_run,
                 handed_out=self._handed_out,
                 record=self.history.append,
@@ -419,7 +419,7 @@ class EvenLoader(LoaderAccount, Generic[BatchT]):
         return run_epoch(run, self._joinables)
 
     def _settings(self) -> Settings:
-        return Settings(self._mode, self._steps_per_epoch, self._sync_every, self._plan)
+        return Settings(self._mode, self._steps_per_epoch, self._sync_every, self._plan.given)
 
     def _agreer_for_this_process(self) -> Agreer:
         if self._agreer is None:

@@ -42,17 +42,25 @@ BatchT = TypeVar("BatchT")
 
 logger = logging.getLogger("ddp_even")
 
-__all__ = ["EpochStart", "FooterPlan", "run_epoch", "settle_epoch"]
+__all__ = ["EpochStart", "LoaderPlan", "run_epoch", "settle_epoch"]
 
 
-class FooterPlan:
-    """The plan a loader's footers give (:func:`agreed_first_pass`), worked out again
-    at every epoch's start (a dataset rewritten between epochs is planned anew, never trusted
-    from an earlier epoch), with every rank whatever its source (a rank whose source failed
-    reports it there)."""
+class LoaderPlan:
+    """Which plan a loader's epochs run on, decided here alone: the loader's own (``given``:
+    ``plan=``, or its planned reader's), else the one its footers give
+    (:func:`agreed_first_pass`), worked out again at every epoch's start (a dataset rewritten
+    between epochs is planned anew, never trusted from an earlier epoch), with every rank
+    whatever its source (a rank whose source failed reports it there). A resumed epoch's
+    re-planned rest takes the place of either (:attr:`EpochStart.plan`)."""
 
-    def __init__(self) -> None:
-        self.plan: ShardPlan | None = None
+    def __init__(self, given: ShardPlan | None) -> None:
+        self.given = given
+        self.footers: ShardPlan | None = None
+
+    @property
+    def current(self) -> ShardPlan | None:
+        """The plan the loader's epochs run on, if any (``len(loader)`` counts its steps)."""
+        return self.given or self.footers
 
     def settle(
         self,
@@ -64,18 +72,18 @@ class FooterPlan:
     ) -> None:
         """Check what the ranks' first passes read and, if ``wants_plan``, agree on the plan
         their footers give (None when any rank has another, or none)."""
-        before = self.plan
-        self.plan = agreed_first_pass(feed, agreer, settings, epoch, wants_plan)
+        before = self.footers
+        self.footers = agreed_first_pass(feed, agreer, settings, epoch, wants_plan)
         if (
             before is not None
-            and self.plan is not None
-            and plan_digest(before) != plan_digest(self.plan)
+            and self.footers is not None
+            and plan_digest(before) != plan_digest(self.footers)
         ):
             logger.info(
                 "ddp_even: epoch %d: the Parquet footers changed since the last epoch; batches "
                 "per rank now %s",
                 epoch,
-                "/".join(map(str, self.plan.batches_per_rank)),
+                "/".join(map(str, self.footers.batches_per_rank)),
             )
 
 
@@ -239,13 +247,13 @@ def settle_epoch(
     agreer: Agreer,
     start: EpochStart,
     feed: ShardFeed[BatchT],
-    footer_plan: FooterPlan,
+    loader_plan: LoaderPlan,
     previous: EpochRun[Any] | None,
     handed_out: HandedOut,
     record: Callable[[EpochStats], None],
 ) -> EpochRun[BatchT]:
     """The epoch's run, in its shape: ``configured`` are the loader's settings (its
-    ``sync_every`` as given, its plan if it has one); ``footer_plan`` checks what the ranks'
+    ``sync_every`` as given, its plan if it has one); ``loader_plan`` checks what the ranks'
     first passes read and works out a plan from their footers where none is given;
     ``previous`` is the loader's last epoch (its checks' spacing goes on)."""
     mode, steps_per_epoch = configured.mode, configured.steps_per_epoch
@@ -261,11 +269,10 @@ def settle_epoch(
     )
     wants_plan = not (agrees_as_it_goes or fixed_steps)
     # Sources whose passes tell what they read (petastorm's) are checked every epoch.
-    unplanned = configured.plan is None and known_batches is None
+    unplanned = loader_plan.given is None and known_batches is None
     if unplanned and (wants_plan or feed.first_pass_reading() is not None):
-        unwindowed = dataclasses.replace(configured, plan=None)
-        footer_plan.settle(feed, agreer, unwindowed, epoch, wants_plan)
-    plan = start.plan or configured.plan or (footer_plan.plan if wants_plan else None)
+        loader_plan.settle(feed, agreer, configured, epoch, wants_plan)
+    plan = start.plan or loader_plan.current
     if plan is not None:
         check_world_size(plan.world_size, agreer.world_size)
         known_batches = counts.planned_batches = plan.batches_per_rank[rank]
