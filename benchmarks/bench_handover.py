@@ -93,9 +93,9 @@ def _round_trips(rank: int, handover: Any, size_mb: float, count: int) -> dict[s
         began = time.perf_counter()
         if rank == 0:
             handover.send(batch, 1)
-            back = handover.receive(1)
+            back = handover.collect(handover.expect(1, 1)[0])
         else:
-            back = handover.receive(0)
+            back = handover.collect(handover.expect(0, 1)[0])
             handover.send(back, 0)
         handover.finish()
         seconds.append(time.perf_counter() - began)

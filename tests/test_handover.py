@@ -104,6 +104,11 @@ def assert_same(got: Any, sent: Any, where: str = "batch") -> None:
         assert got == sent, (where, got, sent)
 
 
+def _receive(handover: Any, from_rank: int) -> Any:
+    """The next batch ``from_rank`` sent to this rank (FIFO per pair of ranks)."""
+    return handover.collect(handover.expect(from_rank, 1)[0])
+
+
 def _hand_over(rank: int, world_size: int, plan: list[tuple[int, int, int]]) -> int:
     """Each ``(sender, receiver, seed)`` of ``plan``: the sender sends ``batches(seed)``, the
     receiver receives them (in the plan's order) and checks each; the number checked."""
@@ -119,7 +124,7 @@ def _hand_over(rank: int, world_size: int, plan: list[tuple[int, int, int]]) -> 
     for sender, receiver, seed in plan:
         if receiver == rank:
             for index, sent in enumerate(batches(seed)):
-                got = handover.receive(sender)
+                got = _receive(handover, sender)
                 assert_same(got, sent, f"batch {index} of seed {seed} from rank {sender}")
                 if index == 3:
                     assert got[0] is got[1] is got[2]["second"], "a tensor sent thrice is one"
@@ -157,8 +162,8 @@ def _unsendable(rank: int, world_size: int) -> str:
         handover.finish()
         return "sent"
     with pytest.raises(EvenLoaderError, match="rank 0 could not hand a batch over to rank 1"):
-        handover.receive(0)
-    assert_same(handover.receive(0), {"x": torch.ones(2)})
+        _receive(handover, 0)
+    assert_same(_receive(handover, 0), {"x": torch.ones(2)})
     return "told, then received"
 
 
@@ -184,7 +189,7 @@ def _one_dies(rank: int, world_size: int, victim: int) -> dict[str, Any]:
             handover.send(batches(1)[0], 1)
             handover.finish()
         else:
-            handover.receive(0)
+            _receive(handover, 0)
     except PeerTimeoutError as error:
         return {
             "missing": error.missing_ranks,
@@ -208,7 +213,7 @@ def _a_third_dies(rank: int, world_size: int) -> dict[str, Any]:
         time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
     try:
-        handover.receive(2 if rank == 0 else 0)
+        _receive(handover, 2 if rank == 0 else 0)
     except PeerTimeoutError as error:
         after = time.time() - began
         return {"missing": error.missing_ranks, "states": error.states, "after": after}
@@ -225,10 +230,10 @@ def _one_pauses(rank: int, world_size: int) -> list[int]:
     if rank == 0:
         handover.send([rank], 1)
         handover.finish()
-        back: list[int] = handover.receive(1)
+        back: list[int] = _receive(handover, 1)
         return back
     time.sleep(1.5 * TIMEOUT)
-    got: list[int] = handover.receive(0)
+    got: list[int] = _receive(handover, 0)
     time.sleep(1.5 * TIMEOUT)
     handover.send([*got, rank], 0)
     handover.finish()

@@ -208,8 +208,7 @@ def _hashed(text: str) -> int:
 def plan_digest(plan: ShardPlan) -> int:
     """56 bits naming the plan's every rank's batches and rows, and its sharding."""
     identity = (plan.sharding, plan.batch_size, plan.batches_per_rank, plan.rows_per_rank)
-    digest = hashlib.blake2b(repr(identity).encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "big") or 1
+    return _hashed(repr(identity)) or 1
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,12 @@ class EpochRun(Generic[BatchT]):
         step = self.counts.steps
         rows = fed.count_samples(fed.batch)
         self.counts.count_batch(fed.pass_number, rows, fed.padding, fed.received)
-        marks = BatchMarks(step, fed.repeated, fed.padding, self._weight(fed, step, rows, weight))
-        self.handed_out.add(marks)
+        marked: float | None = weight
+        if fed.padding:
+            marked = 0.0
+        elif self.pad_weights is not None:
+            marked = self.pad_weights.weight(step, rows)
+        self.handed_out.add(BatchMarks(step, fed.repeated, fed.padding, marked))
         return fed.batch
 
     def close(self) -> None:
@@ -90,16 +94,6 @@ class EpochRun(Generic[BatchT]):
             self.pad_weights.finish_started()
         self.handed_out.epoch_ended()
         self.feed.close()
-
-    def _weight(
-        self, fed: FedBatch[BatchT], step: int, rows: int | None, weight: float
-    ) -> float | None:
-        """The loss weight of ``fed`` (of ``rows`` rows), handed out at ``step``."""
-        if fed.padding:
-            return 0.0
-        if self.pad_weights is None:
-            return weight
-        return self.pad_weights.weight(step, rows)
 
     def finish(self, had_more_own_data: bool) -> None:
         """Gather the statistics; called at a point every rank reaches."""

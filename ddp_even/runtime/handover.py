@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_even.agreement.control_group import channel_for
-from ddp_even.agreement.transport import Agreer, CollectiveAgreer
+from ddp_even.agreement.transport import CollectiveAgreer
 from ddp_even.errors import EvenLoaderError
 
 __all__ = ["Handover", "Incoming"]
@@ -50,17 +50,14 @@ _FIRST_ROOM = _FIRST_BYTES - 8
 class Handover:
     """Batches handed from one rank to another in mode share, over ddp_even's gloo group."""
 
-    def __init__(self, agreer: Agreer) -> None:
+    def __init__(self, agreer: CollectiveAgreer) -> None:
         """Every rank makes its Handover at the same point: the first one of a training group
         creates the group batches go on (a collective)."""
+        self._agreer = agreer
         self._rank = agreer.rank
-        self._world_size = agreer.world_size
-        # A single process has no peer: only a collective agreer hands anything over.
-        self._agreer = agreer if isinstance(agreer, CollectiveAgreer) else None
-        if self._agreer is not None:
-            self._group = self._agreer.handover_group()
-            self._channel = channel_for(self._group)
-            self._global_ranks = self._agreer.global_ranks
+        self._group = agreer.handover_group()
+        self._channel = channel_for(self._group)
+        self._global_ranks = agreer.global_ranks
         # The sends not yet waited for (a gloo point-to-point work tells it completed only once
         # waited for), holding their messages until then: those before the last call of
         # release_received, and those since.
@@ -76,24 +73,23 @@ class Handover:
         A batch that cannot go (it does not pickle, or holds a tensor off the CPU) raises here,
         and the receiver's ``receive`` raises ``EvenLoaderError`` naming this rank in its place.
         """
-        agreer = self._peer_check(to_rank)
         try:
             header, tensors = _pack(batch)
         except Exception as error:
             # Told instead, so that the receiver never waits for a batch that will not come.
             refusal = pickle.dumps(_Unsendable(f"{type(error).__name__}: {error}"))
-            self._post(agreer, _header_messages(refusal), to_rank)
+            self._post(_header_messages(refusal), to_rank)
             raise
-        self._post(agreer, [*_header_messages(header), *tensors], to_rank)
+        self._post([*_header_messages(header), *tensors], to_rank)
 
-    def _post(self, agreer: CollectiveAgreer, messages: list[torch.Tensor], to_rank: int) -> None:
+    def _post(self, messages: list[torch.Tensor], to_rank: int) -> None:
         destination = self._global_ranks[to_rank]
         works = []
         for message in messages:
             try:
                 work = dist.isend(message, dst=destination, group=self._group)
             except RuntimeError as error:  # the peer's connection closed already
-                agreer.await_peer(_in_thread(_raising(error)), to_rank)
+                self._agreer.await_peer(_in_thread(_raising(error)), to_rank)
                 raise
             self._channel.track(work)
             works.append(work)
@@ -108,16 +104,10 @@ class Handover:
             _wait_all(sent.works)
         self._sent_before, self._sent = self._sent, []
 
-    def receive(self, from_rank: int) -> Any:
-        """The next batch ``from_rank`` sent to this rank (FIFO per pair of ranks); blocks until
-        it is here."""
-        return self.collect(self.expect(from_rank, 1)[0])
-
     def expect(self, from_rank: int, count: int) -> list[Incoming]:
         """Start receiving the next ``count`` batches ``from_rank`` sends to this rank, after
         those expected from it before, in one waiter thread; returns at once. :meth:`collect`
         hands each out."""
-        self._peer_check(from_rank)
         incoming = [Incoming(from_rank, _Outcome()) for _ in range(count)]
         if incoming:
             before = self._receiving.get(from_rank)
@@ -129,8 +119,7 @@ class Handover:
 
     def collect(self, incoming: Incoming) -> Any:
         """The batch ``incoming`` stands for; blocks until it is here."""
-        agreer = self._peer_check(incoming.from_rank)
-        agreer.await_peer(incoming.receiving, incoming.from_rank)
+        self._agreer.await_peer(incoming.receiving, incoming.from_rank)
         batch = incoming.receiving.result
         if isinstance(batch, _Unsendable):
             raise EvenLoaderError(
@@ -145,17 +134,8 @@ class Handover:
         sending, self._sent_before, self._sent = [*self._sent_before, *self._sent], [], []
         # Taken off first: after a failure, a second finish does not wait for them again.
         for sent in sending:
-            assert self._agreer is not None  # only a collective agreer sent anything
             waiting = _in_thread(functools.partial(_wait_all, sent.works))
             self._agreer.await_peer(waiting, sent.to_rank)
-
-    def _peer_check(self, rank: int) -> CollectiveAgreer:
-        if not 0 <= rank < self._world_size or rank == self._rank or self._agreer is None:
-            raise ValueError(
-                f"rank {self._rank} cannot hand a batch over to or from rank {rank}: another "
-                f"rank of the group (0 to {self._world_size - 1}) is needed"
-            )
-        return self._agreer
 
     def _receive_each(self, before: _Outcome | None, source: int, outcomes: list[_Outcome]) -> None:
         """Receive a batch from global rank ``source`` into each of ``outcomes`` in turn, once

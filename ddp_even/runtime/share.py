@@ -44,8 +44,10 @@ __all__ = ["run_share"]
 
 def run_share(run: EpochRun[BatchT]) -> Generator[BatchT, None, None]:
     """Hand out one rank's epoch in windows of shared batches (several ranks)."""
+    from ddp_even.agreement.transport import CollectiveAgreer
     from ddp_even.runtime.handover import Handover
 
+    assert isinstance(run.agreer, CollectiveAgreer)  # several ranks
     return _SharedWindows(run, Handover(run.agreer)).batches()
 
 
