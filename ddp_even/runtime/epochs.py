@@ -104,13 +104,14 @@ class EpochRun(Generic[BatchT]):
         # A rank that handed out nothing still started its source once.
         self.counts.passes = max(self.counts.passes, min(self.feed.passes_started, 1))
         self.finished = True
+        plan = self.settings.plan
         self.record(
             gather_epoch_stats(
                 self.agreer,
                 self.counts,
                 self.epoch,
                 self.settings.mode.name,
-                self.settings.sharding,
+                None if plan is None else plan.sharding,
                 self.resumed_at,
                 self.resumed_from_world_size,
             )

@@ -121,11 +121,6 @@ class Settings:
     # and into a used one on others).
     check_spacing: int = 0
 
-    @property
-    def sharding(self) -> str | None:
-        """How the plan cut the shards, or None without a plan."""
-        return None if self.plan is None else self.plan.sharding
-
     @functools.cached_property
     def description(self) -> str:
         described = (
