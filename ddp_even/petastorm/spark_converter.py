@@ -193,18 +193,10 @@ class ConverterSource(ShardSource[Any]):
     (also at a ``break`` or an exception), so no reader is left running. ``rank`` and
     ``world_size`` are those of the loader's training group (``EvenLoader(group=...)``), or of
     the world when the group is made after the loader; with no process group, the whole
-    dataset. ``loader_kwargs`` are ``make_torch_dataloader``'s (``workers_count``,
-    ``shuffling_queue_capacity``, ``data_loader_fn``) and ``make_batch_reader``'s
-    (``schema_fields``, ``seed``, ``predicate``, ...), except the sharding and ``num_epochs``,
-    which are set here. ``EvenLoader(converter)`` is ``EvenLoader(ConverterSource(converter))``:
-    petastorm's defaults (``batch_size=32``, four reader threads).
-
-    The converter's files are checked when the source is made and before every pass
-    (:class:`ConverterDeletedError`), and their row groups are counted from the Parquet footers:
-    fewer than the ranks raise :class:`TooFewRowGroupsError` on every rank when the loader is
-    built. Without a row predicate, transform or custom ``data_loader_fn``, every rank also
-    knows its batches per pass (``ceil(rows / batch_size)``) and the ranks agree once per epoch
-    instead of at every step.
+    dataset. ``EvenLoader(converter)`` is ``EvenLoader(ConverterSource(converter))``:
+    petastorm's defaults (``batch_size=32``, four reader threads). docs/spark.md says which
+    ``loader_kwargs`` keep every rank's batches per pass known from the footers, and what is
+    refused, and when (:class:`ConverterDeletedError`, :class:`TooFewRowGroupsError`).
 
     Example, on every rank (the converter made once, by the driver, and sent to the ranks)::
 
